@@ -1,0 +1,1 @@
+"""Backends that turn a workload and a cluster into a result: our roofline simulator, ASTRA-sim."""

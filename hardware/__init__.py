@@ -1,0 +1,1 @@
+"""Hardware descriptions: GPUs and clusters (real presets and hypothetical ones)."""

@@ -1,0 +1,1 @@
+"""Search over parallelizations and hardware designs."""

@@ -1,0 +1,60 @@
+"""The ``stage-cosim`` command: thin shells over the library functions.
+
+User mistakes (a :class:`~stage_cosim.errors.UserError` or a bad flag) print one line,
+``error: <parameter>: <rule>``, and exit with status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from stage_cosim import __version__
+from stage_cosim.errors import UserError
+from stage_cosim.trace.chakra import TraceFormatError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="stage-cosim")
+def cli() -> None:
+    """Synthesize, simulate and optimize distributed LLM training workloads."""
+
+
+def _register() -> None:
+    from stage_cosim.cli import models_cmd, synth_cmd, validate_cmd
+
+    cli.add_command(synth_cmd.synth)
+    cli.add_command(validate_cmd.validate)
+    cli.add_command(models_cmd.models)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        rv = cli.main(args=argv, prog_name="stage-cosim", standalone_mode=False)
+    except UserError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return exc.exit_code
+    except TraceFormatError as exc:
+        click.echo(f"error: traces: {exc}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        return 130
+    except click.ClickException as exc:
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see '{exc.ctx.command_path} --help')"
+        click.echo(f"error: {exc.format_message()}{hint}", err=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        return 130
+    return rv if isinstance(rv, int) else 0
+
+
+def run() -> None:
+    sys.exit(main())

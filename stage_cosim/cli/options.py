@@ -1,0 +1,100 @@
+"""Flags shared by the commands that take a model and a parallel configuration.
+
+Flag names are the configuration field names (``--tp`` is ``ParallelConfig.tp``, ``--kv-heads``
+is ``ModelConfig.kv_heads``), so the command line, config files and JSON use one vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+from stage_cosim.errors import UserError
+from stage_cosim.model import ModelConfig, resolve_model
+from stage_cosim.model.presets import DEFAULT_MODEL
+from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, RECOMPUTE, SCHEDULES, ParallelConfig
+
+MODEL_DIMENSIONS = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq")
+
+
+def _compose(*decorators: Callable) -> Callable:
+    def apply(f: Callable) -> Callable:
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+    return apply
+
+
+model_options = _compose(
+    click.option("--model", "model", default=None, metavar="NAME|config.json",
+                 help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}; see 'stage-cosim models')."),
+    click.option("--arch", type=click.Choice(["gpt", "llama"]), default=None,
+                 help="Architecture family for a model given by dimension flags alone."),
+    *(click.option(f"--{d.replace('_', '-')}", d, type=int, default=None, help=f"Override the model's {d.replace('_', ' ')}.")
+      for d in MODEL_DIMENSIONS),
+    click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
+                 help="Flash (fused) attention or materialized scores (unfused)."),
+    click.option("--causal-flops/--full-attention-flops", "causal_flops", default=None,
+                 help="Count attention FLOPs over the causal half of the score matrix."),
+)
+
+parallel_options = _compose(
+    click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree."),
+    click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
+    click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree."),
+    click.option("--vp", type=int, default=1, show_default=True, help="Virtual pipeline stages per device (interleaved 1F1B)."),
+    click.option("--sp/--no-sp", "sp", default=False, help="Megatron sequence parallelism over the tp axis."),
+    click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch."),
+    click.option("--global-batch", type=int, default=None, help="Sequences per step (default dp * micro-batch)."),
+    click.option("--seq-len", type=int, default=2048, show_default=True, help="Sequence length."),
+    click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3."),
+    click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
+                 help="Activation recomputation."),
+    click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
+                 help="Pipeline schedule (default 1f1b, interleaved when --vp > 1)."),
+    click.option("--pp-layers", default=None, metavar="N,N,...",
+                 help="Layers per pipeline stage (pp*vp entries), instead of an even split."),
+    click.option("--axis-order", default=",".join(DEFAULT_AXIS_ORDER), show_default=True,
+                 help="Mesh axes innermost first (rank mapping)."),
+    click.option("--dtype", default="bf16", show_default=True, help="Training precision."),
+)
+
+
+def resolve_model_options(kw: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from --model and the dimension overrides (popping them from ``kw``)."""
+    spec = kw.pop("model")
+    arch = kw.pop("arch")
+    dims = {d: kw.pop(d) for d in MODEL_DIMENSIONS}
+    switches = {k: kw.pop(k) for k in ("attention", "causal_flops")}
+    for name, value in dims.items():
+        if value is not None and value <= 0:
+            raise UserError(name.replace("_", "-"), f"must be a positive integer, got {value}")
+    if spec is None and arch is not None:
+        required = ("layers", "hidden", "heads", "vocab")
+        missing = [d for d in required if dims[d] is None]
+        if missing:
+            raise UserError(missing[0].replace("_", "-"), f"is required to describe a {arch} model by its dimensions")
+        model = ModelConfig.build("custom", arch, layers=dims["layers"], hidden=dims["hidden"],
+                                  heads=dims["heads"], vocab=dims["vocab"],
+                                  max_seq=dims["max_seq"] or 4096, ffn=dims["ffn"],
+                                  kv_heads=dims["kv_heads"], head_dim=dims["head_dim"])
+        return model.with_overrides(**switches)
+    model = resolve_model(spec or DEFAULT_MODEL)
+    if arch is not None and arch != model.arch:
+        raise UserError("arch", f"{model.name} is a {model.arch} model; --arch only describes models given by dimensions")
+    return model.with_overrides(**dims, **switches)
+
+
+def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
+    pp_layers = kw.pop("pp_layers")
+    layers: tuple[int, ...] | None = None
+    if pp_layers:
+        try:
+            layers = tuple(int(x) for x in pp_layers.split(","))
+        except ValueError:
+            raise UserError("pp-layers", f"must be comma-separated integers, got {pp_layers!r}") from None
+    order = tuple(a.strip() for a in kw.pop("axis_order").split(","))
+    names = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero",
+             "recompute", "schedule", "dtype")
+    return ParallelConfig(**{n: kw.pop(n) for n in names}, pp_layers=layers, axis_order=order)

@@ -1,0 +1,57 @@
+"""``stage-cosim synth``: write one trace per rank, the communicator groups and a manifest."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from stage_cosim.cli.options import model_options, parallel_options, resolve_model_options, resolve_parallel_options
+from stage_cosim.manifest import build_manifest
+from stage_cosim.trace.writer import FORMATS, GROUPS_FILE, MANIFEST_FILE, TRACE_PREFIX, atomic_directory, write_traces
+from stage_cosim.workload import synthesize
+
+GiB = 1 << 30
+
+
+@click.command()
+@model_options
+@parallel_options
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="chakra", show_default=True,
+              help="Chakra protobuf (what ASTRA-sim reads) or the same graphs as JSON.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+@click.option("--quiet", is_flag=True, help="No progress bar or summary.")
+def synth(out: Path, fmt: str, force: bool, quiet: bool, **kw) -> None:
+    """Synthesize one training step as per-rank execution traces."""
+    model = resolve_model_options(kw)
+    parallel = resolve_parallel_options(kw)
+    t0 = time.perf_counter()
+    workload = synthesize(model, parallel)
+    show = not quiet and sys.stderr.isatty()
+    with atomic_directory(out, force) as scratch:
+        with tqdm(total=workload.world_size, unit="rank", disable=not show, desc="writing") as bar:
+            stats = write_traces(workload, scratch, fmt, progress=bar.update)
+        manifest = build_manifest(workload, fmt=fmt, prefix=TRACE_PREFIX, groups_file=GROUPS_FILE,
+                                  files=stats.files, bytes_written=stats.bytes_written)
+        (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    elapsed = time.perf_counter() - t0
+    if quiet:
+        return
+    click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp} pp{parallel.pp}"
+               f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}), {parallel.num_microbatches} micro-batches "
+               f"per rank, schedule {parallel.schedule}")
+    click.echo(f"wrote {stats.files} files, {stats.bytes_written / 2**20:.1f} MiB to {out} in {elapsed:.2f} s")
+    click.echo(f"{'stage':>5} {'layers':>9} {'nodes':>7} {'TFLOP':>9} {'comm GiB':>9} {'memory GiB':>11}  "
+               "(weights/grads/optimizer/activations/workspace)")
+    for s in manifest["roles"]:
+        mem = s["peak_memory_bytes"]
+        comm = sum(v for g in s["comm_bytes"].values() for k, v in g.items() if k != "RECV")
+        layers = f"{s['layers'][0]}-{s['layers'][1]}" if s["layers"] else "-"
+        parts = "/".join(f"{mem[k] / GiB:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "workspace"))
+        click.echo(f"{s['stage']:>5} {layers:>9} {sum(s['nodes'].values()):>7} {s['flops'] / 1e12:>9.1f} "
+                   f"{comm / GiB:>9.2f} {mem['total'] / GiB:>11.2f}  ({parts})")

@@ -1,0 +1,182 @@
+"""Derive a block's backward ops from its forward ops: one gradient rule per op kind.
+
+The rules produce ordinary ops in the same IR, so the backward pass is costed and sharded by
+exactly the same code as the forward pass: collectives in the backward (Megatron's conjugate
+all-reduces, sequence-parallel reduce-scatters and re-gathers, ZeRO-3 re-gathers) are not
+written down here but fall out of sharding propagation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from stage_cosim.graph.ir import Block, Op, Tensor
+
+GRAD_DTYPE = "bf16"
+WEIGHT_GRAD_DTYPE = "fp32"  # gradients accumulate into fp32 main-grad buffers, as in Megatron
+
+
+@dataclass
+class Backward:
+    """The backward ops of a block in program order, and where its gradients end up."""
+
+    ops: list[Op]
+    input_grads: dict[Tensor, Tensor]    # block input -> its gradient (handed to the previous block)
+    weight_grads: dict[Tensor, Tensor]   # weight -> its gradient
+    output_grads: dict[Tensor, Tensor]   # block output -> the gradient that arrives for it
+
+
+@dataclass
+class _State:
+    ops: list[Op] = field(default_factory=list)
+    contributions: dict[Tensor, list[Tensor]] = field(default_factory=dict)
+
+    def contribute(self, t: Tensor, g: Tensor) -> None:
+        self.contributions.setdefault(t, []).append(g)
+
+    def grad(self, t: Tensor) -> Tensor | None:
+        """The gradient of ``t``, summing several contributions with one add op."""
+        parts = self.contributions.get(t)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        out = _grad_tensor(t)
+        out.name += ".sum"
+        self.ops.append(Op(f"{t.name}.grad_sum", "pointwise", list(parts), [out],
+                           flops_per_element=len(parts) - 1, residual=t.residual, passthrough=True))
+        self.contributions[t] = [out]
+        return out
+
+
+def _grad_tensor(t: Tensor) -> Tensor:
+    if t.kind == "weight":
+        return Tensor(f"d({t.name})", t.labels, WEIGHT_GRAD_DTYPE, "weight_grad",
+                      tp_shard=t.tp_shard, grad_of=t)
+    return Tensor(f"d({t.name})", t.labels, GRAD_DTYPE, "grad", residual=t.residual, grad_of=t)
+
+
+def _needs_grad(t: Tensor) -> bool:
+    return t.kind != "input"
+
+
+# -- rules ----------------------------------------------------------------------------------
+
+def _einsum(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    (dout,) = douts
+    letters, out_letters = op.einsum_operands()
+    for i, x in enumerate(op.inputs):
+        if not _needs_grad(x):
+            continue
+        others = [j for j in range(len(op.inputs)) if j != i]
+        spec = ",".join([letters[j] for j in others] + [out_letters]) + "->" + letters[i]
+        dx = _grad_tensor(x)
+        st.ops.append(Op(f"{op.name}.grad[{x.name}]", "einsum", [op.inputs[j] for j in others] + [dout],
+                         [dx], spec=spec, grad_of=op, attention_core=op.attention_core))
+        st.contribute(x, dx)
+
+
+def _pointwise(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    dout = douts[0]
+    if dout is None:
+        return
+    if op.passthrough:
+        for x in op.inputs:
+            if not _needs_grad(x):
+                continue
+            if x.labels == dout.labels:
+                st.contribute(x, dout)
+            else:  # broadcast input (a bias): its gradient sums over the missing labels
+                dx = _grad_tensor(x)
+                st.ops.append(Op(f"{op.name}.grad[{x.name}]", "reduce", [dout], [dx],
+                                 flops_per_element=1, grad_of=op))
+                st.contribute(x, dx)
+        return
+    x = op.inputs[0]
+    dx = _grad_tensor(x)
+    st.ops.append(Op(f"{op.name}.grad", "pointwise", [dout, *op.saves], [dx],
+                     flops_per_element=op.flops_per_element, residual=op.residual, grad_of=op,
+                     attention_core=op.attention_core))
+    st.contribute(x, dx)
+
+
+def _norm(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    dout = douts[0]
+    if dout is None:
+        return
+    x, weights = op.inputs[0], op.inputs[1:]
+    dx = _grad_tensor(x)
+    dws = [_grad_tensor(w) for w in weights]
+    st.ops.append(Op(f"{op.name}.grad", "norm_grad", [dout, *op.saves, *weights], [dx, *dws],
+                     flops_per_element=2 * op.flops_per_element, residual=True, unsharded="h",
+                     grad_of=op))
+    st.contribute(x, dx)
+    for w, dw in zip(weights, dws):
+        st.contribute(w, dw)
+
+
+def _softmax(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    dx = _grad_tensor(op.inputs[0])
+    st.ops.append(Op(f"{op.name}.grad", "softmax_grad", [douts[0], *op.saves], [dx],
+                     flops_per_element=4, unsharded=op.unsharded, grad_of=op,
+                     attention_core=op.attention_core))
+    st.contribute(op.inputs[0], dx)
+
+
+def _attention(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    dq, dk, dv = (_grad_tensor(t) for t in op.inputs)
+    st.ops.append(Op(f"{op.name}.grad", "attention_grad", [douts[0], *op.saves], [dq, dk, dv],
+                     unsharded=op.unsharded, grad_of=op, attention_core=True, causal=op.causal))
+    for t, g in zip(op.inputs, (dq, dk, dv)):
+        st.contribute(t, g)
+
+
+def _lookup(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    table, ids = op.inputs
+    dtable = _grad_tensor(table)
+    st.ops.append(Op(f"{op.name}.grad", "lookup_grad", [douts[0], ids], [dtable], spec=op.spec,
+                     grad_of=op))
+    st.contribute(table, dtable)
+
+
+def _cross_entropy(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    logits = op.inputs[0]
+    dlogits = _grad_tensor(logits)
+    st.ops.append(Op(f"{op.name}.grad", "cross_entropy_grad", [douts[0], *op.saves], [dlogits],
+                     flops_per_element=3, grad_of=op))
+    st.contribute(logits, dlogits)
+
+
+def _view(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    ins, outs = op.spec.split("->")
+    grads = [_grad_tensor(t) for t in op.inputs]
+    st.ops.append(Op(f"{op.name}.grad", "view", [d for d in douts if d is not None], grads,
+                     spec=f"{outs}->{ins}", grad_of=op))
+    for t, g in zip(op.inputs, grads):
+        st.contribute(t, g)
+
+
+RULES: dict[str, Callable[[Op, list[Tensor | None], _State], None]] = {
+    "einsum": _einsum, "pointwise": _pointwise, "norm": _norm, "softmax": _softmax,
+    "attention": _attention, "lookup": _lookup, "cross_entropy": _cross_entropy, "view": _view,
+}
+
+
+def differentiate(block: Block) -> Backward:
+    """Backward ops of ``block``, given a gradient for each of its outputs."""
+    st = _State()
+    output_grads: dict[Tensor, Tensor] = {}
+    for out in block.outputs:
+        g = Tensor(f"d({out.name})", out.labels, "fp32" if block.kind == "head" else GRAD_DTYPE,
+                   "grad", residual=out.residual, grad_of=out)
+        output_grads[out] = g
+        st.contribute(out, g)
+    for op in reversed(block.ops):
+        douts = [st.grad(t) for t in op.outputs]
+        if all(d is None for d in douts):
+            continue
+        RULES[op.kind](op, douts, st)
+    input_grads = {t: g for t in block.inputs if (g := st.grad(t)) is not None}
+    weight_grads = {w: g for w in block.weights if (g := st.grad(w)) is not None}
+    return Backward(st.ops, input_grads, weight_grads, output_grads)

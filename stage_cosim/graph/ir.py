@@ -1,0 +1,220 @@
+"""The logical (unsharded) tensor graph: tensors with named dimensions, ops of a few kinds.
+
+A block (the embedding, one transformer layer, the output head) is a list of forward ops in
+program order. Every op kind knows its FLOPs and bytes as sympy expressions of its tensors'
+sizes (:mod:`stage_cosim.graph.cost`), how to differentiate itself
+(:mod:`stage_cosim.graph.autodiff`) and how sharding flows through it
+(:mod:`stage_cosim.sharding.propagate`). Nothing here knows about ranks or meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import sympy as sp
+
+from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE
+
+TensorKind = Literal["input", "activation", "weight", "grad", "weight_grad"]
+
+# Op kinds. "einsum" and "attention" are the matmul-class ops the FLOP conventions count.
+OpKind = Literal[
+    "einsum", "pointwise", "reduce", "norm", "norm_grad", "softmax", "softmax_grad",
+    "attention", "attention_grad", "lookup", "lookup_grad", "cross_entropy",
+    "cross_entropy_grad", "view", "optimizer",
+]
+
+
+@dataclass(eq=False)
+class Tensor:
+    """A logical tensor. ``labels`` is one letter per dimension (see :mod:`dims`)."""
+
+    name: str
+    labels: str
+    dtype: str
+    kind: TensorKind
+    # Weights only: the label that Megatron-style tensor parallelism shards (None: replicated).
+    tp_shard: str | None = None
+    # Produced in the residual-stream layout (replicated over tp, or sequence-sharded with sp).
+    residual: bool = False
+    # For gradients: the forward tensor this is the gradient of.
+    grad_of: "Tensor | None" = None
+
+    def numel(self) -> sp.Expr:
+        return sp.Mul(*(LABEL_SIZE[label] for label in self.labels))
+
+    def nbytes(self) -> sp.Expr:
+        return self.numel() * DTYPE_BYTES[self.dtype]
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name}:{self.labels}:{self.dtype})"
+
+
+@dataclass(eq=False)
+class Op:
+    """One operation. Its meaning is fixed by ``kind`` plus the attributes below."""
+
+    name: str
+    kind: OpKind
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+    # einsum: "bsh,hf->bsf", one operand letter string per input, positionally matching each
+    # tensor's labels (a tensor "bsgd" may appear as "btgd": same data, keys renamed).
+    # view: "in1,in2->out1,out2" label mapping for splits and joins.
+    spec: str = ""
+    # Pointwise and normalization work per output element (memory-bound ops; rough is fine).
+    flops_per_element: int = 0
+    # Runs in the residual-stream layout.
+    residual: bool = False
+    # Labels that this op cannot have sharded (a normalization over h, a softmax over t …).
+    unsharded: str = ""
+    # Forward tensors that this op's backward reads (kept alive until then, or recomputed).
+    saves: list[Tensor] = field(default_factory=list)
+    # Part of the attention core (what selective recomputation replays).
+    attention_core: bool = False
+    # Linear in its inputs (grad passes straight through, as for a residual add).
+    passthrough: bool = False
+    # For backward ops: the forward op they differentiate.
+    grad_of: "Op | None" = None
+    # Causal attention FLOPs (half the score matrix).
+    causal: bool = False
+
+    def einsum_operands(self) -> tuple[list[str], str]:
+        lhs, out = self.spec.split("->")
+        return lhs.split(","), out
+
+    def __repr__(self) -> str:
+        return f"Op({self.kind}:{self.name})"
+
+
+@dataclass
+class Block:
+    """One schedulable unit of the model: the forward ops of an embedding, a layer or the head."""
+
+    name: str
+    kind: Literal["embedding", "layer", "head"]
+    ops: list[Op]
+    inputs: list[Tensor]       # activations that arrive from the previous block
+    outputs: list[Tensor]      # activations handed to the next block (or the loss)
+    weights: list[Tensor]
+
+    def param_count(self) -> sp.Expr:
+        return sp.Add(*(w.numel() for w in self.weights))
+
+
+class BlockBuilder:
+    """Records forward ops in program order; helpers name tensors after their op."""
+
+    def __init__(self, name: str, kind: Literal["embedding", "layer", "head"], dtype: str = "bf16") -> None:
+        self.name = name
+        self.kind = kind
+        self.dtype = dtype
+        self.ops: list[Op] = []
+        self.weights: list[Tensor] = []
+        self.inputs: list[Tensor] = []
+
+    # -- tensors --------------------------------------------------------------------------
+
+    def input(self, name: str, labels: str, dtype: str | None = None, *, residual: bool = True) -> Tensor:
+        t = Tensor(name, labels, dtype or self.dtype, "input" if dtype == "i64" else "activation",
+                   residual=residual)
+        self.inputs.append(t)
+        return t
+
+    def weight(self, name: str, labels: str, tp_shard: str | None = None) -> Tensor:
+        w = Tensor(name, labels, self.dtype, "weight", tp_shard=tp_shard)
+        self.weights.append(w)
+        return w
+
+    def shared_weight(self, w: Tensor) -> Tensor:
+        """Use a weight that another block owns (tied embeddings)."""
+        self.weights.append(w)
+        return w
+
+    def _act(self, name: str, labels: str, dtype: str | None = None, residual: bool = False) -> Tensor:
+        return Tensor(name, labels, dtype or self.dtype, "activation", residual=residual)
+
+    def _add(self, op: Op) -> Op:
+        self.ops.append(op)
+        return op
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def einsum(self, name: str, spec: str, *inputs: Tensor, attention_core: bool = False,
+               dtype: str | None = None) -> Tensor:
+        out = self._act(name, spec.split("->")[1], dtype)
+        # The backward reads every operand; only the activations count as saved memory.
+        self._add(Op(name, "einsum", list(inputs), [out], spec=spec, saves=list(inputs),
+                     attention_core=attention_core))
+        return out
+
+    def pointwise(self, name: str, inputs: list[Tensor], out_labels: str, *, flops_per_element: int,
+                  saves: list[Tensor] | None = None, residual: bool = False,
+                  passthrough: bool = False, attention_core: bool = False,
+                  dtype: str | None = None) -> Tensor:
+        out = self._act(name, out_labels, dtype, residual=residual)
+        self._add(Op(name, "pointwise", list(inputs), [out], flops_per_element=flops_per_element,
+                     saves=list(saves or []), residual=residual, passthrough=passthrough,
+                     attention_core=attention_core))
+        return out
+
+    def add(self, name: str, x: Tensor, y: Tensor, *, residual: bool = True) -> Tensor:
+        """Elementwise sum (a residual connection or a bias); gradients pass straight through."""
+        return self.pointwise(name, [x, y], x.labels, flops_per_element=1, residual=residual,
+                              passthrough=True)
+
+    def dropout(self, name: str, x: Tensor, *, residual: bool = False,
+                attention_core: bool = False) -> Tensor:
+        out = self._act(name, x.labels, residual=residual)
+        mask = Tensor(name + ".mask", x.labels, "u8", "activation")
+        self._add(Op(name, "pointwise", [x], [out, mask], flops_per_element=2, saves=[mask],
+                     residual=residual, attention_core=attention_core))
+        return out
+
+    def norm(self, name: str, x: Tensor, weights: list[Tensor], *, rms: bool) -> Tensor:
+        out = self._act(name, x.labels, residual=True)
+        stat_labels = x.labels.replace("h", "")
+        stats = [Tensor(f"{name}.{s}", stat_labels, "fp32", "activation")
+                 for s in (("rstd",) if rms else ("mean", "rstd"))]
+        self._add(Op(name, "norm", [x, *weights], [out, *stats], flops_per_element=4 if rms else 5,
+                     residual=True, unsharded="h", saves=[x, *stats]))
+        return out
+
+    def softmax(self, name: str, x: Tensor, over: str, *, attention_core: bool = False) -> Tensor:
+        out = self._act(name, x.labels)
+        self._add(Op(name, "softmax", [x], [out], flops_per_element=5, unsharded=over,
+                     saves=[out], attention_core=attention_core))
+        return out
+
+    def view(self, name: str, inputs: list[Tensor], out_labels: list[str],
+             out_names: list[str]) -> list[Tensor]:
+        """Split or join without moving data (QKV split, SwiGLU halves)."""
+        outs = [self._act(n, labels) for n, labels in zip(out_names, out_labels)]
+        spec = ",".join(t.labels for t in inputs) + "->" + ",".join(out_labels)
+        self._add(Op(name, "view", list(inputs), outs, spec=spec))
+        return outs
+
+    def attention(self, name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> Tensor:
+        """Fused (flash) attention: never materializes the score matrix."""
+        out = self._act(name, q.labels)
+        lse = Tensor(name + ".lse", "bgqs", "fp32", "activation")
+        self._add(Op(name, "attention", [q, k, v], [out, lse], unsharded="sd",
+                     saves=[q, k, v, out, lse], attention_core=True, causal=causal))
+        return out
+
+    def lookup(self, name: str, table: Tensor, ids: Tensor) -> Tensor:
+        """Embedding lookup: rows of ``table`` (labels ``<index><feature>``) picked by ``ids``."""
+        out = self._act(name, ids.labels + table.labels[1:])
+        self._add(Op(name, "lookup", [table, ids], [out], spec=table.labels[0], saves=[ids]))
+        return out
+
+    def cross_entropy(self, name: str, logits: Tensor, labels_in: Tensor) -> Tensor:
+        loss = self._act(name, logits.labels.replace("v", ""), "fp32", residual=False)
+        probs = Tensor(name + ".probs", logits.labels, "fp32", "activation")
+        self._add(Op(name, "cross_entropy", [logits, labels_in], [loss, probs], spec="v", flops_per_element=5,
+                     saves=[probs, labels_in]))
+        return loss
+
+    def build(self, outputs: list[Tensor]) -> Block:
+        return Block(self.name, self.kind, self.ops, self.inputs, outputs, self.weights)

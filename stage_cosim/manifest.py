@@ -1,0 +1,32 @@
+"""The manifest that describes a written trace set: configuration, counts, per-role costs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stage_cosim import __version__
+from stage_cosim.trace.chakra import SCHEMA_VERSION
+from stage_cosim.workload import Workload
+
+
+def build_manifest(w: Workload, *, fmt: str, prefix: str, groups_file: str, files: int,
+                   bytes_written: int) -> dict[str, Any]:
+    groups = w.communicator_groups()
+    kinds: dict[str, int] = {}
+    for kind, base in w.group_base.items():
+        kinds[kind] = sum(1 for g in groups if int(g) >= base) - sum(kinds.values())
+    return {
+        "generator": f"stage-cosim {__version__}",
+        "format": {"kind": fmt, "chakra_schema": SCHEMA_VERSION, "prefix": prefix,
+                   "files": f"{prefix}.<rank>.{'et' if fmt == 'chakra' else 'json'}",
+                   "communicator_groups": groups_file},
+        "model": {**w.model.to_dict(), "params": w.model.param_count(),
+                  "padded_vocab": w.parallel.padded_vocab(w.model.vocab)},
+        "parallel": w.parallel.to_dict(),
+        "mesh": {"order": list(w.mesh.order), "degrees": dict(w.mesh.degrees)},
+        "counts": {"ranks": w.world_size, "roles": len(w.roles), "files": files,
+                   "bytes_written": bytes_written, "communicator_groups": kinds,
+                   "nodes_per_role": [len(r.nodes) for r in w.roles]},
+        "totals": {"matmul_flops": w.total_matmul_flops(), "model_flops": w.total_model_flops()},
+        "roles": [w.role_summary(s) for s in range(len(w.roles))],
+    }

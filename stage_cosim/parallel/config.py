@@ -1,0 +1,143 @@
+"""ParallelConfig: everything about *how* a model is trained that is not the model or the machine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from stage_cosim.errors import UserError, positive_int, require
+from stage_cosim.model.config import ModelConfig
+
+MESH_AXES = ("dp", "tp", "pp")            # axes this version shards over (cp, ep: later)
+DEFAULT_AXIS_ORDER = ("tp", "dp", "pp")   # innermost first: tp groups fall inside a node
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+RECOMPUTE = ("none", "selective", "full")
+VOCAB_PAD = 128                           # Megatron pads the vocabulary to a multiple of 128 * tp
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees per mesh axis plus the execution choices that go with them."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1                        # virtual pipeline stages (model chunks) per device
+    sp: bool = False                   # Megatron sequence parallelism over the tp axis
+    micro_batch: int = 1
+    global_batch: int | None = None    # default: one micro-batch per data-parallel rank
+    seq_len: int = 2048
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str | None = None        # default: 1f1b, or interleaved when vp > 1
+    pp_layers: tuple[int, ...] | None = None   # layers per virtual stage, in pipeline order
+    axis_order: tuple[str, ...] = DEFAULT_AXIS_ORDER
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "vp", "micro_batch", "seq_len"):
+            positive_int(getattr(self, name), name.replace("_", "-"))
+        if self.global_batch is None:
+            object.__setattr__(self, "global_batch", self.dp * self.micro_batch)
+        positive_int(self.global_batch, "global-batch")
+        require(self.zero in (0, 1, 2, 3), "zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
+        require(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        require(self.dtype == "bf16", "dtype", f"only bf16 is supported in this version, got {self.dtype!r}")
+        require(self.global_batch % (self.dp * self.micro_batch) == 0, "global-batch",
+                f"must be divisible by dp*micro-batch = {self.dp}*{self.micro_batch}, got {self.global_batch}")
+        schedule = self.schedule or ("interleaved" if self.vp > 1 else "1f1b")
+        object.__setattr__(self, "schedule", schedule)
+        require(schedule in SCHEDULES, "schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        require(self.vp == 1 or schedule == "interleaved", "vp",
+                f"virtual stages need the interleaved schedule, got schedule {schedule}")
+        require(schedule != "interleaved" or self.pp > 1, "schedule", "interleaved needs pp > 1")
+        if schedule == "interleaved":
+            require(self.num_microbatches % self.pp == 0, "global-batch",
+                    f"the interleaved schedule needs the number of micro-batches ({self.num_microbatches}) "
+                    f"to be a multiple of pp ({self.pp})")
+        order = tuple(self.axis_order)
+        object.__setattr__(self, "axis_order", order)
+        require(sorted(order) == sorted(MESH_AXES), "axis-order",
+                f"must list each of {', '.join(MESH_AXES)} once, got {','.join(order)}")
+        if self.pp_layers is not None:
+            object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
+            require(len(self.pp_layers) == self.pp * self.vp, "pp-layers",
+                    f"needs pp*vp = {self.pp * self.vp} entries, got {len(self.pp_layers)}")
+            require(all(isinstance(n, int) and n >= 0 for n in self.pp_layers), "pp-layers",
+                    "entries must be non-negative integers")
+            require(all(n > 0 for n in self.pp_layers[1:-1]), "pp-layers",
+                    "only the first and last stage (which hold the embedding and the loss) may have 0 layers")
+
+    # -- derived ------------------------------------------------------------------------------
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.vp
+
+    def degrees(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    def padded_vocab(self, vocab: int) -> int:
+        multiple = VOCAB_PAD * self.tp
+        return int(math.ceil(vocab / multiple) * multiple)
+
+    def layers_per_stage(self, layers: int) -> tuple[int, ...]:
+        """Layers of each virtual stage, in pipeline order (virtual stage = chunk * pp + stage)."""
+        n = self.virtual_stages
+        if self.pp_layers is not None:
+            require(sum(self.pp_layers) == layers, "pp-layers",
+                    f"must add up to the model's {layers} layers, got {sum(self.pp_layers)}")
+            return self.pp_layers
+        require(n <= layers, "pp", f"pp*vp = {n} pipeline stages exceed the model's {layers} layers")
+        base = -(-layers // n)
+        counts = [base] * n
+        deficit = base * n - layers
+        # The first stage also holds the embedding and the last the output layer and loss, so
+        # they give up layers first, alternately, from the ends inward.
+        lo, hi, take_lo = 0, n - 1, True
+        while deficit:
+            i = lo if take_lo else hi
+            if counts[i] > 1:
+                counts[i] -= 1
+                deficit -= 1
+            elif take_lo:
+                lo += 1
+            else:
+                hi -= 1
+            take_lo = not take_lo
+        return tuple(counts)
+
+    def check_against(self, model: ModelConfig) -> None:
+        """The divisibility rules that tie this configuration to a model."""
+        require(model.heads % self.tp == 0, "tp", f"must divide heads ({model.heads}), got {self.tp}")
+        require(model.kv_heads % self.tp == 0, "tp", f"must divide kv-heads ({model.kv_heads}), got {self.tp}")
+        require(model.ffn % self.tp == 0, "tp", f"must divide ffn ({model.ffn}), got {self.tp}")
+        require(self.virtual_stages <= model.layers, "pp",
+                f"pp*vp = {self.virtual_stages} pipeline stages exceed the model's {model.layers} layers")
+        self.layers_per_stage(model.layers)
+        if model.position == "learned":
+            require(self.seq_len <= model.max_seq, "seq-len",
+                    f"must not exceed the model's learned positions ({model.max_seq}), got {self.seq_len}")
+        if self.sp:
+            require(self.seq_len % self.tp == 0, "seq-len",
+                    f"must be divisible by tp ({self.tp}) with sequence parallelism, got {self.seq_len}")
+
+    def with_overrides(self, **kw: Any) -> "ParallelConfig":
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["axis_order"] = list(self.axis_order)
+        d["pp_layers"] = list(self.pp_layers) if self.pp_layers is not None else None
+        d["num_microbatches"] = self.num_microbatches
+        d["world_size"] = self.world_size
+        return d

@@ -1,0 +1,396 @@
+"""One pipeline stage's whole training step as a dependency graph of nodes (a *role* graph).
+
+Every rank of a stage runs the same graph; only its communicator groups and pipeline peers
+differ, so nodes name those symbolically (``group="tp"``, ``peer=+1``) and the trace writer
+and the simulator resolve them per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from stage_cosim.schedule.pipeline import Pass, schedule_order
+from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock
+from stage_cosim.sharding.placement import Collective
+
+COMP, COLL, SEND, RECV = "COMP", "COLL", "SEND", "RECV"
+
+# Mixed-precision Adam: bf16 weights, fp32 main gradients, fp32 master weights + two moments.
+WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
+# Adam reads grad, master, m, v (4 B each) and writes master, m, v and the bf16 weight.
+ADAM_BYTES_PER_PARAM = 16 + 14
+ADAM_FLOPS_PER_PARAM = 12
+
+EMBEDDING_GROUP = "embedding"   # first and last pipeline stage, for tied embeddings
+PP_GROUP = "pp"
+
+
+class Node:
+    """A node of a role graph. ``deps`` are data dependencies, ``ctrl`` schedule order."""
+
+    __slots__ = ("id", "name", "type", "deps", "ctrl", "flops", "model_flops", "mem_bytes", "matmul",
+                 "coll", "comm_bytes", "group", "peer", "tag", "phase", "micro_batch", "chunk",
+                 "block", "category")
+
+    def __init__(self, id: int, name: str, type: str, deps: list[int], *, ctrl: list[int] | None = None,
+                 flops: int = 0, model_flops: int = 0, mem_bytes: int = 0, matmul: bool = False,
+                 coll: Collective | None = None, comm_bytes: int = 0, group: str = "",
+                 peer: int = 0, tag: int = 0, phase: str = "", micro_batch: int = -1,
+                 chunk: int = 0, block: str = "", category: str = "") -> None:
+        self.id = id
+        self.name = name
+        self.type = type
+        self.deps = deps
+        self.ctrl = ctrl or []
+        self.flops = flops
+        self.model_flops = model_flops
+        self.mem_bytes = mem_bytes
+        self.matmul = matmul
+        self.coll = coll
+        self.comm_bytes = comm_bytes
+        self.group = group
+        self.peer = peer
+        self.tag = tag
+        self.phase = phase
+        self.micro_batch = micro_batch
+        self.chunk = chunk
+        self.block = block
+        self.category = category
+
+    def __repr__(self) -> str:
+        return f"Node({self.id} {self.type} {self.name})"
+
+
+@dataclass
+class StageMemory:
+    """Peak memory of one rank of a stage, bytes by category."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    workspace: int
+    # weights + gradients + optimizer state of the transformer layers alone (what published
+    # per-GPU figures usually count) and of the embedding / output layer.
+    states_layers: int
+    states_embedding_head: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.workspace
+
+    def to_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "workspace": self.workspace, "total": self.total,
+                "model_states_layers": self.states_layers,
+                "model_states_embedding_and_head": self.states_embedding_head}
+
+
+@dataclass
+class RoleGraph:
+    """The graph of one pipeline stage (every rank of the stage runs it)."""
+
+    stage: int
+    nodes: list[Node]
+    memory: StageMemory
+    layers: tuple[int, ...]          # global layer indices held by this stage
+    order: list[Pass] = field(default_factory=list)
+
+
+def _ceil(x: float) -> int:
+    return int(math.ceil(x - 1e-9))
+
+
+@dataclass
+class _Instance:
+    """A block placed on the stage: the embedding, layer ``index``, or the head."""
+
+    kind: str
+    index: int
+    compiled: CompiledBlock
+    costs: BlockCosts
+
+    @property
+    def label(self) -> str:
+        return f"layer{self.index}" if self.kind == "layer" else self.kind
+
+
+class _Builder:
+    def __init__(self, degrees: dict[str, int]) -> None:
+        self.nodes: list[Node] = []
+        self.degrees = degrees
+
+    def add(self, name: str, type: str, deps: list[int], **kw) -> int:
+        nid = len(self.nodes)
+        self.nodes.append(Node(nid, name, type, sorted(set(deps)), **kw))
+        return nid
+
+    def add_collective(self, name: str, deps: list[int], **kw) -> list[int]:
+        """A collective over a group of one rank is nothing: its dependents wait on its inputs."""
+        if self.degrees.get(kw["group"], 2) == 1:
+            return sorted(set(deps + kw.get("ctrl", [])))
+        return [self.add(name, COLL, deps, **kw)]
+
+
+# Markers in pass templates for dependencies that are only known when the pass is placed.
+_ENTRY, _CHAIN, _CTRL = -1, -2, -3
+
+
+@dataclass
+class _PassTemplate:
+    """The nodes of one (chunk, phase) pass with ids relative to the pass start.
+
+    Every micro-batch's pass of a chunk is the same graph; placing it copies the rows with an
+    id offset and fills the markers (the pipeline receive, the ZeRO-3 gather chain, the
+    previous pass's sinks).
+    """
+
+    rows: list[tuple]
+    exits: list[int]
+    sinks: list[int]
+    blocks: list[tuple[str, int, int]]     # (block label, first row, end row)
+    last_prologue: int | None
+
+
+def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int]) -> _PassTemplate:
+    rows: list[tuple] = []
+    blocks: list[tuple[str, int, int]] = []
+    prev_exit: list[int] = [_ENTRY]
+    last_prologue: int | None = None
+    for bi, inst in enumerate(insts):
+        sharded = inst.compiled.sharded
+        steps = sharded.fwd if phase == "fwd" else sharded.bwd
+        sc = inst.costs.fwd if phase == "fwd" else inst.costs.bwd
+        exits = sharded.fwd_exit if phase == "fwd" else sharded.bwd_exit
+        start = len(rows)
+        ids: list[list[int]] = []          # step index -> the row(s) standing for it
+        for st in steps:
+            i = st.index
+            if st.deps:
+                deps = [n for d in st.deps for n in ids[d]]
+            else:
+                # ZeRO-3 prefetch: a block's gather may start once the previous one is done.
+                deps = [_CHAIN] if st.prologue else list(prev_exit)
+                if bi == 0:
+                    deps.append(_CTRL)
+            name = f"{inst.label}.{st.name}"
+            if st.kind == "compute":
+                rows.append((name, COMP, tuple(sorted(set(deps))), _ceil(sc.flops[i]), _ceil(sc.model_flops[i]),
+                             _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label))
+                ids.append([len(rows) - 1])
+            elif degrees.get(st.axis or "", 2) == 1:
+                ids.append(sorted(set(deps)))  # a collective over one rank is nothing
+            else:
+                rows.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, False, st.collective,
+                             _ceil(sc.comm_bytes[i]), st.axis or "", st.category, st.phase, inst.label))
+                ids.append([len(rows) - 1])
+            if st.prologue:
+                last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
+        prev_exit = [n for e in exits for n in ids[e]] or prev_exit
+        blocks.append((inst.label, start, len(rows)))
+    used = {d for r in rows for d in r[2] if d >= 0}
+    sinks = [i for i, r in enumerate(rows) if r[1] == COMP and i not in used]
+    return _PassTemplate(rows, [e for e in prev_exit if e >= 0], sinks, blocks, last_prologue)
+
+
+def _place(b: "_Builder", t: _PassTemplate, *, entry: list[int], chain: list[int], ctrl: list[int],
+           micro_batch: int, chunk: int) -> int:
+    """Append a pass's nodes; returns the id of its first node. (The hot loop of synthesis.)"""
+    base = len(b.nodes)
+    append = b.nodes.append
+    new = Node.__new__
+    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label) in enumerate(t.rows):
+        node_ctrl: list[int] = []
+        if rel and rel[0] < 0:   # markers sort first
+            deps = []
+            for r in rel:
+                if r >= 0:
+                    deps.append(base + r)
+                elif r == _ENTRY:
+                    deps.extend(entry)
+                elif r == _CHAIN:
+                    deps.extend(chain)
+                else:
+                    node_ctrl = ctrl
+        else:
+            deps = [base + r for r in rel]
+        n = new(Node)
+        n.id, n.name, n.type, n.deps, n.ctrl = base + i, name, typ, deps, node_ctrl
+        n.flops, n.model_flops, n.mem_bytes, n.matmul = flops, mflops, mem, matmul
+        n.coll, n.comm_bytes, n.group, n.peer, n.tag = coll, cbytes, group, 0, 0
+        n.phase, n.micro_batch, n.chunk, n.block, n.category = phase, micro_batch, chunk, label, cat
+        append(n)
+    return base
+
+
+def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ...],
+                  blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
+                  costs: tuple[BlockCosts, BlockCosts, BlockCosts]) -> dict[int, list[_Instance]]:
+    """The blocks of each model chunk held by ``stage``, in forward order."""
+    nv = pp * vp
+    starts = [sum(layers_per_vstage[:i]) for i in range(nv)]
+    chunks: dict[int, list[_Instance]] = {}
+    for c in range(vp):
+        vs = c * pp + stage
+        out = []
+        if vs == 0:
+            out.append(_Instance("embedding", -1, blocks[0], costs[0]))
+        out += [_Instance("layer", starts[vs] + i, blocks[1], costs[1]) for i in range(layers_per_vstage[vs])]
+        if vs == nv - 1:
+            out.append(_Instance("head", -1, blocks[2], costs[2]))
+        chunks[c] = out
+    return chunks
+
+
+def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
+                 layers_per_vstage: tuple[int, ...], blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
+                 costs: tuple[BlockCosts, BlockCosts, BlockCosts], zero: int, tied_embeddings: bool,
+                 degrees: dict[str, int]) -> StageMemory:
+    """Peak memory of a rank of ``stage``, without building its graph."""
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, costs)
+    order = schedule_order(schedule, pp, stage, num_microbatches, vp)
+    instances = [inst for c in range(vp) for inst in chunks[c]]
+    return _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
+
+
+def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
+               layers_per_vstage: tuple[int, ...], blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
+               costs: tuple[BlockCosts, BlockCosts, BlockCosts], zero: int, tied_embeddings: bool,
+               degrees: dict[str, int]) -> RoleGraph:
+    nv = pp * vp
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, costs)
+    order = schedule_order(schedule, pp, stage, num_microbatches, vp)
+    templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees)
+                 for c in range(vp) for ph in ("fwd", "bwd")}
+    b = _Builder(degrees)
+    last_bwd_nodes: dict[str, list[int]] = {}   # block instance -> its nodes in the last backward
+    prev_sinks: list[int] = []
+    chain: list[int] = []
+    act_bytes = _ceil(costs[1].boundary_bytes)
+    for p in order:
+        vs = p.chunk * pp + stage
+        common = dict(micro_batch=p.micro_batch, chunk=p.chunk, phase=p.phase, category="pp", group=PP_GROUP,
+                      comm_bytes=act_bytes)
+        entry: list[int] = []
+        if p.phase == "fwd" and vs > 0:
+            entry = [b.add(f"recv_fwd.mb{p.micro_batch}.vs{vs}", RECV, [], peer=-1,
+                           tag=_tag(p.micro_batch, vs - 1, nv, 0), **common)]
+        if p.phase == "bwd" and vs < nv - 1:
+            entry = [b.add(f"recv_bwd.mb{p.micro_batch}.vs{vs}", RECV, [], peer=+1,
+                           tag=_tag(p.micro_batch, vs, nv, 1), **common)]
+        t = templates[(p.chunk, p.phase)]
+        base = _place(b, t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk)
+        if t.last_prologue is not None:
+            chain = [base + t.last_prologue]
+        exits = [base + e for e in t.exits] or entry
+        if p.phase == "bwd":
+            for label, lo, hi in t.blocks:
+                last_bwd_nodes[label] = list(range(base + lo, base + hi))
+        if p.phase == "fwd" and vs < nv - 1:
+            b.add(f"send_fwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=+1,
+                  tag=_tag(p.micro_batch, vs, nv, 0), **common)
+        if p.phase == "bwd" and vs > 0:
+            b.add(f"send_bwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=-1,
+                  tag=_tag(p.micro_batch, vs - 1, nv, 1), **common)
+        prev_sinks = [base + i for i in t.sinks] or prev_sinks
+
+    instances = [inst for c in range(vp) for inst in chunks[c]]
+    _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, dp=degrees["dp"])
+    memory = _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
+    layers = tuple(inst.index for inst in instances if inst.kind == "layer")
+    return RoleGraph(stage, b.nodes, memory, layers, order)
+
+
+def _tag(micro_batch: int, vs: int, nv: int, direction: int) -> int:
+    """Unique per (micro-batch, pipeline boundary after virtual stage ``vs``, direction)."""
+    return (micro_batch * nv + vs) * 2 + direction
+
+
+def _unique_weights(instances: list[_Instance], tied: bool):
+    """(instance, weight index) pairs, counting a tied table once when both ends are here."""
+    has_embedding = any(i.kind == "embedding" for i in instances)
+    for inst in instances:
+        for j, ws in enumerate(inst.compiled.sharded.weight_syncs):
+            if tied and has_embedding and inst.kind == "head" and ws.weight.name == "word_embedding":
+                continue
+            yield inst, j
+
+
+def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[int]], *, stage: int,
+              pp: int, zero: int, tied: bool, dp: int) -> None:
+    """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers."""
+    syncs: list[int] = []
+    per_block: dict[str, dict[tuple[str, Collective], float]] = {}
+    params_of: dict[str, float] = {}
+    tied_bytes: dict[str, float] = {}
+    for inst, j in _unique_weights(instances, tied):
+        ws = inst.compiled.sharded.weight_syncs[j]
+        params_of[inst.label] = params_of.get(inst.label, 0.0) + inst.costs.weight_params[j]
+        if tied and pp > 1 and ws.weight.name == "word_embedding":
+            tied_bytes[inst.label] = inst.costs.weight_params[j] * GRAD_BYTES
+        buckets = per_block.setdefault(inst.label, {})
+        for (axis, coll, _), nbytes in zip(ws.grad_collectives, inst.costs.weight_sync_bytes[j]):
+            buckets[(axis, coll)] = buckets.get((axis, coll), 0.0) + nbytes
+    for inst in instances:
+        deps = last_bwd.get(inst.label, [])
+        if inst.label in tied_bytes:
+            # Tied embeddings on two stages: sum the two copies' gradients first (Megatron's
+            # embedding group), then reduce over dp like any other gradient.
+            nid = b.add(f"{inst.label}.tied_grad_ar", COLL, deps, coll=Collective.ALL_REDUCE,
+                        comm_bytes=_ceil(tied_bytes[inst.label]), group=EMBEDDING_GROUP,
+                        phase="step", block=inst.label, category=EMBEDDING_GROUP)
+            deps = [nid]
+            syncs.append(nid)
+        for (axis, coll), nbytes in per_block.get(inst.label, {}).items():
+            if nbytes <= 0:
+                continue
+            syncs += b.add_collective(f"{inst.label}.grad_{coll.short.lower()}_{axis}", deps, coll=coll,
+                                      comm_bytes=_ceil(nbytes), group=axis, phase="step", block=inst.label,
+                                      category=axis)
+    all_compute = [n.id for n in b.nodes if n.type == COMP]
+    last_compute = all_compute[-1:] if all_compute else []
+    for inst in instances:
+        params = params_of.get(inst.label, 0.0)
+        if params <= 0:
+            continue
+        local = params / dp if zero >= 1 else params
+        # The optimizer runs after every gradient of the step is reduced (as frameworks do,
+        # for gradient clipping), one kernel per block.
+        opt = b.add(f"{inst.label}.optimizer", COMP, syncs + last_compute, flops=_ceil(local * ADAM_FLOPS_PER_PARAM),
+                    mem_bytes=_ceil(local * ADAM_BYTES_PER_PARAM), phase="step", block=inst.label,
+                    category="optimizer")
+        last_compute = [opt]
+        if zero in (1, 2):
+            b.add_collective(f"{inst.label}.param_ag_dp", [opt], coll=Collective.ALL_GATHER,
+                             comm_bytes=_ceil(local * WEIGHT_BYTES), group="dp", phase="step",
+                             block=inst.label, category="dp")
+
+
+def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, list[_Instance]], *,
+            zero: int, dp: int, tied: bool) -> StageMemory:
+    from stage_cosim.schedule.pipeline import peak_in_flight
+
+    layer_params = other_params = 0.0
+    for inst, j in _unique_weights(instances, tied):
+        if inst.kind == "layer":
+            layer_params += inst.costs.weight_params[j]
+        else:
+            other_params += inst.costs.weight_params[j]
+    params = layer_params + other_params
+    w_div = dp if zero >= 3 else 1
+    g_div = dp if zero >= 2 else 1
+    o_div = dp if zero >= 1 else 1
+    per_param = WEIGHT_BYTES / w_div + GRAD_BYTES / g_div + OPTIMIZER_BYTES / o_div
+    saved = {c: sum(i.costs.saved_bytes for i in insts) for c, insts in chunks.items()}
+    activations = peak_in_flight(order, saved)
+    workspace = max((i.costs.workspace_bytes for i in instances), default=0.0)
+    if zero >= 3:
+        # The gathered weights of the block in use and of the one being prefetched.
+        biggest = max((sum(i.costs.weight_params) for i in instances), default=0.0)
+        workspace += 2 * biggest * WEIGHT_BYTES
+    return StageMemory(
+        weights=_ceil(params * WEIGHT_BYTES / w_div), gradients=_ceil(params * GRAD_BYTES / g_div),
+        optimizer=_ceil(params * OPTIMIZER_BYTES / o_div), activations=_ceil(activations),
+        workspace=_ceil(workspace), states_layers=_ceil(layer_params * per_param),
+        states_embedding_head=_ceil(other_params * per_param))

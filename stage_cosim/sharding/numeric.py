@@ -1,0 +1,95 @@
+"""Bind a sharded block's symbolic costs to numbers, with one compiled function per block.
+
+Sharding a block is symbolic work done once per (architecture, policy); every concrete model
+size and parallel degree then costs one call of a lambdified function, never ``subs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Callable, Sequence
+
+import sympy as sp
+
+from stage_cosim.graph.dims import B, D, F, G, H, P, Q, S, V, degree_symbol
+from stage_cosim.graph.transformer import build_blocks
+from stage_cosim.model.config import ArchSwitches
+from stage_cosim.sharding.propagate import BLOCK_AXES, ShardedBlock, ShardingPolicy, shard_block
+
+SYMBOLS: tuple[sp.Symbol, ...] = (B, S, H, F, G, Q, D, V, P) + tuple(degree_symbol(a) for a in BLOCK_AXES)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    flops: tuple[float, ...]
+    model_flops: tuple[float, ...]
+    mem_bytes: tuple[float, ...]
+    comm_bytes: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Numbers for one block under one concrete configuration (indices match the steps)."""
+
+    fwd: StepCosts
+    bwd: StepCosts
+    saved_bytes: float
+    workspace_bytes: float
+    boundary_bytes: float
+    weight_params: tuple[float, ...]                 # per WeightSync
+    weight_sync_bytes: tuple[tuple[float, ...], ...]  # per WeightSync, per collective
+
+
+@dataclass
+class CompiledBlock:
+    sharded: ShardedBlock
+    _fn: Callable[..., Sequence[float]]
+    _layout: tuple[int, ...]
+
+    def evaluate(self, values: dict[sp.Symbol, int]) -> BlockCosts:
+        flat = list(self._fn(*(values[s] for s in SYMBOLS)))
+        nf, nb, nw = self._layout[:3]
+        sync_lens = self._layout[3:]
+        pos = 0
+
+        def take(n: int) -> tuple[float, ...]:
+            nonlocal pos
+            out = tuple(float(x) for x in flat[pos:pos + n])
+            pos += n
+            return out
+
+        fwd = StepCosts(take(nf), take(nf), take(nf), take(nf))
+        bwd = StepCosts(take(nb), take(nb), take(nb), take(nb))
+        saved, workspace, boundary = take(3)
+        params = take(nw)
+        syncs = tuple(take(n) for n in sync_lens)
+        return BlockCosts(fwd, bwd, saved, workspace, boundary, params, syncs)
+
+
+def compile_block(sb: ShardedBlock) -> CompiledBlock:
+    exprs: list[sp.Expr] = []
+    for steps in (sb.fwd, sb.bwd):
+        exprs += [s.flops for s in steps] + [s.model_flops for s in steps]
+        exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps]
+    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes]
+    exprs += [w.params for w in sb.weight_syncs]
+    for w in sb.weight_syncs:
+        exprs += [b for _, _, b in w.grad_collectives]
+    fn = sp.lambdify(SYMBOLS, [sp.sympify(e) for e in exprs], modules="math", cse=True)
+    layout = (len(sb.fwd), len(sb.bwd), len(sb.weight_syncs),
+              *(len(w.grad_collectives) for w in sb.weight_syncs))
+    return CompiledBlock(sb, fn, layout)
+
+
+@lru_cache(maxsize=128)
+def compiled_blocks(arch: ArchSwitches, policy: ShardingPolicy) -> tuple[CompiledBlock, CompiledBlock, CompiledBlock]:
+    """The embedding, layer and head of an architecture, sharded under ``policy`` and compiled.
+
+    Recomputation applies to transformer layers only (as in Megatron): the embedding and the
+    output layer keep their activations.
+    """
+    embedding, layer, head = build_blocks(arch)
+    edges = replace(policy, recompute="none")
+    return (compile_block(shard_block(embedding, edges)), compile_block(shard_block(layer, policy)),
+            compile_block(shard_block(head, edges)))

@@ -1,0 +1,1 @@
+"""Chakra traces: writing, reading, validating."""

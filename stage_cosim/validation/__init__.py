@@ -1,0 +1,1 @@
+"""Published measurements the performance model is calibrated and checked against."""

@@ -1,0 +1,78 @@
+"""Load the published measurements (see data/SOURCES.md) as typed rows."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from importlib import resources
+
+from stage_cosim.model.config import ModelConfig
+
+
+def _rows(name: str) -> list[dict[str, str]]:
+    with resources.files("stage_cosim.validation").joinpath("data", name).open() as f:
+        return list(csv.DictReader(f))
+
+
+def megatron_model_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Model FLOPs of one iteration as both training tables count them (no recompute term)."""
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One published training configuration and its measured step time."""
+
+    source: str
+    name: str
+    model: ModelConfig
+    gpu: str
+    gpus: int
+    tp: int
+    pp: int
+    dp: int
+    vp: int
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    recompute: str
+    sp: bool
+    measured_step_s: float
+
+
+def korthikanti_table5() -> list[TrainingRun]:
+    runs = []
+    for r in _rows("korthikanti2022_table5.csv"):
+        model = ModelConfig.build(f"gpt-{r['model']}", "gpt", layers=int(r["layers"]), hidden=int(r["hidden"]),
+                                  heads=int(r["heads"]), ffn=int(r["ffn"]), vocab=int(r["vocab"]),
+                                  max_seq=int(r["seq"]), attention="unfused")
+        runs.append(TrainingRun("korthikanti2022", f"{r['model']} {r['recompute']}", model, r["gpu"],
+                                int(r["gpus"]), int(r["tp"]), int(r["pp"]), int(r["dp"]), int(r["virtual_stages"]),
+                                int(r["global_batch"]), int(r["micro_batch"]), int(r["seq"]), r["recompute"],
+                                r["sequence_parallel"] == "true", float(r["measured_iter_s"])))
+    return runs
+
+
+def korthikanti_memory() -> dict[str, dict[str, float]]:
+    """Per model: GiB of weights+grads+optimizer, activations without / with selective+sp."""
+    return {r["model"]: {k: float(v) for k, v in r.items() if k != "model"}
+            for r in _rows("korthikanti2022_memory.csv")}
+
+
+def megatron_core_weak_scaling() -> list[TrainingRun]:
+    """Rows of the Megatron-Core H100 table; the step time is derived from the measured TFLOP/s
+    with the table's own FLOP formula. The models are GPT (4h MLP, untied embeddings)."""
+    runs = []
+    for r in _rows("megatron_core_h100_weak_scaling.csv"):
+        h, l, s, v = int(r["hidden"]), int(r["layers"]), int(r["seq"]), int(r["vocab"])
+        gpus, gb = int(r["gpus"]), int(r["global_batch"])
+        step = megatron_model_flops(gb, s, l, h, v) / (float(r["measured_tflops_per_gpu"]) * 1e12 * gpus)
+        model = ModelConfig.build(f"gpt-{r['params_B']}b", "gpt", layers=l, hidden=h, heads=int(r["heads"]),
+                                  vocab=v, max_seq=s, tied_embeddings=False, dropout=False)
+        runs.append(TrainingRun("megatron-core-0.8", f"{r['params_B']}B", model, r["gpu"], gpus, int(r["tp"]),
+                                int(r["pp"]), int(r["dp"]), 1, gb, 1, s, "none", True, step))
+    return runs
+
+
+def gpu_specs() -> list[dict[str, str]]:
+    return _rows("gpu_specs.csv")

@@ -1,0 +1,187 @@
+"""Synthesis: a model and a parallel configuration become a Workload (one graph per role).
+
+model ──► blocks (symbolic graph, forward + derived backward)
+      ──► sharded blocks (placements, collectives inferred; compiled once per architecture)
+      ──► role graphs (pipeline schedule, ZeRO, step-end reductions; one per pipeline stage)
+      ──► per-rank views (communicator groups and pipeline peers resolved on demand)
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import defaultdict
+from contextlib import contextmanager
+from functools import cached_property
+from typing import Any, Iterator
+
+from stage_cosim.graph.dims import degree_symbol, model_values
+from stage_cosim.model.config import ModelConfig
+from stage_cosim.parallel.config import ParallelConfig
+from stage_cosim.parallel.mesh import DeviceMesh
+from stage_cosim.schedule.program import (
+    COLL, COMP, EMBEDDING_GROUP, PP_GROUP, RECV, SEND, RoleGraph, StageMemory, build_role, stage_memory,
+)
+from stage_cosim.sharding.numeric import compiled_blocks
+from stage_cosim.sharding.propagate import BLOCK_AXES, ShardingPolicy
+
+GROUP_KINDS = ("tp", "dp", EMBEDDING_GROUP)   # communicator groups a collective can name
+
+
+class Workload:
+    """Everything synthesis knows about one training step on every rank.
+
+    Role graphs (one per pipeline stage) are built on first use: asking for a stage's memory
+    or a single role does not build the others.
+    """
+
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, mesh: DeviceMesh,
+                 role_args: dict[str, Any]) -> None:
+        self.model = model
+        self.parallel = parallel
+        self.mesh = mesh
+        self._role_args = role_args
+        self._roles: dict[int, RoleGraph] = {}
+
+    def role(self, stage: int) -> RoleGraph:
+        if stage not in self._roles:
+            with gc_paused():
+                self._roles[stage] = build_role(stage, **self._role_args)
+        return self._roles[stage]
+
+    @property
+    def roles(self) -> list[RoleGraph]:
+        return [self.role(s) for s in range(self.parallel.pp)]
+
+    def memory(self, stage: int) -> StageMemory:
+        if stage in self._roles:
+            return self._roles[stage].memory
+        return stage_memory(stage, **self._role_args)
+
+    # -- ranks and groups ---------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def role_of(self, rank: int) -> int:
+        return self.mesh.coord(rank, "pp")
+
+    def ranks_of_role(self, stage: int) -> range | list[int]:
+        return [r for r in range(self.world_size) if self.mesh.coord(r, "pp") == stage]
+
+    @cached_property
+    def group_base(self) -> dict[str, int]:
+        """First communicator-group id of each kind (ids are 1-based; 0 means all ranks)."""
+        base, nxt = {}, 1
+        for kind in GROUP_KINDS:
+            if self._group_kind_used(kind):
+                base[kind] = nxt
+                nxt += self.world_size // self._group_size(kind) if kind != EMBEDDING_GROUP else \
+                    self.world_size // self.mesh.size["pp"]
+        return base
+
+    def _group_size(self, kind: str) -> int:
+        return 2 if kind == EMBEDDING_GROUP else self.mesh.size[kind]
+
+    def _group_kind_used(self, kind: str) -> bool:
+        if kind == EMBEDDING_GROUP:
+            return self.model.tied_embeddings and self.parallel.pp > 1
+        return self.mesh.size[kind] > 1
+
+    def group_id(self, rank: int, kind: str) -> int:
+        axis = "pp" if kind == EMBEDDING_GROUP else kind
+        return self.group_base[kind] + self.mesh.group_index(rank, axis)
+
+    def group_members(self, rank: int, kind: str) -> list[int]:
+        if kind == EMBEDDING_GROUP:
+            members = self.mesh.group_members(rank, "pp")
+            return [members[0], members[-1]]
+        return self.mesh.group_members(rank, kind)
+
+    def communicator_groups(self) -> dict[str, list[int]]:
+        """Every group id -> its ranks (the communicator-group file)."""
+        out: dict[str, list[int]] = {}
+        for kind in GROUP_KINDS:
+            if kind not in self.group_base:
+                continue
+            axis = "pp" if kind == EMBEDDING_GROUP else kind
+            for i, members in enumerate(self.mesh.groups(axis)):
+                out[str(self.group_base[kind] + i)] = [members[0], members[-1]] if kind == EMBEDDING_GROUP else members
+        return out
+
+    def peer(self, rank: int, delta: int) -> int:
+        return self.mesh.shift(rank, "pp", delta)
+
+    # -- summaries ----------------------------------------------------------------------------
+
+    def role_summary(self, stage: int) -> dict[str, Any]:
+        role = self.role(stage)
+        flops = model_flops = matmul_flops = mem = 0
+        comm: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        counts: dict[str, int] = defaultdict(int)
+        for n in role.nodes:
+            counts[n.type] += 1
+            if n.type == COMP:
+                flops += n.flops
+                model_flops += n.model_flops
+                matmul_flops += n.flops if n.matmul else 0
+                mem += n.mem_bytes
+            elif n.type == COLL:
+                comm[n.group][n.coll.value] += n.comm_bytes
+            elif n.type == SEND:
+                comm[PP_GROUP]["SEND"] += n.comm_bytes
+            elif n.type == RECV:
+                comm[PP_GROUP]["RECV"] += n.comm_bytes
+        return {
+            "stage": stage,
+            "ranks": len(self.ranks_of_role(stage)) if self.world_size <= 4096 else self.world_size // self.parallel.pp,
+            "layers": [min(role.layers), max(role.layers)] if role.layers else [],
+            "num_layers": len(role.layers),
+            "nodes": dict(sorted(counts.items())),
+            "flops": flops,
+            "matmul_flops": matmul_flops,
+            "model_flops": model_flops,
+            "memory_bytes_moved": mem,
+            "comm_bytes": {g: dict(sorted(v.items())) for g, v in sorted(comm.items())},
+            "peak_memory_bytes": role.memory.to_dict(),
+        }
+
+    def total_matmul_flops(self) -> int:
+        """Matmul FLOPs of one step summed over every rank."""
+        per_stage = sum(n.flops for role in self.roles for n in role.nodes if n.type == COMP and n.matmul)
+        return per_stage * self.parallel.dp * self.parallel.tp
+
+    def total_model_flops(self) -> int:
+        per_stage = sum(n.model_flops for role in self.roles for n in role.nodes if n.type == COMP)
+        return per_stage * self.parallel.dp * self.parallel.tp
+
+
+def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
+    """Build the role graphs of one training step of ``model`` under ``parallel``."""
+    parallel.check_against(model)
+    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
+    policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute)
+    blocks = compiled_blocks(model.switches(), policy)
+    values = model_values(padded, parallel.micro_batch, parallel.seq_len)
+    for axis in BLOCK_AXES:
+        values[degree_symbol(axis)] = parallel.degrees()[axis]
+    costs = tuple(b.evaluate(values) for b in blocks)
+    mesh = DeviceMesh.build(parallel.degrees(), parallel.axis_order)
+    role_args = dict(pp=parallel.pp, vp=parallel.vp, schedule=parallel.schedule,
+                     num_microbatches=parallel.num_microbatches,
+                     layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
+                     costs=costs, zero=parallel.zero, tied_embeddings=model.tied_embeddings,
+                     degrees=parallel.degrees())
+    return Workload(model, parallel, mesh, role_args)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Building millions of small acyclic objects: the cycle collector only costs time here."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -1,0 +1,83 @@
+"""The command line: outputs, and bad input as one line, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["--model", "llama3-8b", "--layers", "4", "--seq-len", "256"]
+
+
+def test_models_lists_presets(run_cli) -> None:
+    code, out, _ = run_cli("models")
+    assert code == 0 and "llama3.1-405b" in out and "405.85B" in out
+
+
+def test_synth_writes_traces_and_manifest(run_cli, tmp_path) -> None:
+    out = tmp_path / "t"
+    code, stdout, err = run_cli("synth", *SMALL, "--tp", "2", "--pp", "2", "--dp", "2", "--global-batch", "8",
+                                "--sp", "--out", str(out))
+    assert code == 0, err
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["comm_groups.json", "manifest.json"] + sorted(f"workload.{r}.et" for r in range(8))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["ranks"] == 8 and len(manifest["roles"]) == 2
+    role = manifest["roles"][0]
+    assert set(role["peak_memory_bytes"]) >= {"weights", "gradients", "optimizer", "activations", "total"}
+    assert set(role["comm_bytes"]) == {"tp", "dp", "pp"}
+    assert manifest["parallel"]["sp"] is True
+    code, stdout, _ = run_cli("validate", str(out))
+    assert code == 0 and stdout.startswith("ok: 8 ranks")
+
+
+def test_synth_refuses_non_empty_out(run_cli, tmp_path) -> None:
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    code, _, err = run_cli("synth", *SMALL, "--out", str(out))
+    assert code == 2 and "--force" in err and (out / "keep").exists()
+    code, _, err = run_cli("synth", *SMALL, "--out", str(out), "--force")
+    assert code == 0 and not (out / "keep").exists()
+
+
+@pytest.mark.parametrize("args, param", [
+    (["--tp", "3"], "tp:"),
+    (["--pp", "4", "--vp", "2", "--global-batch", "4"], "pp:"),
+    (["--pp", "2", "--pp-layers", "1,2"], "pp-layers:"),
+    (["--pp", "2", "--pp-layers", "a,b"], "pp-layers:"),
+    (["--dp", "2", "--micro-batch", "2", "--global-batch", "6"], "global-batch:"),
+    (["--model", "nope"], "model:"),
+    (["--hidden", "0"], "hidden:"),
+    (["--seq-len", "-5"], "seq-len:"),
+    (["--zero", "5"], "zero:"),
+])
+def test_bad_input_one_line_exit_2(run_cli, tmp_path, args, param) -> None:
+    out = tmp_path / "t"
+    code, stdout, err = run_cli("synth", *SMALL, *args, "--out", str(out))
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and param in err, err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_malformed_hf_config_cli(run_cli, tmp_path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{broken")
+    code, _, err = run_cli("synth", "--model", str(cfg), "--out", str(tmp_path / "o"))
+    assert code == 2 and err.startswith("error: model:") and not (tmp_path / "o").exists()
+
+
+def test_validate_reports_problems(run_cli, tmp_path) -> None:
+    out = tmp_path / "t"
+    assert run_cli("synth", *SMALL, "--dp", "2", "--out", str(out))[0] == 0
+    (out / "workload.1.et").write_bytes((out / "workload.0.et").read_bytes()[:-7])
+    code, stdout, err = run_cli("validate", str(out))
+    assert code == 2 and "truncated" in err  # unreadable file: a user error, one line
+
+
+def test_python_dash_m(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "stage_cosim", "synth", "--tp", "7", "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: tp:") and "Traceback" not in proc.stderr

@@ -1,0 +1,76 @@
+"""Model presets, Hugging Face configs, and the parameter count derived from the graph."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stage_cosim.errors import UserError
+from stage_cosim.graph.transformer import symbolic_param_count
+from stage_cosim.model import PRESETS, resolve_model
+
+# Parameter counts published with the models (Hugging Face model cards / safetensors index).
+PUBLISHED_PARAMS = {
+    "llama2-7b": 6_738_415_616,
+    "llama2-70b": 68_976_648_192,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3.1-405b": 405_853_388_800,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_preset_params_match_published(name: str) -> None:
+    assert PRESETS[name].param_count() == PUBLISHED_PARAMS[name]
+
+
+def test_gpt3_is_175b() -> None:
+    # 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) from Narayanan et al. 2021, learned positions.
+    m = PRESETS["gpt3-175b"]
+    l, h, v, s = m.layers, m.hidden, m.vocab, m.max_seq
+    assert m.param_count() == 12 * l * h * h + 13 * l * h + v * h + s * h + 2 * h
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_graph_weights_equal_closed_form(name: str) -> None:
+    m = PRESETS[name]
+    assert symbolic_param_count(m) == m.param_count()
+
+
+def test_hf_gpt2_config(tmp_path) -> None:
+    cfg = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+           "n_positions": 1024, "activation_function": "gelu_new"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    m = resolve_model(str(path))
+    assert (m.arch, m.ffn, m.tied_embeddings) == ("gpt", 3072, True)
+    assert m.param_count() == 124_439_808  # GPT-2 small, as published
+
+
+def test_hf_llama_config_folder(tmp_path) -> None:
+    cfg = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+           "max_position_embeddings": 8192, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = resolve_model(str(tmp_path))
+    assert m.param_count() == PUBLISHED_PARAMS["llama3-8b"]
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "not a valid JSON"),
+    ('{"foo": 1}', "neither GPT-2 keys"),
+    ('{"n_layer": 2, "n_embd": -5, "n_head": 1, "vocab_size": 10}', "n_embd"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_malformed_hf_config(tmp_path, content: str, needle: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(UserError) as exc:
+        resolve_model(str(path))
+    assert exc.value.parameter == "model" and needle in str(exc.value)
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(UserError, match="unknown preset"):
+        resolve_model("gpt5-10t")

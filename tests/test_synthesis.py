@@ -1,0 +1,166 @@
+"""Synthesized workloads against closed forms derived independently of the code."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from stage_cosim.errors import UserError
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.schedule.program import COLL, COMP
+from stage_cosim.workload import synthesize
+
+FACTORIZATIONS = [(1, 1, 1, 1), (2, 2, 2, 1), (1, 4, 2, 2), (2, 1, 4, 2), (4, 2, 1, 1), (1, 2, 4, 1)]
+
+
+def gpt_flops(B: int, s: int, l: int, h: int, V: int, *, full_recompute: bool) -> float:
+    """Narayanan et al. / Korthikanti et al.: matmul FLOPs of one step, whole model."""
+    if full_recompute:
+        return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+@pytest.mark.parametrize("dp,tp,pp,vp", FACTORIZATIONS)
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_matmul_flops_closed_form(gpt_small, dp, tp, pp, vp, recompute) -> None:
+    B, s = 16, 1024
+    par = ParallelConfig(dp=dp, tp=tp, pp=pp, vp=vp, global_batch=B, seq_len=s, recompute=recompute)
+    w = synthesize(gpt_small, par)
+    V = par.padded_vocab(gpt_small.vocab)
+    expected = gpt_flops(B, s, gpt_small.layers, gpt_small.hidden, V, full_recompute=recompute == "full")
+    assert w.total_matmul_flops() == pytest.approx(expected, rel=5e-3)
+    # Model FLOPs never count recomputation.
+    assert w.total_model_flops() == pytest.approx(gpt_flops(B, s, gpt_small.layers, gpt_small.hidden, V,
+                                                            full_recompute=False), rel=5e-3)
+
+
+def test_flops_identical_across_factorizations(llama_small) -> None:
+    # A vocabulary that needs no padding at any tp, so the model is the same everywhere.
+    model = llama_small.with_overrides(vocab=32768)
+    totals = {synthesize(model, ParallelConfig(dp=dp, tp=tp, pp=pp, vp=vp, global_batch=16,
+                                                     seq_len=512)).total_matmul_flops()
+              for dp, tp, pp, vp in FACTORIZATIONS}
+    assert len(totals) == 1
+
+
+def test_fused_attention_flops(llama_small) -> None:
+    """Flash attention's backward recomputes QK^T: 2.5x the forward executed, 2x counted."""
+    b, s, m = 1, 512, llama_small
+    w = synthesize(m, ParallelConfig(seq_len=s))
+    fwd = [n for n in w.roles[0].nodes if n.name == "layer0.attention"]
+    bwd = [n for n in w.roles[0].nodes if n.name == "layer0.attention.grad"]
+    core = 4 * b * s * s * m.heads * m.head_dim
+    assert fwd[0].flops == core and bwd[0].flops == core * 5 // 2 and bwd[0].model_flops == 2 * core
+
+
+def _layer_tp_collectives(w, phase: str) -> Counter:
+    nodes = [n for n in w.roles[0].nodes if n.block == "layer1" and n.micro_batch == 0 and n.type == COLL
+             and n.group == "tp" and n.phase == phase]
+    return Counter((n.coll.short, n.comm_bytes) for n in nodes)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tensor_parallel_allreduce_per_layer(gpt_small, tp) -> None:
+    """Megatron without sp: two all-reduces of the b*s*h activation forward, two backward."""
+    b, s, h = 2, 1024, gpt_small.hidden
+    w = synthesize(gpt_small, ParallelConfig(tp=tp, micro_batch=b, seq_len=s))
+    act = 2 * b * s * h
+    assert _layer_tp_collectives(w, "fwd") == Counter({("AR", act): 2})
+    assert _layer_tp_collectives(w, "bwd") == Counter({("AR", act): 2})
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sequence_parallel_collectives_per_layer(gpt_small, tp) -> None:
+    """Korthikanti et al. sec. 4.2.2: forward g/g-bar become all-gather + reduce-scatter; the
+    backward conjugates them and re-gathers the sequence-sharded inputs of the two
+    column-parallel GEMMs for their weight gradients."""
+    b, s, h = 2, 1024, gpt_small.hidden
+    w = synthesize(gpt_small, ParallelConfig(tp=tp, sp=True, micro_batch=b, seq_len=s))
+    act = 2 * b * s * h
+    # all-gather comm_size is the input shard, reduce-scatter's the full input (Chakra's convention)
+    assert _layer_tp_collectives(w, "fwd") == Counter({("AG", act // tp): 2, ("RS", act): 2})
+    assert _layer_tp_collectives(w, "bwd") == Counter({("AG", act // tp): 4, ("RS", act): 2})
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_data_parallel_gradient_bytes(llama_small, zero) -> None:
+    """Once per step, each rank reduces exactly its shard's gradients (fp32) over dp."""
+    dp, tp, pp = 4, 2, 2
+    par = ParallelConfig(dp=dp, tp=tp, pp=pp, global_batch=32, seq_len=256, zero=zero)
+    w = synthesize(llama_small, par)
+    m = llama_small
+    V = par.padded_vocab(m.vocab)
+    for stage, role in enumerate(w.roles):
+        grad = [n for n in role.nodes if n.type == COLL and n.group == "dp" and n.phase == "step"
+                and n.coll.short in ("AR", "RS")]
+        # per rank: layers' parameters / tp (norm weights replicated), plus embedding or head
+        layer = (m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
+                 + 3 * m.hidden * m.ffn) // tp + 2 * m.hidden
+        edge = V * m.hidden // tp + (m.hidden if stage == pp - 1 else 0)
+        params = layer * (m.layers // pp) + edge
+        assert sum(n.comm_bytes for n in grad) == 4 * params
+        assert {n.coll.short for n in grad} == ({"AR"} if zero == 0 else {"RS"})
+        # once per step: one bucket per block, whatever the number of micro-batches
+        assert len(grad) == m.layers // pp + 1
+
+
+def test_zero3_gathers_parameters_twice_per_microbatch(llama_small) -> None:
+    dp, m = 4, llama_small
+    par = ParallelConfig(dp=dp, global_batch=12, seq_len=256, zero=3)
+    w = synthesize(m, par)
+    role = w.roles[0]
+    params = m.param_count() + (par.padded_vocab(m.vocab) - m.vocab) * m.hidden * 2
+    gathers = [n for n in role.nodes if n.type == COLL and n.coll.short == "AG" and n.group == "dp"]
+    per_mb = Counter()
+    for n in gathers:
+        per_mb[n.micro_batch] += n.comm_bytes
+    assert set(per_mb) == set(range(par.num_microbatches))
+    for total in per_mb.values():
+        assert total == pytest.approx(2 * 2 * params / dp, rel=1e-6)   # bf16, forward + backward
+
+
+def test_tied_embedding_gradients_across_pipeline(gpt_small) -> None:
+    w = synthesize(gpt_small, ParallelConfig(pp=2, tp=2, global_batch=4, seq_len=512))
+    for role in (w.roles[0], w.roles[-1]):
+        tied = [n for n in role.nodes if n.group == "embedding"]
+        assert len(tied) == 1 and tied[0].coll.short == "AR"
+    assert w.communicator_groups()[str(w.group_id(0, "embedding"))] == [0, 2]
+
+
+def test_uneven_pipeline_split() -> None:
+    """llama3.1-405b: 126 layers over 16 stages, the two end stages take one layer fewer."""
+    par = ParallelConfig(pp=16, tp=8, seq_len=4096)
+    assert par.layers_per_stage(126) == (7,) + (8,) * 14 + (7,)
+    assert ParallelConfig(pp=4).layers_per_stage(10) == (2, 3, 3, 2)
+    assert ParallelConfig(pp=4).layers_per_stage(8) == (2, 2, 2, 2)
+
+
+def test_explicit_pp_layers(llama_small) -> None:
+    w = synthesize(llama_small, ParallelConfig(pp=2, pp_layers=(3, 5), global_batch=2, seq_len=256))
+    assert [len(r.layers) for r in w.roles] == [3, 5]
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(tp=3), "tp"),
+    (dict(pp=8, vp=2, global_batch=8), "pp"),
+    (dict(pp=2, pp_layers=(3, 4)), "pp-layers"),
+    (dict(dp=2, micro_batch=2, global_batch=6), "global-batch"),
+    (dict(dp=0), "dp"),
+    (dict(seq_len=-1), "seq-len"),
+    (dict(zero=4), "zero"),
+])
+def test_bad_parallel_config(llama_small, kw, param) -> None:
+    with pytest.raises(UserError) as exc:
+        synthesize(llama_small, ParallelConfig(**kw))
+    assert exc.value.parameter == param
+
+
+def test_every_compute_node_has_costs(llama_small) -> None:
+    w = synthesize(llama_small, ParallelConfig(tp=2, pp=2, dp=2, sp=True, zero=1, global_batch=8, seq_len=256))
+    for role in w.roles:
+        for n in role.nodes:
+            if n.type == COMP:
+                assert n.mem_bytes > 0, n
+            if n.type == COLL:
+                assert n.comm_bytes > 0, n
