@@ -151,6 +151,11 @@ class Workload:
         per_stage = sum(n.flops for role in self.roles for n in role.nodes if n.type == COMP and n.matmul)
         return per_stage * self.parallel.dp * self.parallel.tp
 
+    def total_executed_flops(self) -> int:
+        """Every FLOP of one step (recomputation included) summed over every rank."""
+        per_stage = sum(n.flops for role in self.roles for n in role.nodes if n.type == COMP)
+        return per_stage * self.parallel.dp * self.parallel.tp
+
     def total_model_flops(self) -> int:
         per_stage = sum(n.model_flops for role in self.roles for n in role.nodes if n.type == COMP)
         return per_stage * self.parallel.dp * self.parallel.tp
@@ -171,7 +176,8 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
                      num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
                      costs=costs, zero=parallel.zero, tied_embeddings=model.tied_embeddings,
-                     degrees=parallel.degrees())
+                     degrees=parallel.degrees(), overlap_param_gather=parallel.overlap_param_gather,
+                     tp_comm_overlap=parallel.tp_comm_overlap)
     return Workload(model, parallel, mesh, role_args)
 
 

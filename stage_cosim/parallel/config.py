@@ -34,6 +34,11 @@ class ParallelConfig:
     pp_layers: tuple[int, ...] | None = None   # layers per virtual stage, in pipeline order
     axis_order: tuple[str, ...] = DEFAULT_AXIS_ORDER
     dtype: str = "bf16"
+    # ZeRO 1/2: all-gather updated parameters ahead of each block's next forward (Megatron's
+    # --overlap-param-gather) instead of right after the optimizer.
+    overlap_param_gather: bool = True
+    # Megatron-Core --tp-comm-overlap: tensor-parallel collectives pipelined with their GEMMs.
+    tp_comm_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "vp", "micro_batch", "seq_len"):

@@ -96,6 +96,23 @@ class RoleGraph:
     memory: StageMemory
     layers: tuple[int, ...]          # global layer indices held by this stage
     order: list[Pass] = field(default_factory=list)
+    # How the graph was assembled, for simulators that exploit the repetition of passes:
+    # the pass templates, where each pass was placed, and where the step-end nodes begin.
+    templates: dict = field(default_factory=dict)
+    passes: list["PlacedPass"] = field(default_factory=list)
+    step_end_start: int = 0
+
+
+@dataclass(frozen=True)
+class PlacedPass:
+    """A pass of the schedule as placed in a role graph."""
+
+    spec: Pass
+    template: tuple[int, str]        # key into RoleGraph.templates: (chunk, phase)
+    base: int                        # id of its first template node
+    recv: int                        # id of its pipeline receive, or -1
+    send: int                        # id of its pipeline send, or -1
+    param_deps: bool                 # the first forward of its chunk, waiting on parameter gathers
 
 
 def _ceil(x: float) -> int:
@@ -135,6 +152,7 @@ class _Builder:
 
 # Markers in pass templates for dependencies that are only known when the pass is placed.
 _ENTRY, _CHAIN, _CTRL = -1, -2, -3
+_PARAMS = -10   # -10 - j: the parameter gather of the pass's j-th block (first forward only)
 
 
 @dataclass
@@ -153,7 +171,76 @@ class _PassTemplate:
     last_prologue: int | None
 
 
-def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int]) -> _PassTemplate:
+def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], list[int]]:
+    """Megatron-Core's tensor-parallel communication overlap, as a graph rewrite: each
+    tensor-parallel all-gather feeding a GEMM, and each reduce-scatter fed by one, is split with
+    that GEMM into ``k`` chunks, chunk i of the GEMM waiting only for chunk i of the gather (and
+    chunk i of the reduce-scatter only for chunk i of the GEMM), so transfer and compute overlap.
+
+    Returns the new rows and, per old row, the first and last new row standing for it."""
+    consumers: dict[int, list[int]] = {}
+    for j, r in enumerate(rows):
+        for d in r[2]:
+            if d >= 0:
+                consumers.setdefault(d, []).append(j)
+
+    def gemm(j: int) -> bool:
+        return rows[j][1] == COMP and rows[j][6]
+
+    def tp_coll(j: int, kind: Collective) -> bool:
+        return rows[j][1] == COLL and rows[j][9] == "tp" and rows[j][7] == kind
+
+    split: set[int] = set()
+    feeds: dict[int, list[int]] = {}     # gemm -> split all-gathers it reads
+    fed_by: dict[int, int] = {}          # split reduce-scatter -> the gemm it reads
+    for j in range(len(rows)):
+        if tp_coll(j, Collective.ALL_GATHER):
+            gemms = [c for c in consumers.get(j, []) if gemm(c)]
+            if gemms:
+                split.add(j)
+                split.update(gemms)
+                for g in gemms:
+                    feeds.setdefault(g, []).append(j)
+        elif tp_coll(j, Collective.REDUCE_SCATTER):
+            producers = [d for d in rows[j][2] if d >= 0 and gemm(d)]
+            if len(producers) == 1:
+                split.update((j, producers[0]))
+                fed_by[j] = producers[0]
+    if not split:
+        return rows, list(range(len(rows))), list(range(len(rows)))
+    first: list[int] = []
+    last: list[int] = []
+    pos = 0
+    for j in range(len(rows)):
+        first.append(pos)
+        pos += k if j in split else 1
+        last.append(pos - 1)
+
+    def chunk(j: int, i: int) -> int:
+        return first[j] + i if j in split else last[j]
+
+    out: list[tuple] = []
+    for j, r in enumerate(rows):
+        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label = r
+        if j not in split:
+            out.append((name, typ, tuple(sorted({d if d < 0 else last[d] for d in deps})), *r[3:]))
+            continue
+        for i in range(k):
+            if typ == COMP:
+                ds = {chunk(d, i) if d in feeds.get(j, ()) else (d if d < 0 else last[d]) for d in deps}
+            elif j in fed_by:
+                ds = {chunk(fed_by[j], i)} | ({d if d < 0 else last[d] for d in deps if d != fed_by[j]} if i == 0 else set())
+            else:
+                ds = {d if d < 0 else last[d] for d in deps} if i == 0 else set()
+            if i > 0:
+                ds.add(first[j] + i - 1)
+            out.append((f"{name}#{i + 1}/{k}", typ, tuple(sorted(ds)), _ceil(flops / k), _ceil(mflops / k),
+                        _ceil(mem / k), matmul, coll, _ceil(cbytes / k), group, cat, phase, label))
+    return out, first, last
+
+
+def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
+                   tp_overlap: bool = False) -> _PassTemplate:
     rows: list[tuple] = []
     blocks: list[tuple[str, int, int]] = []
     prev_exit: list[int] = [_ENTRY]
@@ -171,7 +258,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int]) 
                 deps = [n for d in st.deps for n in ids[d]]
             else:
                 # ZeRO-3 prefetch: a block's gather may start once the previous one is done.
-                deps = [_CHAIN] if st.prologue else list(prev_exit)
+                deps = [_CHAIN] if st.prologue else list(prev_exit) + [_PARAMS - bi]
                 if bi == 0:
                     deps.append(_CTRL)
             name = f"{inst.label}.{st.name}"
@@ -189,13 +276,22 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int]) 
                 last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
         prev_exit = [n for e in exits for n in ids[e]] or prev_exit
         blocks.append((inst.label, start, len(rows)))
+    exits = [e for e in prev_exit if e >= 0]
+    if tp_overlap and degrees.get("tp", 1) > 1:
+        rows, first, last = _pipeline_tp(rows, degrees["tp"])
+        exits = [last[e] for e in exits]
+        last_prologue = last[last_prologue] if last_prologue is not None else None
+        blocks = [(label, first[lo] if lo < len(first) else len(rows), first[hi] if hi < len(first) else len(rows))
+                  for label, lo, hi in blocks]
     used = {d for r in rows for d in r[2] if d >= 0}
-    sinks = [i for i, r in enumerate(rows) if r[1] == COMP and i not in used]
-    return _PassTemplate(rows, [e for e in prev_exit if e >= 0], sinks, blocks, last_prologue)
+    # The next pass starts after this one's compute is done and its result exists (the result
+    # may come out of a collective, e.g. the loss all-reduce).
+    sinks = sorted({i for i, r in enumerate(rows) if r[1] == COMP and i not in used} | set(exits))
+    return _PassTemplate(rows, exits, sinks, blocks, last_prologue)
 
 
 def _place(b: "_Builder", t: _PassTemplate, *, entry: list[int], chain: list[int], ctrl: list[int],
-           micro_batch: int, chunk: int) -> int:
+           micro_batch: int, chunk: int, params: dict[int, list[int]]) -> int:
     """Append a pass's nodes; returns the id of its first node. (The hot loop of synthesis.)"""
     base = len(b.nodes)
     append = b.nodes.append
@@ -211,8 +307,10 @@ def _place(b: "_Builder", t: _PassTemplate, *, entry: list[int], chain: list[int
                     deps.extend(entry)
                 elif r == _CHAIN:
                     deps.extend(chain)
-                else:
+                elif r == _CTRL:
                     node_ctrl = ctrl
+                else:
+                    deps.extend(params.get(_PARAMS - r, ()))
         else:
             deps = [base + r for r in rel]
         n = new(Node)
@@ -246,7 +344,8 @@ def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ..
 def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                  layers_per_vstage: tuple[int, ...], blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
                  costs: tuple[BlockCosts, BlockCosts, BlockCosts], zero: int, tied_embeddings: bool,
-                 degrees: dict[str, int]) -> StageMemory:
+                 degrees: dict[str, int], overlap_param_gather: bool = False,
+                 tp_comm_overlap: bool = False) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, costs)
     order = schedule_order(schedule, pp, stage, num_microbatches, vp)
@@ -257,17 +356,25 @@ def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatche
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                layers_per_vstage: tuple[int, ...], blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
                costs: tuple[BlockCosts, BlockCosts, BlockCosts], zero: int, tied_embeddings: bool,
-               degrees: dict[str, int]) -> RoleGraph:
+               degrees: dict[str, int], overlap_param_gather: bool = False,
+               tp_comm_overlap: bool = False) -> RoleGraph:
     nv = pp * vp
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, costs)
     order = schedule_order(schedule, pp, stage, num_microbatches, vp)
-    templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees)
+    templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
+                                         tp_comm_overlap)
                  for c in range(vp) for ph in ("fwd", "bwd")}
     b = _Builder(degrees)
     last_bwd_nodes: dict[str, list[int]] = {}   # block instance -> its nodes in the last backward
     prev_sinks: list[int] = []
     chain: list[int] = []
     act_bytes = _ceil(costs[1].boundary_bytes)
+    gathered = zero in (1, 2) and overlap_param_gather
+    # With the distributed optimizer's overlapped parameter gather, the updated parameters of
+    # the previous step are all-gathered block by block ahead of each block's first forward.
+    param_ag = _param_gathers(b, chunks, tied_embeddings, degrees["dp"]) if gathered else {}
+    first_fwd_done: set[int] = set()
+    placed: list[PlacedPass] = []
     for p in order:
         vs = p.chunk * pp + stage
         common = dict(micro_batch=p.micro_batch, chunk=p.chunk, phase=p.phase, category="pp", group=PP_GROUP,
@@ -280,26 +387,35 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
             entry = [b.add(f"recv_bwd.mb{p.micro_batch}.vs{vs}", RECV, [], peer=+1,
                            tag=_tag(p.micro_batch, vs, nv, 1), **common)]
         t = templates[(p.chunk, p.phase)]
-        base = _place(b, t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk)
+        params: dict[int, list[int]] = {}
+        if p.phase == "fwd" and p.chunk not in first_fwd_done:
+            first_fwd_done.add(p.chunk)
+            params = {j: param_ag.get(inst.label, []) for j, inst in enumerate(chunks[p.chunk])}
+        base = _place(b, t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
+                      params=params)
         if t.last_prologue is not None:
             chain = [base + t.last_prologue]
         exits = [base + e for e in t.exits] or entry
         if p.phase == "bwd":
             for label, lo, hi in t.blocks:
                 last_bwd_nodes[label] = list(range(base + lo, base + hi))
+        send = -1
         if p.phase == "fwd" and vs < nv - 1:
-            b.add(f"send_fwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=+1,
-                  tag=_tag(p.micro_batch, vs, nv, 0), **common)
+            send = b.add(f"send_fwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=+1,
+                         tag=_tag(p.micro_batch, vs, nv, 0), **common)
         if p.phase == "bwd" and vs > 0:
-            b.add(f"send_bwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=-1,
-                  tag=_tag(p.micro_batch, vs - 1, nv, 1), **common)
+            send = b.add(f"send_bwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=-1,
+                         tag=_tag(p.micro_batch, vs - 1, nv, 1), **common)
+        placed.append(PlacedPass(p, (p.chunk, p.phase), base, entry[0] if entry else -1, send, bool(params)))
         prev_sinks = [base + i for i in t.sinks] or prev_sinks
 
     instances = [inst for c in range(vp) for inst in chunks[c]]
-    _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, dp=degrees["dp"])
+    step_end_start = len(b.nodes)
+    _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, dp=degrees["dp"],
+              gather_after_update=not gathered)
     memory = _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
-    return RoleGraph(stage, b.nodes, memory, layers, order)
+    return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start)
 
 
 def _tag(micro_batch: int, vs: int, nv: int, direction: int) -> int:
@@ -317,8 +433,27 @@ def _unique_weights(instances: list[_Instance], tied: bool):
             yield inst, j
 
 
+def _block_params(instances: list[_Instance], tied: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for inst, j in _unique_weights(instances, tied):
+        out[inst.label] = out.get(inst.label, 0.0) + inst.costs.weight_params[j]
+    return out
+
+
+def _param_gathers(b: "_Builder", chunks: dict[int, list[_Instance]], tied: bool, dp: int) -> dict[str, list[int]]:
+    """Step-start all-gathers of each block's updated parameter shard (ZeRO 1/2, overlapped)."""
+    instances = [inst for c in sorted(chunks) for inst in chunks[c]]
+    out: dict[str, list[int]] = {}
+    for label, params in _block_params(instances, tied).items():
+        if params > 0:
+            out[label] = b.add_collective(f"{label}.param_ag_dp", [], coll=Collective.ALL_GATHER,
+                                          comm_bytes=_ceil(params / dp * WEIGHT_BYTES), group="dp",
+                                          phase="step", block=label, category="dp")
+    return out
+
+
 def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[int]], *, stage: int,
-              pp: int, zero: int, tied: bool, dp: int) -> None:
+              pp: int, zero: int, tied: bool, dp: int, gather_after_update: bool = True) -> None:
     """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers."""
     syncs: list[int] = []
     per_block: dict[str, dict[tuple[str, Collective], float]] = {}
@@ -361,7 +496,7 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
                     mem_bytes=_ceil(local * ADAM_BYTES_PER_PARAM), phase="step", block=inst.label,
                     category="optimizer")
         last_compute = [opt]
-        if zero in (1, 2):
+        if zero in (1, 2) and gather_after_update:
             b.add_collective(f"{inst.label}.param_ag_dp", [opt], coll=Collective.ALL_GATHER,
                              comm_bytes=_ceil(local * WEIGHT_BYTES), group="dp", phase="step",
                              block=inst.label, category="dp")

@@ -1,0 +1,181 @@
+"""Event-driven replay of every agent's dependency graph.
+
+An *agent* is a rank, or one representative rank of a role when symmetry is exploited (all
+ranks of a pipeline stage run the same graph at the same times, so one stands for all).
+
+Rules (ASTRA-sim's workload layer, generalized to several streams):
+
+* a node is ready when its dependencies are done; ready nodes are issued in id order, each
+  when the stream (execution slot) it needs is free; a node that needs no stream (a receive)
+  is issued at once;
+* a collective finishes when every participating agent has issued it; the network model
+  turns the members' issue times into their finish times;
+* a send occupies its stream for as long as the network model says; a receive finishes at
+  the later of its issue and the data's arrival. Sends and receives pair by (src, dst, tag).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from stage_cosim.adapters.roofline.network import NetworkModel
+
+
+class DeadlockError(Exception):
+    """Some nodes never became runnable (a collective or receive that nobody matches)."""
+
+
+@dataclass
+class AgentProgram:
+    """One agent's nodes, column by column (index = position in id order)."""
+
+    name: str
+    rank: int
+    ids: list[int]
+    types: list[str]
+    deps: list[list[int]]
+    duration: list[float]                      # COMP: seconds
+    kind: list[str]                            # comm kind: "tp", "dp", "pp", "embedding", "pg:7" …
+    coll: list[str | None]
+    nbytes: list[int]
+    peer: list[int]                            # SEND: destination agent, RECV: source agent
+    tag: list[int]
+    group: list[Hashable | None]               # COLL: rendezvous instance
+    members: list[tuple[int, ...] | None]      # COLL: the group's global ranks
+    streams: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class Replay:
+    start: list[list[float]]
+    end: list[list[float]]
+    finish: list[float]
+
+
+def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants: dict[Hashable, int],
+           agent_of_rank) -> Replay:  # noqa: ANN001 (callable rank -> agent index)
+    """Run all agents to completion. ``participants[group]`` is how many simulated agents take
+    part in each rendezvous instance; ``agent_of_rank(r)`` maps a member rank to its agent."""
+    n_agents = len(programs)
+    start = [[-1.0] * len(p.types) for p in programs]
+    end = [[-1.0] * len(p.types) for p in programs]
+    children: list[list[list[int]]] = []
+    indeg: list[list[int]] = []
+    for p in programs:
+        ch: list[list[int]] = [[] for _ in p.types]
+        deg = [0] * len(p.types)
+        for i, ds in enumerate(p.deps):
+            for d in ds:
+                ch[d].append(i)
+            deg[i] = len(ds)
+        children.append(ch)
+        indeg.append(deg)
+        if not p.streams:
+            p.streams = [("compute" if t == "COMP" else network.stream(t, k)) for t, k in zip(p.types, p.kind)]
+
+    events: list[tuple[float, int, int, int]] = []   # (time, seq, agent, node): node finishes
+    seq = 0
+    busy: list[dict[str, bool]] = [dict() for _ in range(n_agents)]
+    ready: list[dict[str, list[int]]] = [dict() for _ in range(n_agents)]
+    rendezvous: dict[tuple[Hashable, int], list[tuple[int, int, float]]] = {}
+    issued_on: list[dict[Hashable, int]] = [dict() for _ in range(n_agents)]
+    mailbox: dict[tuple[int, int, int], list[float]] = {}
+    waiting_recv: dict[tuple[int, int, int], list[tuple[int, int, float]]] = {}
+
+    def push(t: float, a: int, i: int) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, a, i))
+        seq += 1
+
+    def issue(a: int, i: int, now: float) -> None:
+        p = programs[a]
+        start[a][i] = now
+        t = p.types[i]
+        if t == "COMP" or t == "WAIT":     # WAIT: a placeholder that only lets time pass
+            push(now + p.duration[i], a, i)
+        elif t == "COLL":
+            g = p.group[i]
+            k = issued_on[a].get(g, 0)
+            issued_on[a][g] = k + 1
+            key = (g, k)
+            arrived = rendezvous.setdefault(key, [])
+            arrived.append((a, i, now))
+            if len(arrived) == participants.get(g, 1):
+                del rendezvous[key]
+                members = p.members[i] or (p.rank,)
+                issue_time = {ag: tm for ag, _, tm in arrived}
+                starts = [issue_time[agent_of_rank(r)] for r in members]
+                finishes = network.collective(p.coll[i], p.nbytes[i], members, starts)
+                # Each agent finishes when the member it stands for does.
+                done = {agent_of_rank(r): f for r, f in zip(members, finishes)
+                        if programs[agent_of_rank(r)].rank == r}
+                for ag, node, _ in arrived:
+                    push(done[ag], ag, node)
+        elif t == "SEND":
+            dst = p.peer[i]
+            busy_for, delay = network.p2p(p.rank, programs[dst].rank, p.nbytes[i])
+            push(now + busy_for, a, i)
+            key = (a, dst, p.tag[i])
+            arrival = now + delay
+            waiters = waiting_recv.get(key)
+            if waiters:
+                ra, ri, posted = waiters.pop(0)
+                push(max(posted, arrival), ra, ri)
+            else:
+                mailbox.setdefault(key, []).append(arrival)
+        elif t == "RECV":
+            key = (p.peer[i], a, p.tag[i])
+            box = mailbox.get(key)
+            if box:
+                push(max(now, box.pop(0)), a, i)
+            else:
+                waiting_recv.setdefault(key, []).append((a, i, now))
+
+    def make_ready(a: int, i: int, now: float) -> None:
+        s = programs[a].streams[i]
+        if s is None:
+            issue(a, i, now)
+        else:
+            heapq.heappush(ready[a].setdefault(s, []), i)
+
+    def pump(a: int, s: str, now: float) -> None:
+        q = ready[a].get(s)
+        if q and not busy[a].get(s):
+            i = heapq.heappop(q)
+            busy[a][s] = True
+            issue(a, i, now)
+
+    for a, p in enumerate(programs):
+        for i in range(len(p.types)):
+            if indeg[a][i] == 0:
+                make_ready(a, i, 0.0)
+        for s in list(ready[a]):
+            pump(a, s, 0.0)
+
+    while events:
+        now, _, a, i = heapq.heappop(events)
+        end[a][i] = now
+        p = programs[a]
+        touched = set()
+        s = p.streams[i]
+        if s is not None:
+            busy[a][s] = False
+            touched.add(s)
+        for c in children[a][i]:
+            indeg[a][c] -= 1
+            if indeg[a][c] == 0:
+                make_ready(a, c, now)
+                cs = p.streams[c]
+                if cs is not None:
+                    touched.add(cs)
+        for s in touched:
+            pump(a, s, now)
+
+    stuck = [(programs[a].name, programs[a].ids[i]) for a in range(n_agents)
+             for i in range(len(end[a])) if end[a][i] < 0]
+    if stuck:
+        raise DeadlockError(f"{len(stuck)} node(s) never finished, e.g. {stuck[:3]}")
+    finish = [max(e, default=0.0) for e in end]
+    return Replay(start, end, finish)

@@ -1,0 +1,271 @@
+"""The fast path of the roofline simulator: exploit the repetition of pipeline passes.
+
+Every micro-batch's forward (or backward) of a model chunk on a stage is the same graph, and
+in the calibrated network model each kind of communication has its own stream, so a pass runs
+the same way whenever it starts (its nodes all wait, directly or not, for the previous pass's
+last compute and for the pipeline receive). So:
+
+1. simulate each pass template once, on its own, node by node (the event-driven engine);
+2. replay the pipeline at pass granularity: a pass starts when the previous pass on its stage
+   is done and its input has arrived; its output leaves after the template's exit time;
+3. simulate the step-end nodes (gradient reductions, optimizer) node by node, each waiting for
+   the absolute finish time of the pass nodes it depends on.
+
+The first forward of each chunk, which waits on overlapped parameter gathers, is simulated
+individually. The result equals the full node-level replay up to cross-pass overlaps the
+templates cannot see (tests check the agreement).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Hashable
+
+from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
+from stage_cosim.adapters.roofline.network import NetworkModel
+from stage_cosim.result import BREAKDOWN_KEYS
+from stage_cosim.schedule.program import COLL, COMP, RECV, SEND, RoleGraph
+from stage_cosim.workload import Workload
+
+WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own
+
+
+@dataclass
+class _PassRun:
+    start: list[float]
+    end: list[float]
+    exit: float
+    sinks: float
+    breakdown: dict[str, float]
+
+
+def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w: Workload, role: RoleGraph,
+             compute: ComputeModel, network: NetworkModel, durations: dict,
+             waits: list[float] | None = None) -> AgentProgram:
+    """One agent program from template rows (tuples) or graph nodes; ``waits`` prepends WAIT
+    nodes (index 0 … len-1) that finish at the given times."""
+    waits = waits or []
+    nw = len(waits)
+    n = nw + len(rows_or_nodes)
+    prog = AgentProgram(name=name, rank=rank, ids=list(range(n)), types=[WAIT] * nw, deps=[[] for _ in waits],
+                        duration=list(waits) + [0.0] * (n - nw), kind=[""] * n, coll=[None] * n, nbytes=[0] * n,
+                        peer=[-1] * n, tag=[0] * n, group=[None] * n, members=[None] * n,
+                        streams=[f"wait{i}" for i in range(nw)])
+    members = {k: tuple(w.group_members(rank, k)) for k in ("tp", "dp") if k in w.group_base}
+    for j, item in enumerate(rows_or_nodes):
+        i = nw + j
+        if isinstance(item, tuple):
+            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, *_ = item
+        else:
+            typ, flops, mem, matmul, coll, cbytes, group = (item.type, item.flops, item.mem_bytes, item.matmul,
+                                                            item.coll, item.comm_bytes, item.group)
+        prog.types.append(typ)
+        prog.deps.append(deps[j])
+        if typ == COMP:
+            key = (flops, mem, matmul)
+            d = durations.get(key)
+            if d is None:
+                d = durations[key] = compute.duration_s(flops, mem, matmul)
+            prog.duration[i] = d
+            prog.streams.append("compute")
+        else:
+            prog.kind[i] = group
+            prog.coll[i] = coll.value
+            prog.nbytes[i] = cbytes
+            prog.group[i] = (group, role.stage) if group != "embedding" else (group, w.group_id(rank, group))
+            prog.members[i] = members.get(group) or tuple(w.group_members(rank, group))
+            prog.streams.append(network.stream(typ, group))
+    return prog
+
+
+def _window_breakdown(prog: AgentProgram, rep: Replay, lo: float, hi: float, waiting: str) -> dict[str, float]:
+    from stage_cosim.adapters.roofline.simulate import EXPOSED_PRIORITY
+
+    events: list[tuple[float, int, str]] = []
+    for i, t in enumerate(prog.types):
+        s, e = max(rep.start[0][i], lo), min(rep.end[0][i], hi)
+        if e <= s or t in (WAIT, RECV):
+            continue
+        cat = "compute" if t == COMP else (prog.kind[i] if prog.kind[i] in EXPOSED_PRIORITY else "other")
+        events += [(s, 1, cat), (e, -1, cat)]
+    events.sort()
+    out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    active: dict[str, int] = {}
+    prev = lo
+
+    def charge(t0: float, t1: float) -> None:
+        if t1 <= t0:
+            return
+        if active.get("compute"):
+            out["compute"] += t1 - t0
+            return
+        for kind in EXPOSED_PRIORITY + ("other",):
+            if active.get(kind):
+                out[f"exposed_{kind}"] += t1 - t0
+                return
+        out[waiting] += t1 - t0
+
+    for t, delta, cat in events:
+        charge(prev, t)
+        active[cat] = active.get(cat, 0) + delta
+        prev = t
+    charge(prev, hi)
+    return out
+
+
+def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
+                  ) -> tuple[list[float], list[dict[str, float]]]:
+    """(finish time, breakdown) of each pipeline stage's representative rank."""
+    pp = w.parallel.pp
+    roles = [w.role(s) for s in range(pp)]
+    reps = [w.mesh.rank(pp=s) for s in range(pp)]
+    waiting = "pipeline_bubble" if pp > 1 else "idle"
+    durations: dict = {}
+    single = lambda r: 0  # noqa: E731 (every member rank maps to the one simulated agent)
+
+    def run_one(prog: AgentProgram) -> Replay:
+        parts: dict[Hashable, int] = {g: 1 for g in prog.group if g is not None}
+        return replay([prog], network, parts, single)
+
+    # 1. every pass template once, standalone
+    template_runs: dict[tuple[int, tuple], _PassRun] = {}
+    for s, role in enumerate(roles):
+        for key, t in role.templates.items():
+            prog = _program(f"stage{s}", reps[s], t.rows, [[d for d in r[2] if d >= 0] for r in t.rows], w, role,
+                            compute, network, durations)
+            rep = run_one(prog)
+            end = rep.end[0]
+            total = max(end, default=0.0)
+            template_runs[(s, key)] = _PassRun(
+                rep.start[0], end, max((end[e] for e in t.exits), default=0.0),
+                max((end[i] for i in t.sinks), default=total),
+                _window_breakdown(prog, rep, 0.0, max((end[i] for i in t.sinks), default=total), waiting))
+
+    # 2. the pipeline, pass by pass
+    t0s: list[list[float]] = [[0.0] * len(r.passes) for r in roles]
+    runs: list[list[_PassRun]] = [[None] * len(r.passes) for r in roles]  # type: ignore[list-item]
+    totals = [dict.fromkeys(BREAKDOWN_KEYS, 0.0) for _ in roles]
+    arrivals: dict[tuple[int, int, int], float] = {}
+    send_free = [0.0] * pp
+    sinks_done = [0.0] * pp
+    nxt = [0] * pp
+    prologue = [[n.id for n in r.nodes[:r.passes[0].base] if n.type == COLL] if r.passes else [] for r in roles]
+    remaining = sum(len(r.passes) for r in roles)
+    while remaining:
+        progressed = False
+        for s, role in enumerate(roles):
+            while nxt[s] < len(role.passes):
+                k = nxt[s]
+                pl = role.passes[k]
+                ready = sinks_done[s]
+                if pl.recv >= 0:
+                    rv = role.nodes[pl.recv]
+                    key = ((s + rv.peer) % pp, s, rv.tag)
+                    if key not in arrivals:
+                        break
+                    ready = max(ready, arrivals.pop(key))
+                t = role.templates[pl.template]
+                if pl.param_deps and prologue[s]:
+                    run = _first_forward(w, role, s, reps[s], pl, t, ready, prologue[s], compute, network,
+                                         durations, run_one, waiting, since=sinks_done[s])
+                    t0 = 0.0     # this run's times are absolute
+                else:
+                    run = template_runs[(s, pl.template)]
+                    t0 = ready
+                    totals[s][waiting] += t0 - sinks_done[s]
+                for c, v in run.breakdown.items():
+                    totals[s][c] += v
+                t0s[s][k] = t0
+                runs[s][k] = run
+                exit_t = t0 + run.exit
+                sinks_done[s] = t0 + run.sinks
+                if pl.send >= 0:
+                    sd = role.nodes[pl.send]
+                    dst = (s + sd.peer) % pp
+                    busy, delay = network.p2p(reps[s], reps[dst], sd.comm_bytes)
+                    start = max(exit_t, send_free[s])
+                    send_free[s] = start + busy
+                    arrivals[(s, dst, sd.tag)] = start + delay
+                nxt[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise DeadlockError("pipeline passes wait on receives that never arrive")
+
+    # 3. the step end, every stage together (tied embeddings couple the first and last stage)
+    programs = []
+    participants: dict[Hashable, int] = {}
+    for s, role in enumerate(roles):
+        bases = [pl.base for pl in role.passes]
+
+        def abs_end(node_id: int, _s=s, _role=role, _bases=bases) -> float:
+            k = bisect.bisect_right(_bases, node_id) - 1
+            if k < 0:
+                return 0.0          # a step-start node (parameter gather): long done
+            pl = _role.passes[k]
+            run = runs[_s][k]
+            rel = node_id - pl.base
+            return t0s[_s][k] + run.end[rel] if 0 <= rel < len(run.end) else sinks_done[_s]
+
+        tail = role.nodes[role.step_end_start:]
+        waits, deps = [], []
+        for j, n in enumerate(tail):
+            pass_deps = [d for d in n.deps if d < role.step_end_start]
+            waits.append(max((abs_end(d) for d in pass_deps), default=0.0))
+            deps.append([j] + [len(tail) + d - role.step_end_start for d in n.deps if d >= role.step_end_start])
+        prog = _program(f"stage{s}", reps[s], tail, deps, w, role, compute, network, durations, waits=waits)
+        programs.append(prog)
+        for g in prog.group:
+            if g is not None:
+                participants[g] = 2 if g[0] == "embedding" else 1
+    rep = replay(programs, network, participants, w.role_of)
+    finishes = []
+    for s in range(pp):
+        last = max(sinks_done[s], send_free[s])
+        fin = max(last, max(rep.end[s][len(roles[s].nodes) - roles[s].step_end_start:], default=0.0))
+        # the step-end tail, charged like everything else
+        one = Replay([rep.start[s]], [rep.end[s]], [fin])
+        tail_bd = _window_breakdown(programs[s], one, sinks_done[s], fin, "idle")
+        for c, v in tail_bd.items():
+            totals[s][c] += v
+        finishes.append(fin)
+    step = max(finishes)
+    for s in range(pp):
+        totals[s][waiting] += step - finishes[s]    # charged over the whole step, as the full replay does
+    return finishes, totals
+
+
+def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready: float, prologue: list[int],  # noqa: ANN001
+                   compute: ComputeModel, network: NetworkModel, durations: dict, run_one,  # noqa: ANN001
+                   waiting: str, since: float) -> _PassRun:
+    """The first forward of a chunk with the step-start parameter gathers running alongside:
+    absolute times from 0 (WAIT node 0 holds the pass back until ``ready``)."""
+    gathers = [role.nodes[i] for i in prologue]
+    npro = len(gathers)
+    rows = t.rows
+    deps: list[list[int]] = [[] for _ in gathers]
+    node_ids = list(range(pl.base, pl.base + len(rows)))
+    gather_pos = {nid: 1 + j for j, nid in enumerate(prologue)}  # +1: WAIT node first
+    for j, nid in enumerate(node_ids):
+        node = role.nodes[nid]
+        ds = []
+        for d in node.deps + node.ctrl:
+            if pl.base <= d < pl.base + len(rows):
+                ds.append(1 + npro + d - pl.base)
+            elif d in gather_pos:
+                ds.append(gather_pos[d])
+            else:
+                ds.append(0)  # the receive or the previous pass: both done by ``ready``
+        deps.append(sorted(set(ds)))
+    items = gathers + [role.nodes[i] for i in node_ids]
+    # dependencies are numbered in the whole program: the WAIT node 0, the gathers, the pass
+    prog = _program(f"stage{s}", rank, items, deps, w, role, compute, network, durations, waits=[ready])
+    rep = run_one(prog)
+    end = rep.end[0][1 + npro:]
+    start = rep.start[0][1 + npro:]
+    exit_t = max((end[e] for e in t.exits), default=ready)
+    sinks = max((end[i] for i in t.sinks), default=max(end, default=ready))
+    bd = _window_breakdown(prog, rep, since, sinks, waiting)
+    return _PassRun(start, end, exit_t, sinks, bd)

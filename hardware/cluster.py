@@ -1,0 +1,187 @@
+"""Clusters: GPUs in scale-up domains (NVLink) joined by a scale-out network (InfiniBand …).
+
+Internally a cluster is a list of network dimensions in ASTRA-sim's vocabulary
+(:class:`~stage_cosim.hardware.network.NetworkDim`), so the ASTRA-sim adapter maps it one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stage_cosim.errors import UserError, require
+from stage_cosim.hardware.gpu import GPU, get_gpu
+from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
+
+GIB_PER_GB = 1e9 / (1 << 30)   # ASTRA-sim's "GB/s" is 2^30 B/s; vendor figures are 10^9 B/s
+
+
+@dataclass(frozen=True)
+class ScaleUp:
+    """The domain where every GPU reaches every other at full bandwidth (an NVLink switch)."""
+
+    gpus_per_domain: int
+    bandwidth_GBps: float      # per GPU per direction, 10^9 B/s
+    latency_ns: float
+    topology: str = "Switch"
+
+
+@dataclass(frozen=True)
+class ScaleOut:
+    """The network between domains; bandwidth per GPU (its NIC), divided by oversubscription."""
+
+    bandwidth_GBps: float      # per GPU per direction, 10^9 B/s
+    latency_ns: float
+    topology: str = "Switch"
+    oversubscription: float = 1.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpu: GPU
+    num_gpus: int
+    scale_up: ScaleUp
+    scale_out: ScaleOut
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.num_gpus, int) and self.num_gpus > 0, "cluster.num_gpus",
+                f"must be a positive integer, got {self.num_gpus!r}")
+        d = self.scale_up.gpus_per_domain
+        require(isinstance(d, int) and d > 0, "cluster.scale_up.gpus_per_domain", f"must be a positive integer, got {d!r}")
+        require(self.num_gpus <= d or self.num_gpus % d == 0, "cluster",
+                f"{self.num_gpus} GPUs do not fill whole scale-up domains of {d}")
+        for part, obj in (("scale_up", self.scale_up), ("scale_out", self.scale_out)):
+            require(obj.bandwidth_GBps > 0, f"cluster.{part}.bandwidth_GBps", f"must be positive, got {obj.bandwidth_GBps!r}")
+            require(obj.latency_ns >= 0, f"cluster.{part}.latency_ns", f"must be non-negative, got {obj.latency_ns!r}")
+            require(obj.topology in TOPOLOGIES, f"cluster.{part}.topology",
+                    f"must be one of {', '.join(TOPOLOGIES)}, got {obj.topology!r}")
+        require(self.scale_out.oversubscription >= 1, "cluster.scale_out.oversubscription",
+                f"must be at least 1, got {self.scale_out.oversubscription!r}")
+
+    @property
+    def domain(self) -> int:
+        return min(self.scale_up.gpus_per_domain, self.num_gpus)
+
+    @property
+    def num_domains(self) -> int:
+        return self.num_gpus // self.domain
+
+    def network_dims(self) -> list[NetworkDim]:
+        """Innermost first; ASTRA-sim units (GB/s with GB = 2^30 B, ns per hop)."""
+        dims = [NetworkDim(self.scale_up.topology, self.domain, self.scale_up.bandwidth_GBps * GIB_PER_GB,
+                           self.scale_up.latency_ns)]
+        if self.num_domains > 1:
+            bw = self.scale_out.bandwidth_GBps / self.scale_out.oversubscription
+            dims.append(NetworkDim(self.scale_out.topology, self.num_domains, bw * GIB_PER_GB,
+                                   self.scale_out.latency_ns))
+        return dims
+
+    def with_gpus(self, num_gpus: int) -> "Cluster":
+        return replace(self, num_gpus=num_gpus)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["gpu"] = self.gpu.to_dict()
+        return d
+
+
+def _preset(name: str, gpu: str, domain: int, up_bw: float, up_lat: float, out_bw: float, out_lat: float) -> dict:
+    return dict(name=name, gpu=gpu, scale_up=dict(gpus_per_domain=domain, bandwidth_GBps=up_bw, latency_ns=up_lat),
+                scale_out=dict(bandwidth_GBps=out_bw, latency_ns=out_lat))
+
+
+# Bandwidths from the vendor data sheets (gpu_specs.csv); latencies are per hop, typical
+# figures for NVSwitch (~0.7 µs) and an InfiniBand fat tree (~2 µs through NIC and switches).
+CLUSTER_PRESETS: dict[str, dict] = {
+    # Selene-like: 8 A100-80GB per node on NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
+    "dgx-a100": _preset("dgx-a100", "A100-80GB", 8, 300, 700, 25, 2000),
+    "dgx-h100": _preset("dgx-h100", "H100-SXM", 8, 450, 700, 50, 2000),
+    "dgx-h200": _preset("dgx-h200", "H200", 8, 450, 700, 50, 2000),
+    "dgx-b200": _preset("dgx-b200", "B200", 8, 900, 700, 50, 2000),
+    # 72 GPUs in one NVLink domain; one 400 Gb/s NIC per GPU between racks.
+    "gb200-nvl72": _preset("gb200-nvl72", "GB200", 72, 900, 700, 50, 2000),
+}
+
+
+def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
+    if not isinstance(doc, dict):
+        raise UserError("cluster", f"{where}: expected a mapping")
+    known = {"name", "gpu", "num_gpus", "scale_up", "scale_out"}
+    for k in doc:
+        if k not in known:
+            raise UserError(f"cluster.{k}", f"{where}: unknown key (known: {', '.join(sorted(known))})")
+    gpu_doc = doc.get("gpu")
+    if isinstance(gpu_doc, str):
+        gpu = get_gpu(gpu_doc)
+    elif isinstance(gpu_doc, dict):
+        base = gpu_doc.get("base")
+        overrides = {k: v for k, v in gpu_doc.items() if k != "base"}
+        if base is not None:
+            gpu = get_gpu(base).with_overrides(**overrides)
+        else:
+            try:
+                gpu = GPU(**overrides)
+            except TypeError as exc:
+                raise UserError("cluster.gpu", f"{where}: {exc} (or give 'base: <preset>' and overrides)") from None
+    else:
+        raise UserError("cluster.gpu", f"{where}: must be a GPU preset name or a mapping")
+
+    def part(cls, key: str):
+        sub = doc.get(key)
+        if not isinstance(sub, dict):
+            raise UserError(f"cluster.{key}", f"{where}: required mapping is missing")
+        names = {f.name for f in fields(cls)}
+        for k in sub:
+            if k not in names:
+                raise UserError(f"cluster.{key}.{k}", f"{where}: unknown key (known: {', '.join(sorted(names))})")
+        try:
+            return cls(**sub)
+        except TypeError as exc:
+            raise UserError(f"cluster.{key}", f"{where}: {exc}") from None
+
+    n = num_gpus if num_gpus is not None else doc.get("num_gpus")
+    if n is None:
+        raise UserError("cluster.num_gpus", f"{where}: required (or give PRESET:COUNT)")
+    return Cluster(str(doc.get("name", where)), gpu, n, part(ScaleUp, "scale_up"), part(ScaleOut, "scale_out"))
+
+
+def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
+    """``preset``, ``preset:COUNT`` or a YAML file describing every field."""
+    path = Path(spec)
+    if spec.endswith((".yaml", ".yml")) or path.is_file():
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise UserError("cluster", f"{spec}: no such file") from None
+        except (OSError, yaml.YAMLError) as exc:
+            raise UserError("cluster", f"{spec}: not valid YAML ({exc.__class__.__name__})") from None
+        return _build(doc, spec, None if doc and isinstance(doc, dict) and "num_gpus" in doc else default_gpus)
+    name, _, count = spec.partition(":")
+    if name not in CLUSTER_PRESETS:
+        raise UserError("cluster", f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}; or a YAML file)")
+    n = default_gpus
+    if count:
+        try:
+            n = int(count)
+        except ValueError:
+            raise UserError("cluster", f"GPU count after ':' must be an integer, got {count!r}") from None
+    return _build(dict(CLUSTER_PRESETS[name]), name, n or CLUSTER_PRESETS[name]["scale_up"]["gpus_per_domain"])
+
+
+def check_fits(cluster: Cluster, mesh) -> None:  # noqa: ANN001 (DeviceMesh; avoids an import cycle)
+    """The mesh must use every GPU, and no tensor-parallel group may straddle scale-up domains
+    unevenly (a tp group either lies inside one domain or covers whole domains)."""
+    require(cluster.num_gpus == mesh.world_size, "cluster",
+            f"has {cluster.num_gpus} GPUs but dp*tp*pp = {mesh.world_size}")
+    d = cluster.domain
+    for members in (mesh.groups("tp") if "tp" in mesh.size else []):
+        counts: dict[int, int] = {}
+        for r in members:
+            counts[r // d] = counts.get(r // d, 0) + 1
+        if len(set(counts.values())) > 1 or (len(counts) > 1 and min(counts.values()) != d):
+            raise UserError("tp", f"tensor-parallel group {members[:8]}{'…' if len(members) > 8 else ''} "
+                                  f"splits unevenly across scale-up domains of {d} GPUs")

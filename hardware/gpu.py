@@ -1,0 +1,114 @@
+"""GPU descriptions: vendor peaks (from data/gpu_specs.csv) plus calibrated efficiencies.
+
+A hypothetical GPU is just another description: every field can be overridden.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass, fields, replace
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from stage_cosim.errors import UserError, require
+
+# Preset name -> row of gpu_specs.csv
+_SPEC_ROWS = {
+    "A100-40GB": "A100-SXM4-40GB",
+    "A100-80GB": "A100-SXM4-80GB",
+    "H100-SXM": "H100-SXM5-80GB",
+    "H800": "H800-SXM",
+    "H200": "H200-SXM-141GB",
+    "B200": "B200",
+    "GB200": "GB200-NVL72",
+}
+# Which calibrated parameter set a GPU uses (same silicon generation, same kernels).
+_CALIBRATION_FAMILY = {"A100-40GB": "A100", "A100-80GB": "A100", "H100-SXM": "H100", "H800": "H100",
+                       "H200": "H100", "B200": "B200", "GB200": "B200"}
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bf16_tflops: float            # dense peak
+    fp8_tflops: float | None
+    hbm_GiB: float                # capacity
+    hbm_GBps: float               # bandwidth, 10^9 B/s
+    nvlink_GBps: float            # per direction, 10^9 B/s
+    scaleout_GBps: float | None   # NIC bandwidth per GPU, 10^9 B/s
+    matmul_efficiency: float
+    matmul_half_flops: float
+    memory_efficiency: float
+    kernel_overhead_us: float
+    scale_up_efficiency: float
+    scale_out_efficiency: float
+    # Non-tensor-core throughput (norms, softmax, optimizer): the FP32 CUDA-core rate, which is
+    # 1/16 of the dense BF16 tensor rate on A100, H100 and B200 when not given.
+    vector_tflops: float | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps"):
+            require(getattr(self, f) > 0, f"gpu.{f}", f"must be positive, got {getattr(self, f)!r}")
+        for f in ("matmul_efficiency", "memory_efficiency", "scale_up_efficiency", "scale_out_efficiency"):
+            v = getattr(self, f)
+            require(0 < v <= 1, f"gpu.{f}", f"must be in (0, 1], got {v!r}")
+        require(self.matmul_half_flops >= 0, "gpu.matmul_half_flops", "must be non-negative")
+        require(self.kernel_overhead_us >= 0, "gpu.kernel_overhead_us", "must be non-negative")
+
+    @property
+    def vector_peak_tflops(self) -> float:
+        return self.vector_tflops if self.vector_tflops else self.bf16_tflops / 16
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.hbm_GiB * (1 << 30))
+
+    def with_overrides(self, **kw: Any) -> "GPU":
+        known = {f.name for f in fields(self)}
+        for k in kw:
+            if k not in known:
+                raise UserError(f"gpu.{k}", f"is not a GPU field (fields: {', '.join(sorted(known))})")
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@lru_cache(maxsize=1)
+def calibration() -> dict[str, dict[str, float]]:
+    with resources.files("stage_cosim.hardware").joinpath("data", "calibration.yaml").open() as f:
+        return yaml.safe_load(f)
+
+
+def _efficiencies(name: str) -> dict[str, float]:
+    cal = calibration()
+    params = dict(cal["default"])
+    params.update(cal.get(_CALIBRATION_FAMILY.get(name, name), {}) or {})
+    return {k: float(v) for k, v in params.items()}
+
+
+@lru_cache(maxsize=None)
+def _spec_rows() -> dict[str, dict[str, str]]:
+    with resources.files("stage_cosim.hardware").joinpath("data", "gpu_specs.csv").open() as f:
+        return {r["gpu"]: r for r in csv.DictReader(f)}
+
+
+def _opt(v: str) -> float | None:
+    return float(v) if v else None
+
+
+def get_gpu(name: str) -> GPU:
+    if name not in _SPEC_ROWS:
+        raise UserError("gpu", f"unknown GPU {name!r} (known: {', '.join(_SPEC_ROWS)})")
+    r = _spec_rows()[_SPEC_ROWS[name]]
+    return GPU(name=name, bf16_tflops=float(r["bf16_dense_tflops"]), fp8_tflops=_opt(r["fp8_dense_tflops"]),
+               hbm_GiB=float(r["hbm_GB"]), hbm_GBps=float(r["hbm_GBps"]),
+               nvlink_GBps=float(r["nvlink_per_direction_GBps"]),
+               scaleout_GBps=_opt(r["scaleout_per_gpu_GBps"]), **_efficiencies(name))
+
+
+def gpu_names() -> list[str]:
+    return list(_SPEC_ROWS)

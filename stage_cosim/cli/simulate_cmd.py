@@ -1,0 +1,87 @@
+"""``stage-cosim simulate``: step time, memory and where the time goes, on a cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from stage_cosim.cli.options import model_options, parallel_options, resolve_model_options, resolve_parallel_options
+from stage_cosim.errors import UserError
+from stage_cosim.result import SimResult
+
+GiB = 1 << 30
+
+cluster_option = click.option(
+    "--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
+    help="Cluster preset with GPU count (default count: dp*tp*pp) or a YAML description ('stage-cosim clusters').")
+
+
+def print_summary(r: SimResult) -> None:
+    cfg = r.config
+    par = cfg.get("parallel") or {}
+    click.echo(f"step time        {r.step_time_s:.4f} s")
+    click.echo(f"throughput       {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.1f} per GPU)")
+    click.echo(f"MFU / HFU        {100 * r.mfu:.1f} % / {100 * r.hfu:.1f} %   ({r.flop_convention})")
+    fits = "fits" if r.fits_in_memory else "DOES NOT FIT"
+    click.echo(f"peak memory      {r.peak_memory_bytes / GiB:.1f} GiB of {r.memory_capacity_bytes / GiB:.0f} GiB ({fits})")
+    if par:
+        click.echo(f"configuration    dp{par['dp']} tp{par['tp']} pp{par['pp']}"
+                   f"{' vp' + str(par['vp']) if par.get('vp', 1) > 1 else ''}{' sp' if par.get('sp') else ''}"
+                   f" zero{par['zero']} recompute={par['recompute']} micro-batch {par['micro_batch']}"
+                   f" x {par['num_microbatches']} on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']}"
+                   f" ({cfg['network_model']} network)")
+    keys = [k for k in r.breakdown if any(role.breakdown.get(k) for role in r.roles)]
+    click.echo("")
+    click.echo(f"{'stage':>5} {'finish s':>9} " + " ".join(f"{k.replace('exposed_', 'exp_'):>12}" for k in keys)
+               + f" {'mem GiB':>8}")
+    for role in r.roles:
+        click.echo(f"{role.stage:>5} {role.finish_s:>9.4f} " + " ".join(f"{role.breakdown[k]:>12.4f}" for k in keys)
+                   + f" {role.peak_memory_bytes / GiB:>8.1f}")
+
+
+@click.command()
+@model_options
+@parallel_options
+@cluster_option
+@click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True,
+              help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")
+@click.option("--traces", type=click.Path(path_type=Path), default=None,
+              help="Simulate this directory of Chakra traces (any generator) instead of synthesizing.")
+@click.option("--full", is_flag=True, help="Replay every rank instead of one rank per pipeline stage.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--timeline", type=click.Path(path_type=Path), default=None,
+              help="Write a Chrome/Perfetto trace (ui.perfetto.dev) of the simulated ranks.")
+def simulate(cluster: str, network_model: str, traces: Path | None, full: bool, as_json: bool,
+             timeline: Path | None, **kw) -> None:
+    """Simulate one training step with the built-in analytical simulator."""
+    from stage_cosim.adapters.roofline.simulate import simulate as run, simulate_traces
+    from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
+    from stage_cosim.hardware import resolve_cluster
+    from stage_cosim.workload import synthesize
+
+    model = resolve_model_options(kw)
+    parallel = resolve_parallel_options(kw)
+    if traces is not None:
+        from stage_cosim.trace.validate import load_trace_set  # noqa: F401 (errors surface as UserError)
+
+        if not traces.is_dir():
+            raise UserError("traces", f"{traces} is not a directory")
+        n = len([p for p in traces.iterdir() if p.suffix in (".et", ".json") and p.stem.rsplit(".", 1)[-1].isdigit()])
+        result, rep, programs = simulate_traces(traces, resolve_cluster(cluster, n), network_model)
+        names = None
+    else:
+        workload = synthesize(model, parallel)
+        result, rep, programs = run(workload, resolve_cluster(cluster, parallel.world_size), network_model,
+                                    symmetric=not full)
+        names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs]
+    if timeline is not None:
+        labels = names or [[f"node{i}" for i in p.ids] for p in programs]
+        write_timeline(timeline, timeline_events(programs, rep, labels))
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        print_summary(result)
+        if timeline is not None:
+            click.echo(f"\ntimeline: {timeline} (open in https://ui.perfetto.dev)")
