@@ -146,19 +146,30 @@ class Workload:
             "peak_memory_bytes": role.memory.to_dict(),
         }
 
+    @cached_property
+    def _flop_totals(self) -> tuple[int, int, int]:
+        matmul = executed = model = 0
+        for role in self.roles:
+            for n in role.nodes:
+                if n.type == COMP:
+                    executed += n.flops
+                    model += n.model_flops
+                    if n.matmul:
+                        matmul += n.flops
+        ranks = self.parallel.dp * self.parallel.tp
+        return matmul * ranks, executed * ranks, model * ranks
+
     def total_matmul_flops(self) -> int:
         """Matmul FLOPs of one step summed over every rank."""
-        per_stage = sum(n.flops for role in self.roles for n in role.nodes if n.type == COMP and n.matmul)
-        return per_stage * self.parallel.dp * self.parallel.tp
+        return self._flop_totals[0]
 
     def total_executed_flops(self) -> int:
         """Every FLOP of one step (recomputation included) summed over every rank."""
-        per_stage = sum(n.flops for role in self.roles for n in role.nodes if n.type == COMP)
-        return per_stage * self.parallel.dp * self.parallel.tp
+        return self._flop_totals[1]
 
     def total_model_flops(self) -> int:
-        per_stage = sum(n.model_flops for role in self.roles for n in role.nodes if n.type == COMP)
-        return per_stage * self.parallel.dp * self.parallel.tp
+        """Model FLOPs of one step (the published formulas' convention) over every rank."""
+        return self._flop_totals[2]
 
 
 def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:

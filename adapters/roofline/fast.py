@@ -39,6 +39,19 @@ class _PassRun:
     exit: float
     sinks: float
     breakdown: dict[str, float]
+    # per communication stream: (first start, last end) within the pass
+    streams: dict[str, tuple[float, float]] | None = None
+
+
+def _stream_use(prog: AgentProgram, rep: Replay, skip: int = 0) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    for i in range(skip, len(prog.types)):
+        st = prog.streams[i]
+        if st is None or st == "compute" or st.startswith("wait"):
+            continue
+        lo, hi = out.get(st, (float("inf"), float("-inf")))
+        out[st] = (min(lo, rep.start[0][i]), max(hi, rep.end[0][i]))
+    return out
 
 
 def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w: Workload, role: RoleGraph,
@@ -141,7 +154,8 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
             template_runs[(s, key)] = _PassRun(
                 rep.start[0], end, max((end[e] for e in t.exits), default=0.0),
                 max((end[i] for i in t.sinks), default=total),
-                _window_breakdown(prog, rep, 0.0, max((end[i] for i in t.sinks), default=total), waiting))
+                _window_breakdown(prog, rep, 0.0, max((end[i] for i in t.sinks), default=total), waiting),
+                _stream_use(prog, rep))
 
     # 2. the pipeline, pass by pass
     t0s: list[list[float]] = [[0.0] * len(r.passes) for r in roles]
@@ -150,6 +164,10 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     arrivals: dict[tuple[int, int, int], float] = {}
     send_free = [0.0] * pp
     sinks_done = [0.0] * pp
+    # when each communication stream of each stage is free again: a pass that would use a
+    # stream still busy with the previous pass's tail (ZeRO-3's gradient reduce-scatter before
+    # the next gathers) starts late enough that its first use finds it free
+    stream_free: list[dict[str, float]] = [dict() for _ in range(pp)]
     nxt = [0] * pp
     prologue = [[n.id for n in r.nodes[:r.passes[0].base] if n.type == COLL] if r.passes else [] for r in roles]
     remaining = sum(len(r.passes) for r in roles)
@@ -174,11 +192,15 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                 else:
                     run = template_runs[(s, pl.template)]
                     t0 = ready
+                    for st, (first, _) in (run.streams or {}).items():
+                        t0 = max(t0, stream_free[s].get(st, 0.0) - first)
                     totals[s][waiting] += t0 - sinks_done[s]
                 for c, v in run.breakdown.items():
                     totals[s][c] += v
                 t0s[s][k] = t0
                 runs[s][k] = run
+                for st, (_, last) in (run.streams or {}).items():
+                    stream_free[s][st] = max(stream_free[s].get(st, 0.0), t0 + last)
                 exit_t = t0 + run.exit
                 sinks_done[s] = t0 + run.sinks
                 if pl.send >= 0:
@@ -268,4 +290,4 @@ def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready
     exit_t = max((end[e] for e in t.exits), default=ready)
     sinks = max((end[i] for i in t.sinks), default=max(end, default=ready))
     bd = _window_breakdown(prog, rep, since, sinks, waiting)
-    return _PassRun(start, end, exit_t, sinks, bd)
+    return _PassRun(start, end, exit_t, sinks, bd, _stream_use(prog, rep, skip=1 + npro))

@@ -257,8 +257,12 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             if st.deps:
                 deps = [n for d in st.deps for n in ids[d]]
             else:
-                # ZeRO-3 prefetch: a block's gather may start once the previous one is done.
-                deps = [_CHAIN] if st.prologue else list(prev_exit) + [_PARAMS - bi]
+                # ZeRO-3 prefetch: a block's gather may start once the previous block's gather
+                # is done (the previous pass's last one, for the pass's first block).
+                if st.prologue:
+                    deps = [last_prologue] if last_prologue is not None else [_CHAIN]
+                else:
+                    deps = list(prev_exit) + [_PARAMS - bi]
                 if bi == 0:
                     deps.append(_CTRL)
             name = f"{inst.label}.{st.name}"
@@ -492,7 +496,8 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
         local = params / dp if zero >= 1 else params
         # The optimizer runs after every gradient of the step is reduced (as frameworks do,
         # for gradient clipping), one kernel per block.
-        opt = b.add(f"{inst.label}.optimizer", COMP, syncs + last_compute, flops=_ceil(local * ADAM_FLOPS_PER_PARAM),
+        # (and after the block's own gradients are complete: ZeRO-3 reduces them in the backward)
+        opt = b.add(f"{inst.label}.optimizer", COMP, syncs + last_compute + last_bwd.get(inst.label, []), flops=_ceil(local * ADAM_FLOPS_PER_PARAM),
                     mem_bytes=_ceil(local * ADAM_BYTES_PER_PARAM), phase="step", block=inst.label,
                     category="optimizer")
         last_compute = [opt]

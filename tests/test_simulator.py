@@ -1,0 +1,235 @@
+"""The roofline simulator: hand-worked cases, symmetry, the fast path, pipeline closed forms."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, replay
+from stage_cosim.adapters.roofline.network import CalibratedNetwork
+from stage_cosim.adapters.roofline.simulate import simulate
+from stage_cosim.errors import UserError
+from stage_cosim.hardware import get_gpu, resolve_cluster
+from stage_cosim.model import ModelConfig, get_preset
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.schedule.program import COMP
+from stage_cosim.workload import synthesize
+
+
+# -- compute and network models against their formulas ------------------------------------------
+
+def test_compute_roofline() -> None:
+    g = get_gpu("H100-SXM")
+    m = ComputeModel(g)
+    F = 4e12
+    expected = F / (g.bf16_tflops * 1e12 * g.matmul_efficiency * F / (F + g.matmul_half_flops)) + g.kernel_overhead_us * 1e-6
+    assert m.duration_s(F, 1e6, True) == pytest.approx(expected)
+    B = 8e9   # memory-bound elementwise kernel
+    assert m.duration_s(1e9, B, False) == pytest.approx(B / (g.hbm_GBps * 1e9 * g.memory_efficiency)
+                                                       + g.kernel_overhead_us * 1e-6)
+
+
+def test_calibrated_collectives() -> None:
+    c = resolve_cluster("dgx-h100:64")
+    net = CalibratedNetwork(c)
+    bw, lat = net.bw_up, net.lat_up
+    S, n = 256 * 2**20, 8
+    ring = 2 * (n - 1) * (S / n / bw + lat)
+    tree = 2 * 3 * lat + 2 * S / bw
+    assert net.duration("ALL_REDUCE", S, list(range(8))) == pytest.approx(min(ring, tree))
+    assert net.duration("ALL_GATHER", S // 8, list(range(8))) == pytest.approx((n - 1) * (S / n / bw + lat))
+    assert net.duration("REDUCE_SCATTER", S, list(range(8))) == pytest.approx((n - 1) * (S / n / bw + lat))
+    # one GPU per domain: a pure scale-out ring over the NICs
+    members = [0, 8, 16, 24]
+    bo, lo = net.bw_out, net.lat_out
+    assert net.duration("REDUCE_SCATTER", S, members) == pytest.approx(3 * (S / 4 / bo + lo))
+    # two per domain: intra reduce-scatter, then inter on half the data
+    members = [0, 1, 8, 9]
+    assert net.duration("REDUCE_SCATTER", S, members) == pytest.approx((S / 2 / bw + lat) + (S / 2 / 2 / bo + lo))
+    assert net.p2p(0, 1, S)[0] == pytest.approx(lat + S / bw)
+    assert net.p2p(0, 8, S)[0] == pytest.approx(lo + S / bo)
+
+
+# -- the engine on hand-worked graphs ---------------------------------------------------------
+
+class _Fixed:
+    """A network with round numbers: collectives take 1 s after the last member arrives."""
+
+    name = "fixed"
+
+    def stream(self, node_type: str, kind: str):
+        return None if node_type == "RECV" else ("send" if node_type == "SEND" else f"comm:{kind}")
+
+    def collective(self, coll, nbytes, members, starts):
+        return [max(starts) + 1.0] * len(members)
+
+    def p2p(self, src, dst, nbytes):
+        return 0.25, 0.5
+
+
+def _prog(name: str, rank: int, nodes: list[tuple]) -> AgentProgram:
+    """nodes: (type, deps, duration | (kind, group, members) | (peer, tag))"""
+    n = len(nodes)
+    p = AgentProgram(name, rank, list(range(n)), [t for t, _, _ in nodes], [list(d) for _, d, _ in nodes],
+                     [0.0] * n, [""] * n, [None] * n, [0] * n, [-1] * n, [0] * n, [None] * n, [None] * n)
+    for i, (t, _, x) in enumerate(nodes):
+        if t == "COMP":
+            p.duration[i] = x
+        elif t == "COLL":
+            p.kind[i], p.group[i], p.members[i] = x
+            p.coll[i] = "ALL_REDUCE"
+        else:
+            p.peer[i], p.tag[i] = x
+    return p
+
+
+def test_engine_collective_waits_for_every_member() -> None:
+    a = _prog("a", 0, [("COMP", [], 1.0), ("COLL", [0], ("tp", "g", (0, 1))), ("COMP", [1], 1.0)])
+    b = _prog("b", 1, [("COMP", [], 3.0), ("COLL", [0], ("tp", "g", (0, 1))), ("COMP", [1], 1.0)])
+    rep = replay([a, b], _Fixed(), {"g": 2}, lambda r: r)
+    assert rep.end[0][1] == rep.end[1][1] == 4.0 and rep.finish == [5.0, 5.0]
+
+
+def test_engine_send_recv_and_streams() -> None:
+    # a: compute 1 s, send (busy 0.25, arrives 0.5 later); b: receive then compute 2 s.
+    a = _prog("a", 0, [("COMP", [], 1.0), ("SEND", [0], (1, 7))])
+    b = _prog("b", 1, [("RECV", [], (0, 7)), ("COMP", [0], 2.0), ("COLL", [], ("dp", "h", (1,)))])
+    rep = replay([a, b], _Fixed(), {"h": 1}, lambda r: r)
+    assert rep.end[0][1] == 1.25 and rep.end[1][0] == 1.5 and rep.end[1][1] == 3.5
+    assert rep.start[1][2] == 0.0 and rep.end[1][2] == 1.0   # its own stream: overlaps the wait
+
+
+def test_engine_issues_in_id_order_per_stream() -> None:
+    p = _prog("a", 0, [("COMP", [], 1.0), ("COMP", [], 2.0), ("COMP", [], 3.0)])
+    rep = replay([p], _Fixed(), {}, lambda r: r)
+    assert rep.start[0] == [0.0, 1.0, 3.0]
+
+
+def test_engine_detects_deadlock() -> None:
+    p = _prog("a", 0, [("RECV", [], (1, 3))])
+    q = _prog("b", 1, [("COMP", [], 1.0)])
+    with pytest.raises(DeadlockError):
+        replay([p, q], _Fixed(), {}, lambda r: r)
+
+
+# -- whole workloads ------------------------------------------------------------------------------
+
+SMALL = [
+    ("llama3-8b", dict(dp=2, tp=2, pp=2, global_batch=8, seq_len=1024, sp=True)),
+    ("llama3-8b", dict(dp=2, tp=2, pp=2, global_batch=8, seq_len=1024, zero=1)),
+    ("llama3-8b", dict(dp=4, tp=2, pp=1, global_batch=8, seq_len=1024, zero=3)),
+    ("gpt3-175b", dict(dp=1, tp=2, pp=2, vp=2, global_batch=4, seq_len=512, recompute="full")),
+    ("llama3-8b", dict(dp=2, tp=2, pp=2, global_batch=8, seq_len=1024, sp=True, tp_comm_overlap=True, zero=1)),
+]
+
+
+def _small(name: str, kw: dict):
+    model = get_preset(name).with_overrides(layers=8)
+    par = ParallelConfig(**kw)
+    return synthesize(model, par), resolve_cluster("dgx-h100", par.world_size)
+
+
+@pytest.mark.parametrize("name,kw", SMALL)
+def test_symmetric_equals_full_replay(name, kw) -> None:
+    w, c = _small(name, kw)
+    sym, _, _ = simulate(w, c, symmetric=True, exact=True)
+    full, rep, programs = simulate(w, c, symmetric=False)
+    assert full.step_time_s == pytest.approx(sym.step_time_s, rel=1e-12)
+    for a, p in enumerate(programs):   # every rank of a stage finishes with its representative
+        stage = w.role_of(p.rank)
+        assert rep.finish[a] == pytest.approx(sym.roles[stage].finish_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,kw", SMALL + [
+    ("llama3-70b", dict(dp=8, tp=8, pp=4, vp=5, global_batch=256, seq_len=4096, sp=True, zero=1)),
+    ("llama3-70b", dict(dp=32, tp=8, pp=4, global_batch=1024, seq_len=4096, sp=True, recompute="selective")),
+])
+def test_fast_path_agrees_with_exact_replay(name, kw) -> None:
+    if name == "llama3-70b":
+        par = ParallelConfig(**kw)
+        w, c = synthesize(get_preset(name), par), resolve_cluster("dgx-h100", par.world_size)
+    else:
+        w, c = _small(name, kw)
+    exact, _, _ = simulate(w, c, exact=True)
+    fast, _, _ = simulate(w, c, exact=False)
+    assert fast.step_time_s == pytest.approx(exact.step_time_s, rel=5e-3)
+    for r in fast.roles:
+        assert sum(r.breakdown.values()) == pytest.approx(fast.step_time_s, rel=1e-9)
+
+
+def test_breakdown_adds_up() -> None:
+    w, c = _small(*SMALL[0])
+    r, _, _ = simulate(w, c, exact=True)
+    for role in r.roles:
+        assert sum(role.breakdown.values()) == pytest.approx(r.step_time_s, rel=1e-9)
+
+
+def test_passes_run_in_schedule_order() -> None:
+    w, c = _small(*SMALL[0])
+    _, rep, programs = simulate(w, c, exact=True)
+    for a, p in enumerate(programs):
+        role = w.role(w.role_of(p.rank))
+        last_end = -1.0
+        for pl in role.passes:
+            t = role.templates[pl.template]
+            ids = [pl.base + i for i, row in enumerate(t.rows) if row[1] == COMP]
+            assert min(rep.start[a][i] for i in ids) >= last_end - 1e-12
+            last_end = max(rep.end[a][i] for i in ids)
+
+
+@pytest.mark.parametrize("schedule,vp", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_makespan_closed_form(schedule, vp) -> None:
+    """With communication free and stages alike, a step takes (m + (p-1)/v) (F + B) where F + B
+    is one micro-batch's forward and backward on one stage (Narayanan et al. 2021), plus the
+    optimizer step at the end."""
+    model = ModelConfig.build("uniform", "llama", layers=32, hidden=4096, ffn=11008, heads=32, vocab=128,
+                              max_seq=4096)
+    p, m = 4, 8
+    par = ParallelConfig(pp=p, vp=vp, schedule=schedule, global_batch=m, seq_len=2048)
+    w = synthesize(model, par)
+    c = resolve_cluster("dgx-h100:4")
+    gpu = c.gpu.with_overrides(kernel_overhead_us=0.0)
+    fast_net = replace(c, gpu=gpu, scale_up=replace(c.scale_up, bandwidth_GBps=1e9, latency_ns=0.0))
+    r, rep, programs = simulate(w, fast_net, exact=True)
+    compute = ComputeModel(gpu)
+    role = w.role(1)
+    per_mb = sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul) for n in role.nodes
+                 if n.type == COMP and n.micro_batch == 0)
+    optimizer = max(sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul) for n in w.role(s).nodes
+                        if n.category == "optimizer") for s in range(p))
+    expected = (m + (p - 1) / vp) * per_mb + optimizer
+    assert r.step_time_s == pytest.approx(expected, rel=0.01)
+
+
+def test_memory_that_does_not_fit_is_flagged() -> None:
+    w = synthesize(get_preset("llama3-70b"), ParallelConfig(tp=8, seq_len=4096))
+    r, _, _ = simulate(w, resolve_cluster("dgx-h100:8"))
+    assert not r.fits_in_memory and r.peak_memory_bytes > r.memory_capacity_bytes
+
+
+def test_cluster_must_fit_mesh() -> None:
+    w = synthesize(get_preset("llama3-8b").with_overrides(layers=4),
+                   ParallelConfig(dp=4, tp=4, seq_len=512, axis_order=("dp", "tp", "pp")))
+    with pytest.raises(UserError, match="splits unevenly"):
+        simulate(w, resolve_cluster("dgx-h100:16"))
+    with pytest.raises(UserError, match="has 32 GPUs"):
+        simulate(w, resolve_cluster("dgx-h100:32"))
+
+
+def test_cluster_yaml(tmp_path) -> None:
+    (tmp_path / "c.yaml").write_text(
+        "name: hypothetical\nnum_gpus: 16\ngpu: {base: H100-SXM, hbm_GBps: 6000}\n"
+        "scale_up: {gpus_per_domain: 16, bandwidth_GBps: 900, latency_ns: 500}\n"
+        "scale_out: {bandwidth_GBps: 100, latency_ns: 1500, oversubscription: 2}\n")
+    from stage_cosim.hardware import resolve_cluster as rc
+
+    c = rc(str(tmp_path / "c.yaml"))
+    assert c.gpu.hbm_GBps == 6000 and c.domain == 16 and len(c.network_dims()) == 1
+    (tmp_path / "bad.yaml").write_text("num_gpus: 8\ngpu: H100-SXM\nscale_up: {gpus_per_domain: 8, bandwidth_GBps: 1, "
+                                       "latency_ns: 1, colour: red}\nscale_out: {bandwidth_GBps: 1, latency_ns: 1}\n")
+    with pytest.raises(UserError, match="scale_up.colour"):
+        rc(str(tmp_path / "bad.yaml"))
+    assert math.isclose(rc("dgx-a100:16").network_dims()[1].bandwidth_GBps, 25e9 / 2**30)
