@@ -73,9 +73,10 @@ def simulate(cluster: str, network_model: str, traces: Path | None, full: bool, 
         names = None
     else:
         workload = synthesize(model, parallel)
+        # a timeline needs every node's times: replay node by node then
         result, rep, programs = run(workload, resolve_cluster(cluster, parallel.world_size), network_model,
-                                    symmetric=not full)
-        names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs]
+                                    symmetric=not full, exact=True if timeline is not None else None)
+        names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
     if timeline is not None:
         labels = names or [[f"node{i}" for i in p.ids] for p in programs]
         write_timeline(timeline, timeline_events(programs, rep, labels))

@@ -28,6 +28,12 @@ def load_hf_config(path: Path) -> ModelConfig:
         raise UserError("model", f"{file}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError("model", f"{file}: not a valid JSON config ({exc.__class__.__name__})") from None
+    return model_from_hf_dict(cfg, file)
+
+
+def model_from_hf_dict(cfg: object, file: Path | str = "config") -> ModelConfig:
+    """A ModelConfig from the parsed content of a Hugging Face config.json."""
+    file = Path(file)
     if not isinstance(cfg, dict):
         raise UserError("model", f"{file}: expected a JSON object")
     name = str(cfg.get("_name_or_path") or cfg.get("model_type") or file.parent.name or "hf-model")

@@ -1,0 +1,47 @@
+"""Simulator speed: model to result, and simulations per second with the graph already built.
+
+    python benchmarks/simulate_speed.py
+"""
+
+from __future__ import annotations
+
+import time
+
+from stage_cosim.adapters.roofline.simulate import simulate
+from stage_cosim.hardware import resolve_cluster
+from stage_cosim.model import get_preset
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.workload import synthesize
+
+CASES = [  # (model, dp, tp, pp, global batch, seq)
+    ("llama3-70b", 32, 8, 4, 32, 4096),      # one micro-batch per rank
+    ("llama3-70b", 32, 8, 4, 1024, 4096),    # 32 micro-batches per rank
+    ("llama3.1-405b", 1024, 8, 16, 1024, 8192),
+    ("llama3.1-405b", 1024, 8, 16, 16384, 8192),
+]
+
+
+def main() -> None:
+    print(f"{'model':<14} {'GPUs':>7} {'dp':>5} {'tp':>3} {'pp':>3} {'mb/rank':>7} {'synth s':>8} {'simulate s':>10} "
+          f"{'total s':>8} {'sims/s (graph built)':>21} {'step s':>8} {'MFU':>6}")
+    for name, dp, tp, pp, gb, seq in CASES:
+        par = ParallelConfig(dp=dp, tp=tp, pp=pp, global_batch=gb, seq_len=seq, sp=True, zero=1)
+        cluster = resolve_cluster("dgx-h100", par.world_size)
+        t0 = time.perf_counter()
+        w = synthesize(get_preset(name), par)
+        w.roles
+        t1 = time.perf_counter()
+        result, _, _ = simulate(w, cluster)
+        t2 = time.perf_counter()
+        n, t = 0, time.perf_counter()
+        while time.perf_counter() - t < 2.0:
+            simulate(w, cluster)
+            n += 1
+        rate = n / (time.perf_counter() - t)
+        print(f"{name:<14} {par.world_size:>7} {dp:>5} {tp:>3} {pp:>3} {par.num_microbatches:>7} {t1 - t0:>8.3f} "
+              f"{t2 - t1:>10.3f} {t2 - t0:>8.3f} {rate:>21.1f} {result.step_time_s:>8.3f} {100 * result.mfu:>5.1f}%",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The library's front door: requests in the project's one vocabulary, plain data out.
+
+A request is a mapping with the same names as the command-line flags and config files:
+
+    model:          preset name, or a path to a Hugging Face config.json
+    model_config:   the content of a Hugging Face config.json (instead of ``model``)
+    layers, hidden, ffn, heads, kv_heads, head_dim, vocab, max_seq, attention: overrides
+    dp, tp, pp, vp, sp, micro_batch, global_batch, seq_len, zero, recompute, schedule,
+    pp_layers, axis_order, tp_comm_overlap, overlap_param_gather: the parallel configuration
+    cluster:        "preset[:GPUS]", a YAML path, or a full description (mapping)
+    network_model:  "calibrated" | "astra"
+
+The CLI and the gRPC bridge are thin shells over these functions, so ``simulate --json`` and a
+remote simulate job return the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from stage_cosim.errors import UserError
+from stage_cosim.model import ModelConfig, resolve_model
+from stage_cosim.model.presets import DEFAULT_MODEL
+from stage_cosim.parallel import ParallelConfig
+
+MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention",
+                   "causal_flops")
+PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
+REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS}
+
+
+def model_of(req: Mapping[str, Any]) -> ModelConfig:
+    if req.get("model_config") is not None:
+        from stage_cosim.model.hf import model_from_hf_dict
+
+        model = model_from_hf_dict(req["model_config"], "model_config")
+    else:
+        model = resolve_model(str(req.get("model") or DEFAULT_MODEL))
+    return model.with_overrides(**{k: req.get(k) for k in MODEL_OVERRIDES})
+
+
+def parallel_of(req: Mapping[str, Any]) -> ParallelConfig:
+    kw = {k: req[k] for k in PARALLEL_KEYS if req.get(k) is not None}
+    for key in ("pp_layers", "axis_order"):
+        if isinstance(kw.get(key), list):
+            kw[key] = tuple(kw[key])
+        if isinstance(kw.get(key), str):
+            kw[key] = tuple(x.strip() for x in kw[key].split(","))
+    if "pp_layers" in kw:
+        try:
+            kw["pp_layers"] = tuple(int(x) for x in kw["pp_layers"])
+        except (TypeError, ValueError):
+            raise UserError("pp-layers", "must be a list of integers") from None
+    try:
+        return ParallelConfig(**kw)
+    except TypeError as exc:
+        raise UserError("parallel", str(exc)) from None
+
+
+def cluster_of(req: Mapping[str, Any], gpus: int):  # noqa: ANN201 (Cluster)
+    from stage_cosim.hardware.cluster import _build, resolve_cluster
+
+    spec = req.get("cluster") or "dgx-h100"
+    if isinstance(spec, Mapping):
+        return _build(dict(spec), "cluster", spec.get("num_gpus") or gpus)
+    return resolve_cluster(str(spec), gpus)
+
+
+def check_request(req: Mapping[str, Any]) -> None:
+    for key in req:
+        if key not in REQUEST_KEYS:
+            raise UserError(key, "is not a request field")
+
+
+def simulate(req: Mapping[str, Any]) -> dict[str, Any]:
+    """Simulate one training step; returns ``SimResult.to_dict()`` (what ``simulate --json`` prints)."""
+    from stage_cosim.adapters.roofline.simulate import simulate as run
+    from stage_cosim.workload import synthesize
+
+    check_request(req)
+    model, parallel = model_of(req), parallel_of(req)
+    backend = req.get("backend") or "roofline"
+    if backend != "roofline":
+        raise UserError("backend", f"must be roofline here, got {backend!r}")
+    result, _, _ = run(synthesize(model, parallel), cluster_of(req, parallel.world_size),
+                       str(req.get("network_model") or "calibrated"))
+    return result.to_dict()
+
+
+def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool = False,
+          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Write a trace set into ``out`` (atomically); returns its manifest."""
+    import json
+
+    from stage_cosim.manifest import build_manifest
+    from stage_cosim.trace.writer import GROUPS_FILE, MANIFEST_FILE, TRACE_PREFIX, atomic_directory, write_traces
+    from stage_cosim.workload import synthesize
+
+    check_request(req)
+    workload = synthesize(model_of(req), parallel_of(req))
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, workload.world_size)
+
+    with atomic_directory(out, force) as scratch:
+        stats = write_traces(workload, scratch, fmt, progress=tick)
+        manifest = build_manifest(workload, fmt=fmt, prefix=TRACE_PREFIX, groups_file=GROUPS_FILE,
+                                  files=stats.files, bytes_written=stats.bytes_written)
+        (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
