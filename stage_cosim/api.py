@@ -114,3 +114,47 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
                                   files=stats.files, bytes_written=stats.bytes_written)
         (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+OPTIMIZE_KEYS = {"objective", "price", "seed", "budget", "workers", "ray", "headroom", "allow_cross_domain_tp",
+                 "top", "exhaustive_limit"}
+
+
+def optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """The best parallelization (what ``optimize --json`` prints). The request needs the model,
+    ``cluster`` with its GPU count, ``global_batch`` and ``seq_len``; search settings are optional."""
+    from stage_cosim.hardware.cluster import resolve_cluster
+    from stage_cosim.search.evaluate import Objective
+    from stage_cosim.search.optimize import OptimizeSettings, optimize as run
+    from stage_cosim.search.space import default_space
+
+    for key in req:
+        if key not in REQUEST_KEYS | OPTIMIZE_KEYS:
+            raise UserError(key, "is not an optimize request field")
+    for key in ("global_batch", "seq_len", "cluster"):
+        if not req.get(key):
+            raise UserError(key, "is required for optimize")
+    model = model_of(req)
+    spec = req["cluster"]
+    cluster = cluster_of(req, 0) if isinstance(spec, Mapping) else resolve_cluster(str(spec))
+    settings = OptimizeSettings(objective=Objective(str(req.get("objective") or "step-time"),
+                                                    float(req.get("price") or 0.0)),
+                                seed=int(req.get("seed") or 0), budget=req.get("budget"),
+                                workers=int(req.get("workers") or 1), ray=req.get("ray"),
+                                top_k=int(req.get("top") or 5), headroom=float(req.get("headroom") or 0.0),
+                                network_model=str(req.get("network_model") or "calibrated"),
+                                allow_cross_domain_tp=bool(req.get("allow_cross_domain_tp")),
+                                exhaustive_limit=int(req.get("exhaustive_limit") or 1500))
+    space = default_space(model, cluster, int(req["global_batch"]), int(req["seq_len"]),
+                          allow_cross_domain_tp=settings.allow_cross_domain_tp)
+    return run(space, cluster, settings, progress=progress, should_stop=should_stop).to_dict()
+
+
+def explore(req: Mapping[str, Any], progress: Callable[[dict], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Hardware design-space exploration (what ``explore --json`` prints); the request is the
+    content of an explore spec (see ``stage-cosim explore --help``)."""
+    from stage_cosim.search.explore import explore as run, spec_from_dict
+
+    return run(spec_from_dict(dict(req), "request"), progress=progress, should_stop=should_stop)

@@ -22,10 +22,14 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from stage_cosim.cli import clusters_cmd, models_cmd, simulate_cmd, synth_cmd, validate_cmd
+    from stage_cosim.cli import (
+        clusters_cmd, explore_cmd, models_cmd, optimize_cmd, simulate_cmd, synth_cmd, validate_cmd,
+    )
 
     cli.add_command(synth_cmd.synth)
     cli.add_command(simulate_cmd.simulate)
+    cli.add_command(optimize_cmd.optimize)
+    cli.add_command(explore_cmd.explore)
     cli.add_command(validate_cmd.validate)
     cli.add_command(models_cmd.models)
     cli.add_command(clusters_cmd.clusters)

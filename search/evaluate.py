@@ -1,0 +1,79 @@
+"""Evaluate one parallelization: synthesize, check memory, simulate, score.
+
+Evaluations are plain data (picklable), so they can run in worker processes or on a Ray
+cluster; the optimizer caches them by configuration, so no configuration is simulated twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stage_cosim.errors import UserError
+from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.model.config import ModelConfig
+from stage_cosim.parallel import ParallelConfig
+
+OBJECTIVES = ("step-time", "tokens-per-gpu", "cost")
+MEMORY_REASON = "does not fit in memory"
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str = "step-time"
+    price_per_gpu_hour: float = 0.0     # for "cost"
+
+    def __post_init__(self) -> None:
+        if self.name not in OBJECTIVES:
+            raise UserError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {self.name!r}")
+        if self.name == "cost" and self.price_per_gpu_hour <= 0:
+            raise UserError("price", "the cost objective needs --price (per GPU-hour) > 0")
+
+    def score(self, result: dict[str, Any]) -> float:
+        """Lower is better."""
+        if self.name == "step-time":
+            return result["step_time_s"]
+        if self.name == "tokens-per-gpu":
+            return -result["tokens_per_s_per_gpu"]
+        return self.cost_per_million_tokens(result)
+
+    def cost_per_million_tokens(self, result: dict[str, Any]) -> float:
+        gpus = result["config"]["num_gpus"]
+        dollars_per_s = gpus * self.price_per_gpu_hour / 3600
+        return dollars_per_s / result["tokens_per_s"] * 1e6
+
+    def describe(self, value: float) -> str:
+        if self.name == "step-time":
+            return f"{value:.4f} s/step"
+        if self.name == "tokens-per-gpu":
+            return f"{-value:,.1f} tokens/s/GPU"
+        return f"${value:.4f} per million tokens"
+
+
+@dataclass
+class Evaluation:
+    point: dict[str, Any]
+    parallel: dict[str, Any] | None
+    feasible: bool
+    reason: str | None
+    score: float | None
+    result: dict[str, Any] | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: dict[str, Any],
+             objective: Objective, network_model: str = "calibrated", headroom: float = 0.0) -> Evaluation:
+    """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph)."""
+    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.workload import synthesize
+
+    w = synthesize(model, par)
+    capacity = cluster.gpu.memory_bytes * (1 - headroom)
+    peak = max(w.memory(s).total for s in range(par.pp))
+    if peak > capacity:
+        return Evaluation(point, par.to_dict(), False, MEMORY_REASON, None, None)
+    result, _, _ = simulate(w, cluster, network_model)
+    d = result.to_dict()
+    return Evaluation(point, par.to_dict(), True, None, objective.score(d), d)

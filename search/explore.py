@@ -1,0 +1,380 @@
+"""Hardware design-space exploration: how fast would training be on a GPU or network that does
+not exist yet, and what is it worth?
+
+For each hardware candidate the step time is that of the best parallelization on it (a nested
+search). Work is reused across candidates: the workload graphs do not depend on the hardware
+(each parallelization is synthesized once), and the inner search is seeded by the baseline's
+best configurations, re-checked (memory, domains) and re-simulated on the candidate; frontier
+points are then confirmed by a full inner search.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import yaml
+
+from stage_cosim.errors import UserError
+from stage_cosim.hardware.cluster import Cluster, resolve_cluster
+from stage_cosim.model import ModelConfig, resolve_model
+from stage_cosim.search.evaluate import Objective
+from stage_cosim.search.optimize import OptimizeSettings, optimize
+from stage_cosim.search.space import check, default_space
+
+PARTS = ("gpu", "scale_up", "scale_out")
+MODES = ("pareto", "budget")
+
+
+@dataclass(frozen=True)
+class Variable:
+    """A numeric hardware field (``gpu.hbm_GBps``, ``scale_up.gpus_per_domain`` …)."""
+
+    name: str
+    low: float | None = None
+    high: float | None = None
+    values: tuple[float, ...] | None = None     # a grid instead of a range
+    integer: bool = False
+
+    @property
+    def part(self) -> str:
+        return self.name.split(".", 1)[0]
+
+    @property
+    def field(self) -> str:
+        return self.name.split(".", 1)[1]
+
+    def bounds(self) -> tuple[float, float]:
+        if self.values is not None:
+            return 0.0, float(len(self.values) - 1)
+        return float(self.low), float(self.high)  # type: ignore[arg-type]
+
+    def decode(self, x: float) -> float:
+        if self.values is not None:
+            return self.values[int(round(min(max(x, 0), len(self.values) - 1)))]
+        v = min(max(x, self.low), self.high)  # type: ignore[type-var]
+        return int(round(v)) if self.integer else float(v)
+
+
+@dataclass(frozen=True)
+class ExploreSpec:
+    model: ModelConfig
+    baseline: Cluster
+    global_batch: int
+    seq_len: int
+    variables: tuple[Variable, ...]
+    unit_cost: dict[str, float]          # $ per GPU per unit of each variable
+    base_cost: float                     # $ per GPU for everything not varied
+    mode: str = "pareto"
+    budget: float | None = None          # $ per GPU (budget mode)
+    points: int = 6                      # budget levels traced on the frontier
+    inner_budget: int = 60               # simulations of a full inner search
+    reuse_top: int = 12                  # baseline configurations re-tried on each candidate
+    candidates: int = 60                 # hardware candidates per scipy run
+    seed: int = 0
+
+
+def _num(doc: dict, key: str, where: str) -> float:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UserError(f"{where}.{key}", f"must be a number, got {v!r}")
+    return float(v)
+
+
+def load_spec(path: Path) -> ExploreSpec:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UserError("spec", f"{path}: no such file") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError("spec", f"{path}: not valid YAML ({exc.__class__.__name__})") from None
+    return spec_from_dict(doc, str(path))
+
+
+def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
+    """An ExploreSpec from the content of an explore YAML file."""
+    if not isinstance(doc, dict):
+        raise UserError("spec", f"{where}: expected a mapping")
+    known = {"model", "baseline", "global_batch", "seq_len", "variables", "cost", "mode", "budget", "points",
+             "inner_budget", "reuse_top", "candidates", "seed"}
+    for k in doc:
+        if k not in known:
+            raise UserError(k, f"is not an explore setting (settings: {', '.join(sorted(known))})")
+    for k in ("model", "baseline", "global_batch", "seq_len", "variables"):
+        if k not in doc:
+            raise UserError(k, "is required in the explore spec")
+    baseline = resolve_cluster(str(doc["baseline"]))
+    variables = []
+    if not isinstance(doc["variables"], dict) or not doc["variables"]:
+        raise UserError("variables", "must map field names to {min, max} or {values: [...]}")
+    for name, v in doc["variables"].items():
+        part, _, fld = str(name).partition(".")
+        if part not in PARTS or not fld:
+            raise UserError(f"variables.{name}", f"must be <part>.<field> with part in {', '.join(PARTS)}")
+        current = getattr(getattr(baseline, part), fld, None)
+        if isinstance(current, bool) or not isinstance(current, (int, float)):
+            raise UserError(f"variables.{name}", "is not a numeric field of the baseline cluster")
+        if not isinstance(v, dict):
+            raise UserError(f"variables.{name}", "must be {min, max} or {values: [...]}")
+        integer = isinstance(current, int)
+        if "values" in v:
+            vals = v["values"]
+            if not isinstance(vals, list) or not vals or not all(isinstance(x, (int, float)) for x in vals):
+                raise UserError(f"variables.{name}.values", "must be a non-empty list of numbers")
+            variables.append(Variable(name, values=tuple(sorted(vals)), integer=integer))
+        else:
+            lo, hi = _num(v, "min", f"variables.{name}"), _num(v, "max", f"variables.{name}")
+            if not 0 < lo < hi:
+                raise UserError(f"variables.{name}", f"needs 0 < min < max, got {lo}, {hi}")
+            variables.append(Variable(name, lo, hi, integer=integer))
+    cost = doc.get("cost") or {}
+    if not isinstance(cost, dict):
+        raise UserError("cost", "must map variable names (and 'base') to $ per GPU per unit")
+    unit = {}
+    for k, c in cost.items():
+        if k != "base" and k not in {v.name for v in variables}:
+            raise UserError(f"cost.{k}", "prices a field that is not a variable")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0:
+            raise UserError(f"cost.{k}", f"must be a non-negative number, got {c!r}")
+        if k != "base":
+            unit[k] = float(c)
+    mode = doc.get("mode", "pareto")
+    if mode not in MODES:
+        raise UserError("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "budget" and not isinstance(doc.get("budget"), (int, float)):
+        raise UserError("budget", "the budget mode needs budget ($ per GPU)")
+    ints = {}
+    for k in ("global_batch", "seq_len", "points", "inner_budget", "reuse_top", "candidates", "seed"):
+        if k in doc:
+            val = doc[k]
+            if isinstance(val, bool) or not isinstance(val, int) or (val <= 0 and k != "seed"):
+                raise UserError(k, f"must be a positive integer, got {val!r}")
+            ints[k] = val
+    return ExploreSpec(resolve_model(str(doc["model"])), baseline, variables=tuple(variables), unit_cost=unit,
+                       base_cost=float(cost.get("base", 0.0)), mode=mode,
+                       budget=float(doc["budget"]) if doc.get("budget") is not None else None, **ints)
+
+
+def apply(baseline: Cluster, values: dict[str, float]) -> Cluster:
+    """A hypothetical cluster: the baseline with some fields replaced."""
+    parts: dict[str, dict[str, float]] = {}
+    for name, v in values.items():
+        part, _, fld = name.partition(".")
+        parts.setdefault(part, {})[fld] = v
+    c = baseline
+    if "gpu" in parts:
+        c = replace(c, gpu=c.gpu.with_overrides(**parts["gpu"]))
+    if "scale_up" in parts:
+        c = replace(c, scale_up=replace(c.scale_up, **parts["scale_up"]))
+    if "scale_out" in parts:
+        c = replace(c, scale_out=replace(c.scale_out, **parts["scale_out"]))
+    return c
+
+
+def baseline_values(spec: ExploreSpec) -> dict[str, float]:
+    return {v.name: getattr(getattr(spec.baseline, v.part), v.field) for v in spec.variables}
+
+
+def cost_per_gpu(spec: ExploreSpec, values: dict[str, float]) -> float:
+    return spec.base_cost + sum(spec.unit_cost.get(k, 0.0) * v for k, v in values.items())
+
+
+@dataclass
+class Candidate:
+    values: dict[str, float]
+    cost_per_gpu: float
+    step_time_s: float | None
+    best: dict[str, Any] | None          # the best configuration's simulate result (+ point)
+    confirmed: bool = False              # by a full inner search
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"values": self.values, "cost_per_gpu": self.cost_per_gpu, "step_time_s": self.step_time_s,
+                "best": self.best, "confirmed": self.confirmed}
+
+
+@dataclass
+class Explorer:
+    spec: ExploreSpec
+    progress: Callable[[dict], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    cache: dict[tuple, Candidate] = field(default_factory=dict)
+    seeds: list[dict[str, Any]] = field(default_factory=list)      # baseline's best points
+
+    def _settings(self) -> OptimizeSettings:
+        return OptimizeSettings(objective=Objective("step-time"), seed=self.spec.seed, budget=self.spec.inner_budget,
+                                top_k=self.spec.reuse_top)
+
+    def _space(self, cluster: Cluster):  # noqa: ANN202
+        return default_space(self.spec.model, cluster, self.spec.global_batch, self.spec.seq_len)
+
+    def full_search(self, values: dict[str, float]) -> Candidate:
+        cluster = apply(self.spec.baseline, values)
+        result = optimize(self._space(cluster), cluster, self._settings(), should_stop=self.should_stop)
+        doc = result.to_dict()
+        best = doc["best"]
+        cand = Candidate(values, cost_per_gpu(self.spec, values), best["step_time_s"] if best else None, best, True)
+        self.cache[self._key(values)] = cand
+        return cand
+
+    @staticmethod
+    def _key(values: dict[str, float]) -> tuple:
+        return tuple(sorted((k, round(v, 6)) for k, v in values.items()))
+
+    def quick(self, values: dict[str, float]) -> Candidate:
+        """Best of the baseline's top configurations, re-checked and re-simulated here."""
+        key = self._key(values)
+        if key in self.cache:
+            return self.cache[key]
+        if self.should_stop is not None and self.should_stop():
+            raise KeyboardInterrupt
+        cluster = apply(self.spec.baseline, values)
+        space = self._space(cluster)
+        best, best_t = None, math.inf
+        for point in self.seeds:
+            par, reason = check(space, point, cluster)
+            if par is None:
+                continue
+            r = _simulate_cached(self.spec.model, par, cluster)
+            if r is not None and r["step_time_s"] < best_t:
+                best, best_t = {**r, "point": point}, r["step_time_s"]
+        cand = Candidate(values, cost_per_gpu(self.spec, values), best_t if best else None, best)
+        self.cache[key] = cand
+        if self.progress is not None:
+            self.progress({"candidates": len(self.cache), "values": values, "step_time_s": cand.step_time_s,
+                           "cost_per_gpu": cand.cost_per_gpu})
+        return cand
+
+
+@lru_cache(maxsize=4096)
+def _workload(model: ModelConfig, par):  # noqa: ANN001, ANN202 (the graphs do not depend on hardware)
+    from stage_cosim.workload import synthesize
+
+    w = synthesize(model, par)
+    w.roles
+    return w
+
+
+def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any] | None:  # noqa: ANN001
+    from stage_cosim.adapters.roofline.simulate import simulate
+
+    w = _workload(model, par)
+    if max(w.memory(s).total for s in range(par.pp)) > cluster.gpu.memory_bytes:
+        return None
+    result, _, _ = simulate(w, cluster)
+    return result.to_dict()
+
+
+def _minimize_step(ex: Explorer, max_cost: float | None, seed: int) -> None:
+    """scipy differential evolution over the variables: least step time within ``max_cost``."""
+    from scipy.optimize import differential_evolution
+
+    spec = ex.spec
+    bounds = [v.bounds() for v in spec.variables]
+    integrality = [v.values is not None or v.integer for v in spec.variables]
+
+    def decode(x: np.ndarray) -> dict[str, float]:
+        return {v.name: v.decode(xi) for v, xi in zip(spec.variables, x)}
+
+    def f(x: np.ndarray) -> float:
+        values = decode(x)
+        c = ex.quick(values)
+        if c.step_time_s is None:
+            return 1e9
+        over = 0.0 if max_cost is None else max(0.0, c.cost_per_gpu - max_cost) / max(max_cost, 1.0)
+        return c.step_time_s * (1 + 100 * over) + (1e3 * over if over else 0.0)
+
+    popsize = max(4, spec.candidates // (4 * len(bounds)) or 4)
+    maxiter = max(1, spec.candidates // (popsize * len(bounds)) - 1)
+    differential_evolution(f, bounds, integrality=integrality, seed=seed, popsize=popsize, maxiter=maxiter,
+                           polish=False, updating="deferred", init="sobol", tol=0, atol=0)
+
+
+def pareto_front(cands: list[Candidate]) -> list[Candidate]:
+    pts = sorted((c for c in cands if c.step_time_s is not None), key=lambda c: (c.cost_per_gpu, c.step_time_s))
+    front, best = [], math.inf
+    for c in pts:
+        if c.step_time_s < best - 1e-12:
+            front.append(c)
+            best = c.step_time_s
+    return front
+
+
+def sensitivity(ex: Explorer, base: dict[str, float], step0: float) -> list[dict[str, Any]]:
+    """Elasticity of step time to each variable around the baseline: d ln(step) / d ln(x),
+    from the neighbouring grid values or +-10 % within bounds."""
+    out = []
+    for v in ex.spec.variables:
+        x0 = base[v.name]
+        if v.values is not None:
+            idx = min(range(len(v.values)), key=lambda i: abs(v.values[i] - x0))
+            lo_x, hi_x = v.values[max(0, idx - 1)], v.values[min(len(v.values) - 1, idx + 1)]
+        else:
+            lo_x, hi_x = v.decode(x0 * 0.9), v.decode(x0 * 1.1)
+        pts = []
+        for x in (lo_x, hi_x):
+            if x != x0:
+                c = ex.quick({**base, v.name: x})
+                if c.step_time_s is not None:
+                    pts.append((x, c.step_time_s))
+        if not pts:
+            out.append({"variable": v.name, "elasticity": None})
+            continue
+        el = np.mean([(math.log(t) - math.log(step0)) / (math.log(x) - math.log(x0)) for x, t in pts])
+        out.append({"variable": v.name, "baseline": x0, "elasticity": float(el),
+                    "step_time_s": {str(x): t for x, t in pts}})
+    return sorted(out, key=lambda d: -abs(d["elasticity"] or 0.0))
+
+
+def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
+            should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    ex = Explorer(spec, progress, should_stop)
+    base = baseline_values(spec)
+    interrupted = False
+    # the baseline: a full inner search, whose top configurations seed every other candidate
+    cluster = apply(spec.baseline, base)
+    result = optimize(ex._space(cluster), cluster, ex._settings(), should_stop=should_stop)
+    ex.seeds = [e.point for e in result.ranked[:spec.reuse_top]]
+    doc = result.to_dict()
+    baseline = Candidate(base, cost_per_gpu(spec, base), doc["best"]["step_time_s"] if doc["best"] else None,
+                         doc["best"], True)
+    ex.cache[ex._key(base)] = baseline
+    if baseline.step_time_s is None:
+        raise UserError("baseline", "no parallelization of the model fits the baseline cluster")
+    try:
+        if spec.mode == "budget":
+            _minimize_step(ex, spec.budget, spec.seed)
+        else:
+            lo = cost_per_gpu(spec, {v.name: v.decode(v.bounds()[0]) for v in spec.variables})
+            hi = cost_per_gpu(spec, {v.name: v.decode(v.bounds()[1]) for v in spec.variables})
+            for i, level in enumerate(np.linspace(lo, hi, spec.points)):
+                _minimize_step(ex, float(level) if i < spec.points - 1 else None, spec.seed + i)
+    except KeyboardInterrupt:
+        interrupted = True
+    cands = list(ex.cache.values())
+    if spec.mode == "budget":
+        ok = [c for c in cands if c.step_time_s is not None and c.cost_per_gpu <= spec.budget]
+        chosen = sorted(ok, key=lambda c: c.step_time_s)[:1]
+    else:
+        chosen = pareto_front(cands)
+    if not interrupted:
+        for c in chosen:   # confirm each answer with a full inner search on its hardware
+            if not c.confirmed:
+                ex.full_search(c.values)
+        cands = list(ex.cache.values())
+        chosen = [ex.cache[ex._key(c.values)] for c in chosen]
+        if spec.mode == "pareto":
+            chosen = pareto_front(chosen + [baseline])
+    sens = sensitivity(ex, base, baseline.step_time_s) if not interrupted else []
+    return {
+        "mode": spec.mode,
+        "baseline": baseline.to_dict(),
+        "frontier" if spec.mode == "pareto" else "best": [c.to_dict() for c in chosen],
+        "candidates_evaluated": len(ex.cache),
+        "all": [{"values": c.values, "cost_per_gpu": c.cost_per_gpu, "step_time_s": c.step_time_s} for c in cands],
+        "sensitivity": sens,
+        "interrupted": interrupted,
+    }

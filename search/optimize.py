@@ -1,0 +1,218 @@
+"""Find the best parallelization: exact enumeration when the space is small, scipy otherwise.
+
+* Every point is first checked against the structural rules (divisibility, domain, batch);
+  those checks are free and are counted by reason.
+* If the structurally feasible points are few enough, all are evaluated: the answer is the
+  proven optimum of the space.
+* Otherwise ``scipy.optimize.differential_evolution`` searches the index encoding of the space
+  (one integer per dimension, ``integrality``), with a seed and a budget of simulations. The
+  population is evaluated as one batch (``vectorized``, deferred updating), so the answer does
+  not depend on how many workers share the batch.
+* Evaluations are cached by configuration: nothing is simulated twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.search.evaluate import Evaluation, Objective
+from stage_cosim.search.runner import Runner, make_runner
+from stage_cosim.search.space import SearchSpace, check
+
+PENALTY = 1e12      # score of an infeasible point (its structural rank keeps DE moving)
+DEFAULT_BUDGET = 300
+
+
+@dataclass
+class OptimizeSettings:
+    objective: Objective = field(default_factory=Objective)
+    seed: int = 0
+    budget: int | None = None           # simulations; None: exhaustive if small, else DEFAULT_BUDGET
+    exhaustive_limit: int = 1500        # enumerate when at most this many points are feasible
+    workers: int = 1
+    ray: str | None = None
+    top_k: int = 5
+    headroom: float = 0.0               # fraction of HBM kept free
+    network_model: str = "calibrated"
+    allow_cross_domain_tp: bool = False
+
+
+@dataclass
+class OptimizeResult:
+    objective: Objective
+    evaluated: list[Evaluation]
+    proven_optimal: bool
+    infeasible: dict[str, int]
+    space_size: int
+    method: str
+    interrupted: bool = False
+    top_k: int = 5
+
+    @property
+    def ranked(self) -> list[Evaluation]:
+        return sorted((e for e in self.evaluated if e.feasible), key=lambda e: (e.score, _key(e.point)))
+
+    @property
+    def best(self) -> Evaluation | None:
+        r = self.ranked
+        return r[0] if r else None
+
+    def to_dict(self) -> dict[str, Any]:
+        def entry(e: Evaluation) -> dict[str, Any]:
+            return {**e.result, "point": e.point, "score": e.score}
+
+        ranked = self.ranked
+        return {
+            "best": entry(ranked[0]) if ranked else None,
+            "top": [entry(e) for e in ranked[:self.top_k]],
+            "proven_optimal": self.proven_optimal,
+            "evaluations": len(self.evaluated),
+            "infeasible": dict(sorted(self.infeasible.items())),
+            "objective": self.objective.name,
+            "method": self.method,
+            "space_size": self.space_size,
+            "interrupted": self.interrupted,
+        }
+
+
+def _key(point: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in point.items()))
+
+
+class _Search:
+    def __init__(self, space: SearchSpace, cluster: Cluster, settings: OptimizeSettings, runner: Runner,
+                 progress: Callable[[dict], None] | None, should_stop: Callable[[], bool] | None) -> None:
+        self.space, self.cluster, self.settings, self.runner = space, cluster, settings, runner
+        self.progress, self.should_stop = progress, should_stop
+        self.cache: dict[tuple, Evaluation] = {}
+        self.budget: int | None = None       # most evaluations; the rest of a batch is skipped
+        self.structural: dict[tuple, tuple[ParallelConfig | None, str | None]] = {}
+        self.reasons: Counter[str] = Counter()
+
+    def structure(self, point: dict[str, Any]) -> tuple[ParallelConfig | None, str | None]:
+        k = _key(point)
+        if k not in self.structural:
+            par, reason = check(self.space, point, self.cluster, self.settings.allow_cross_domain_tp)
+            self.structural[k] = (par, reason)
+            if reason:
+                self.reasons[reason] += 1
+        return self.structural[k]
+
+    def evaluate_many(self, points: list[dict[str, Any]]) -> list[Evaluation | None]:
+        """Evaluations in the order given (None for structurally infeasible points)."""
+        todo: dict[tuple, tuple[ParallelConfig, dict[str, Any]]] = {}
+        for p in points:
+            par, _ = self.structure(p)
+            k = _key(p)
+            if par is not None and k not in self.cache and k not in todo:
+                if self.budget is not None and len(self.cache) + len(todo) >= self.budget:
+                    break
+                todo[k] = (par, p)
+        if todo:
+            s = self.settings
+            keys = list(todo)
+            jobs = [(self.space.model, self.cluster, par, p, s.objective, s.network_model, s.headroom)
+                    for par, p in todo.values()]
+            self.runner.map(jobs, lambda i, ev: self._record(keys[i], ev))
+        return [self.cache.get(_key(p)) for p in points]
+
+    def _record(self, key: tuple, ev: Evaluation) -> None:
+        self.cache[key] = ev
+        if not ev.feasible and ev.reason:
+            self.reasons[ev.reason] += 1
+        if self.progress is not None:
+            b = self.best()
+            self.progress({"evaluations": len(self.cache), "best_score": b.score if b else None,
+                           "best_point": b.point if b else None})
+        if self.should_stop is not None and self.should_stop():
+            raise KeyboardInterrupt
+
+    def best(self) -> Evaluation | None:
+        feasible = [e for e in self.cache.values() if e.feasible]
+        return min(feasible, key=lambda e: (e.score, _key(e.point))) if feasible else None
+
+
+def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | None = None, *,
+             progress: Callable[[dict], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> OptimizeResult:
+    settings = settings or OptimizeSettings()
+    runner = make_runner(settings.workers, settings.ray)
+    search = _Search(space, cluster, settings, runner, progress, should_stop)
+    interrupted = False
+    try:
+        feasible = [p for p in space.points() if search.structure(p)[0] is not None]
+        exhaustive = len(feasible) <= settings.exhaustive_limit and (
+            settings.budget is None or settings.budget >= len(feasible))
+        method = "exhaustive" if exhaustive else "differential_evolution"
+        try:
+            if exhaustive:
+                search.evaluate_many(feasible)
+            else:
+                budget = settings.budget or DEFAULT_BUDGET
+                # scipy explores; a discrete local search around the best polishes the answer
+                _differential_evolution(search, max(1, int(budget * 0.75)))
+                _local_search(search, budget)
+        except KeyboardInterrupt:
+            interrupted = True
+    finally:
+        runner.close()
+    return OptimizeResult(settings.objective, list(search.cache.values()), exhaustive and not interrupted,
+                          dict(search.reasons), space.size, method, interrupted, settings.top_k)
+
+
+def _differential_evolution(search: _Search, budget: int) -> None:
+    from scipy.optimize import differential_evolution
+
+    space = search.space
+    dims = space.dimensions
+    bounds = [(0, len(d.choices) - 1) for d in dims]
+
+    def objective(x: np.ndarray) -> np.ndarray:
+        # x: (n_dims, S) — the whole population at once (vectorized)
+        cols = np.atleast_2d(x)
+        points = [space.point(np.rint(cols[:, j]).astype(int)) for j in range(cols.shape[1])]
+        evals = search.evaluate_many(points)
+        out = []
+        for p, e in zip(points, evals):
+            if e is None or not e.feasible:
+                # infeasible: penalized, ranked by how far the degrees overshoot (a gentle slope)
+                out.append(PENALTY * (1 + sum(np.log2(float(p[k])) for k in ("tp", "pp") if k in p)))
+            else:
+                out.append(e.score)
+        return np.array(out)
+
+    def stop(*_args: Any, **_kw: Any) -> bool:
+        return len(search.cache) >= budget
+
+    search.budget = budget
+    popsize = max(5, min(15, budget // (4 * len(dims)) or 5))
+    differential_evolution(objective, bounds, integrality=[True] * len(dims), seed=search.settings.seed,
+                           popsize=popsize, maxiter=10_000, polish=False, vectorized=True, updating="deferred",
+                           callback=stop, tol=0, atol=0, init="sobol")
+
+
+def _local_search(search: _Search, budget: int) -> None:
+    """Steepest descent over single-dimension moves from the best point, within the budget."""
+    search.budget = budget
+    dims = search.space.dimensions
+    while len(search.cache) < budget:
+        best = search.best()
+        if best is None:
+            return
+        neighbours = []
+        for d in dims:
+            for choice in d.choices:
+                if choice != best.point[d.name]:
+                    neighbours.append({**best.point, d.name: choice})
+        fresh = [p for p in neighbours if _key(p) not in search.cache and search.structure(p)[0] is not None]
+        if not fresh:
+            return
+        search.evaluate_many(fresh)
+        if search.best() is best:
+            return

@@ -1,0 +1,125 @@
+"""The space of parallelizations: named dimensions with finite choices, and feasibility.
+
+A candidate is a point in a product of dimensions (``tp``, ``pp``, ``vp``, ``micro_batch``,
+``sp``, ``zero``, ``recompute`` …); ``dp`` is derived so that the degrees multiply to the GPU
+count. A new parallelism (``cp``, ``ep``) is one more :class:`Dimension` plus its rule in
+:func:`check`: the encoding, the enumeration and the optimizers do not change.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from stage_cosim.errors import UserError
+from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.model.config import ModelConfig
+from stage_cosim.parallel import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str
+    choices: tuple[Any, ...]
+
+    def __post_init__(self) -> None:
+        if not self.choices:
+            raise UserError(self.name, "has no choices")
+
+
+def powers_of_two(limit: int) -> tuple[int, ...]:
+    return tuple(2 ** i for i in range(int(math.log2(limit)) + 1)) if limit >= 1 else (1,)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Everything that is searched, and the fixed context that the rules need."""
+
+    model: ModelConfig
+    num_gpus: int
+    global_batch: int
+    seq_len: int
+    dimensions: tuple[Dimension, ...]
+    fixed: dict[str, Any] = field(default_factory=dict)   # ParallelConfig fields held constant
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(d.choices) for d in self.dimensions)
+
+    def names(self) -> list[str]:
+        return [d.name for d in self.dimensions]
+
+    def point(self, index: Sequence[int]) -> dict[str, Any]:
+        return {d.name: d.choices[int(i)] for d, i in zip(self.dimensions, index)}
+
+    def points(self) -> Iterator[dict[str, Any]]:
+        for combo in itertools.product(*(d.choices for d in self.dimensions)):
+            yield dict(zip(self.names(), combo))
+
+
+def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
+                  allow_cross_domain_tp: bool = False, fixed: dict[str, Any] | None = None,
+                  overrides: dict[str, Sequence[Any]] | None = None) -> SearchSpace:
+    """Megatron-style choices: powers of two for the degrees and micro-batch, vp up to 4."""
+    n = cluster.num_gpus
+    tp_limit = n if allow_cross_domain_tp else min(n, cluster.domain)
+    dims = {
+        "tp": powers_of_two(min(tp_limit, model.heads)),
+        "pp": tuple(p for p in powers_of_two(min(n, model.layers)) if n % p == 0),
+        "vp": (1, 2, 4),
+        "micro_batch": powers_of_two(min(8, global_batch)),
+        "sp": (False, True),
+        "zero": (0, 1, 2, 3),
+        "recompute": ("none", "selective", "full"),
+    }
+    for name, values in (overrides or {}).items():
+        if name not in dims:
+            raise UserError(name, f"is not a search dimension (dimensions: {', '.join(dims)})")
+        dims[name] = tuple(values)
+    return SearchSpace(model, n, global_batch, seq_len, tuple(Dimension(k, v) for k, v in dims.items()),
+                       dict(fixed or {}))
+
+
+# -- feasibility -------------------------------------------------------------------------------
+
+def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
+          allow_cross_domain_tp: bool = False) -> tuple[ParallelConfig | None, str | None]:
+    """The ParallelConfig of ``point``, or None and the name of the rule it breaks."""
+    m = space.model
+    tp, pp, vp = point.get("tp", 1), point.get("pp", 1), point.get("vp", 1)
+    mb = point.get("micro_batch", 1)
+    sharded = tp * pp * point.get("cp", 1) * point.get("ep", 1)
+    if space.num_gpus % sharded:
+        return None, "degrees do not divide the GPU count"
+    dp = space.num_gpus // sharded
+    if m.heads % tp or m.kv_heads % tp or m.ffn % tp:
+        return None, "tp does not divide heads / kv-heads / ffn"
+    if pp * vp > m.layers:
+        return None, "more pipeline stages than layers"
+    if vp > 1 and pp == 1:
+        return None, "virtual stages need pp > 1"
+    if point.get("sp") and tp == 1:
+        return None, "sequence parallelism needs tp > 1"
+    if space.global_batch % (dp * mb):
+        return None, "global batch not divisible by dp * micro-batch"
+    m_count = space.global_batch // (dp * mb)
+    if vp > 1 and m_count % pp:
+        return None, "interleaving needs micro-batches divisible by pp"
+    if point.get("zero", 0) > 0 and dp == 1:
+        return None, "ZeRO needs dp > 1"
+    if tp > cluster.domain and not allow_cross_domain_tp:
+        return None, "tp exceeds the scale-up domain"
+    if tp < cluster.domain and cluster.domain % tp:
+        return None, "tp splits scale-up domains unevenly"
+    kw = dict(space.fixed)
+    kw.update(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=mb, global_batch=space.global_batch,
+              seq_len=space.seq_len, sp=bool(point.get("sp", False)), zero=point.get("zero", 0),
+              recompute=point.get("recompute", "none"))
+    try:
+        par = ParallelConfig(**kw)
+        par.check_against(m)
+    except UserError as exc:
+        return None, f"{exc.parameter}: {exc.rule.split(',')[0]}"
+    return par, None

@@ -1,0 +1,92 @@
+"""``stage-cosim explore SPEC.yaml``: hardware design-space exploration."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from stage_cosim.cli.optimize_cmd import describe_point
+
+
+def _fmt_values(values: dict) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in values.items())
+
+
+def plot_frontier(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pts = [c for c in doc["all"] if c["step_time_s"] is not None]
+    ax.scatter([c["cost_per_gpu"] for c in pts], [c["step_time_s"] for c in pts], s=10, c="lightgray",
+               label="candidates")
+    front = doc.get("frontier") or doc.get("best") or []
+    ax.plot([c["cost_per_gpu"] for c in front], [c["step_time_s"] for c in front], "o-", color="tab:blue",
+            label="best per cost (confirmed)")
+    b = doc["baseline"]
+    ax.scatter([b["cost_per_gpu"]], [b["step_time_s"]], marker="*", s=200, color="tab:red", zorder=5,
+               label="baseline")
+    ax.set_xlabel("cost per GPU ($)")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("Step time against hardware cost")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+
+
+@click.command()
+@click.argument("spec", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Frontier plot (PNG).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
+    """Search GPU and network parameters (bounds and costs from SPEC) for the best step time per cost."""
+    from stage_cosim.search.explore import explore as run, load_spec
+
+    s = load_spec(spec)
+    show = not quiet and sys.stderr.isatty()
+    with tqdm(disable=not show, unit="candidate", desc="explore", dynamic_ncols=True) as bar:
+        def progress(p: dict) -> None:
+            bar.update(p["candidates"] - bar.n)
+
+        doc = run(s, progress=progress)
+    if plot is not None:
+        plot_frontier(doc, plot)
+    if as_json:
+        click.echo(json.dumps(doc, indent=1))
+        return
+    b = doc["baseline"]
+    click.echo(f"baseline  {_fmt_values(b['values'])}: ${b['cost_per_gpu']:,.0f}/GPU, {b['step_time_s']:.4f} s/step "
+               f"({describe_point(b['best']['point'], b['best']['config']['parallel'])})")
+    rows = doc.get("frontier") or doc.get("best") or []
+    title = "Pareto frontier (cost against step time)" if s.mode == "pareto" else f"best within ${s.budget:,.0f}/GPU"
+    click.echo(f"\n{title}:")
+    click.echo(f"{'$/GPU':>10} {'step s':>8} {'vs base':>8}  hardware  |  best parallelization")
+    for c in rows:
+        par = describe_point(c["best"]["point"], c["best"]["config"]["parallel"]) if c["best"] else "-"
+        click.echo(f"{c['cost_per_gpu']:>10,.0f} {c['step_time_s']:>8.4f} {c['step_time_s'] / b['step_time_s'] - 1:>+7.1%}  "
+                   f"{_fmt_values(c['values'])}  |  {par}")
+    if doc["sensitivity"]:
+        click.echo("\nsensitivity around the baseline (elasticity: % step time per % of the resource):")
+        for d in doc["sensitivity"]:
+            el = "n/a" if d["elasticity"] is None else f"{d['elasticity']:+.3f}"
+            click.echo(f"  {d['variable']:<28} {el}")
+        top = doc["sensitivity"][0]
+        if top["elasticity"]:
+            click.echo(f"bottleneck: {top['variable']}")
+    click.echo(f"\n{doc['candidates_evaluated']} hardware candidates evaluated"
+               + (" (interrupted: best so far)" if doc["interrupted"] else ""))

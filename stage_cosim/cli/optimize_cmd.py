@@ -1,0 +1,155 @@
+"""``stage-cosim optimize``: the best parallelization of a model on a cluster."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from tqdm import tqdm
+
+from stage_cosim.cli.options import model_options, resolve_model_options
+from stage_cosim.cli.simulate_cmd import cluster_option
+from stage_cosim.errors import UserError
+from stage_cosim.result import BREAKDOWN_KEYS
+
+GiB = 1 << 30
+
+
+def describe_point(p: dict, par: dict) -> str:
+    parts = [f"dp{par['dp']}", f"tp{par['tp']}", f"pp{par['pp']}"]
+    if par.get("vp", 1) > 1:
+        parts.append(f"vp{par['vp']}")
+    parts.append(f"mb{par['micro_batch']}")
+    if par.get("sp"):
+        parts.append("sp")
+    parts.append(f"zero{par['zero']}")
+    if par.get("recompute", "none") != "none":
+        parts.append(f"rc={par['recompute']}")
+    return " ".join(parts)
+
+
+def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Objective)
+    best = doc["best"]
+    if best is None:
+        click.echo("no feasible configuration", err=True)
+    else:
+        verdict = "proven optimum (every feasible configuration simulated)" if doc["proven_optimal"] else \
+            f"best found by {doc['method']}"
+        click.echo(f"best: {describe_point(best['point'], best['config']['parallel'])}  —  "
+                   f"{objective.describe(best['score'])}  [{verdict}]")
+        keys = [k for k in BREAKDOWN_KEYS if any(e["breakdown"].get(k) for e in doc["top"])]
+        click.echo("")
+        click.echo(f"{'#':>2} {'configuration':<42} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
+                   + " ".join(f"{k.replace('exposed_', 'exp_'):>10}" for k in keys))
+        for i, e in enumerate(doc["top"][:top_k], 1):
+            click.echo(f"{i:>2} {describe_point(e['point'], e['config']['parallel']):<42} {e['step_time_s']:>8.4f} "
+                       f"{100 * e['mfu']:>5.1f}% {e['peak_memory_bytes'] / GiB:>8.1f} "
+                       + " ".join(f"{e['breakdown'][k]:>10.4f}" for k in keys))
+        if len(doc["top"]) > 1:
+            a, b = doc["top"][0], doc["top"][1]
+            diffs = sorted(((b["breakdown"][k] - a["breakdown"][k], k) for k in keys), reverse=True)
+            reasons = ", ".join(f"{k.replace('exposed_', 'exposed ').replace('_', ' ')} "
+                                f"{'-' if d > 0 else '+'}{abs(d):.4f} s" for d, k in diffs if abs(d) > 1e-4)
+            click.echo(f"\nwhy #1 beats #2 ({b['step_time_s'] - a['step_time_s']:+.4f} s per step): {reasons}")
+    click.echo(f"\n{doc['evaluations']} configurations simulated or memory-checked, space of {doc['space_size']}"
+               + (" (interrupted: best so far)" if doc["interrupted"] else ""))
+    if doc["infeasible"]:
+        click.echo("infeasible, by rule:")
+        for reason, n in sorted(doc["infeasible"].items(), key=lambda kv: -kv[1]):
+            click.echo(f"  {n:>7}  {reason}")
+
+
+def plot_top(doc: dict, path: Path) -> None:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = doc["top"]
+    keys = [k for k in BREAKDOWN_KEYS if any(e["breakdown"].get(k) for e in top)]
+    labels = [describe_point(e["point"], e["config"]["parallel"]) for e in top]
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(top) + 2))
+    left = [0.0] * len(top)
+    for k in keys:
+        vals = [e["breakdown"][k] for e in top]
+        ax.barh(labels, vals, left=left, label=k.replace("_", " "))
+        left = [a + b for a, b in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per step")
+    ax.set_title("Top configurations: where the time goes")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+
+
+@click.command()
+@model_options
+@cluster_option
+@click.option("--global-batch", type=int, required=True, help="Sequences per step.")
+@click.option("--seq-len", type=int, required=True, help="Sequence length.")
+@click.option("--objective", type=click.Choice(["step-time", "tokens-per-gpu", "cost"]), default="step-time",
+              show_default=True)
+@click.option("--price", type=float, default=0.0, help="Price per GPU-hour (cost objective).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--budget", type=int, default=None, help="Most simulations (default: all if the space is small, else 300).")
+@click.option("--workers", type=int, default=1, show_default=True, help="Local worker processes.")
+@click.option("--ray", "ray_address", default=None, metavar="auto|ADDRESS", help="Evaluate on a Ray cluster.")
+@click.option("--headroom", type=float, default=0.0, show_default=True, help="Fraction of HBM to keep free.")
+@click.option("--allow-cross-domain-tp", is_flag=True, help="Let tensor-parallel groups span scale-up domains.")
+@click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True)
+@click.option("--top", "top_k", type=int, default=5, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--plot", type=click.Path(path_type=Path), default=None, help="Bar chart of the top configurations (PNG).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def optimize(cluster: str, global_batch: int, seq_len: int, objective: str, price: float, seed: int,
+             budget: int | None, workers: int, ray_address: str | None, headroom: float, allow_cross_domain_tp: bool,
+             network_model: str, top_k: int, as_json: bool, plot: Path | None, quiet: bool, **kw) -> None:
+    """Search tp, pp, dp, vp, micro-batch, sp, ZeRO and recomputation for the best step."""
+    from stage_cosim.hardware import resolve_cluster
+    from stage_cosim.search.evaluate import Objective
+    from stage_cosim.search.optimize import OptimizeSettings, optimize as run
+    from stage_cosim.search.space import default_space
+
+    if global_batch <= 0 or seq_len <= 0:
+        raise UserError("global-batch" if global_batch <= 0 else "seq-len", "must be a positive integer")
+    if not 0 <= headroom < 1:
+        raise UserError("headroom", f"must be in [0, 1), got {headroom}")
+    if budget is not None and budget < 1:
+        raise UserError("budget", f"must be at least 1, got {budget}")
+    model = resolve_model_options(kw)
+    if ":" not in cluster and not Path(cluster).suffix in (".yaml", ".yml"):
+        raise UserError("cluster", f"give the GPU count to search over, e.g. {cluster}:1024")
+    c = resolve_cluster(cluster)
+    obj = Objective(objective, price)
+    settings = OptimizeSettings(objective=obj, seed=seed, budget=budget, workers=workers, ray=ray_address,
+                                top_k=top_k, headroom=headroom, network_model=network_model,
+                                allow_cross_domain_tp=allow_cross_domain_tp)
+    space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp)
+    show = not quiet and sys.stderr.isatty()
+    with tqdm(disable=not show, unit="eval", desc="optimize", dynamic_ncols=True) as bar:
+        def progress(p: dict) -> None:
+            bar.update(p["evaluations"] - bar.n)
+            if p["best_score"] is not None:
+                bar.set_postfix_str(f"best {obj.describe(p['best_score'])}")
+
+        result = run(space, c, settings, progress=progress)
+    doc = result.to_dict()
+    if plot is not None and doc["top"]:
+        plot_top(doc, plot)
+    if as_json:
+        click.echo(json.dumps(doc, indent=1))
+    else:
+        print_report(doc, obj, top_k)
+    if result.interrupted:
+        raise click.exceptions.Exit(130)

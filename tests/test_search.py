@@ -1,0 +1,186 @@
+"""Parallelization search and hardware exploration."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stage_cosim.errors import UserError
+from stage_cosim.hardware import resolve_cluster
+from stage_cosim.model import get_preset
+from stage_cosim.search.evaluate import Objective
+from stage_cosim.search.optimize import OptimizeSettings, optimize
+from stage_cosim.search.space import default_space
+
+MODEL = get_preset("llama3-8b").with_overrides(layers=8)
+CLUSTER = resolve_cluster("dgx-h100:16")
+SMALL_SPACE = dict(overrides={"vp": (1, 2), "zero": (0, 1), "recompute": ("none", "full"), "micro_batch": (1, 2)})
+
+
+def _space(**kw):
+    return default_space(MODEL, CLUSTER, 32, 1024, **(SMALL_SPACE | kw))
+
+
+@pytest.fixture(scope="module")
+def exhaustive():
+    return optimize(_space(), CLUSTER, OptimizeSettings())
+
+
+def test_exhaustive_is_proven_and_complete(exhaustive) -> None:
+    r = exhaustive
+    assert r.method == "exhaustive" and r.proven_optimal
+    doc = r.to_dict()
+    # every point is either evaluated or counted under the rule it breaks
+    structural = sum(n for reason, n in r.infeasible.items() if reason != "does not fit in memory")
+    assert doc["evaluations"] + structural == r.space_size
+    assert doc["best"]["step_time_s"] == min(e.score for e in r.evaluated if e.feasible)
+    assert [e["step_time_s"] for e in doc["top"]] == sorted(e["step_time_s"] for e in doc["top"])
+    keys = {"step_time_s", "tokens_per_s", "mfu", "hfu", "peak_memory_bytes", "breakdown", "config"}
+    assert keys <= set(doc["best"])
+
+
+def test_differential_evolution_finds_the_proven_optimum(exhaustive) -> None:
+    de = optimize(_space(), CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=60, seed=3))
+    assert de.method == "differential_evolution" and not de.proven_optimal
+    assert len(de.evaluated) <= 60
+    assert de.best.point == exhaustive.best.point
+
+
+def test_same_seed_same_answer_regardless_of_workers() -> None:
+    settings = dict(exhaustive_limit=0, budget=24, seed=7)
+    a = optimize(_space(), CLUSTER, OptimizeSettings(**settings))
+    b = optimize(_space(), CLUSTER, OptimizeSettings(**settings, workers=2))
+    assert a.to_dict()["best"]["point"] == b.to_dict()["best"]["point"]
+    assert sorted(map(str, (e.point for e in a.evaluated))) == sorted(map(str, (e.point for e in b.evaluated)))
+
+
+def test_cache_never_simulates_twice(monkeypatch) -> None:
+    import stage_cosim.search.runner as runner
+
+    seen = []
+    real = runner.run_job
+
+    def counting(job):
+        seen.append(json.dumps(job[3], sort_keys=True))
+        return real(job)
+
+    monkeypatch.setattr(runner, "run_job", counting)
+    optimize(_space(), CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=30, seed=1))
+    assert len(seen) == len(set(seen))
+
+
+def test_objectives(exhaustive) -> None:
+    price = 2.5
+    r = optimize(_space(), CLUSTER, OptimizeSettings(objective=Objective("cost", price)))
+    best = r.to_dict()["best"]
+    tokens = 32 * 1024
+    assert best["score"] == pytest.approx(16 * price / 3600 * best["step_time_s"] / tokens * 1e6)
+    # with a fixed GPU count, cost and tokens/GPU rank like step time
+    assert best["point"] == exhaustive.best.point
+    r2 = optimize(_space(), CLUSTER, OptimizeSettings(objective=Objective("tokens-per-gpu")))
+    assert r2.best.point == exhaustive.best.point
+    with pytest.raises(UserError, match="price"):
+        Objective("cost")
+
+
+def test_memory_headroom_and_domain_rule() -> None:
+    big = default_space(get_preset("llama3-70b").with_overrides(layers=8), CLUSTER, 16, 4096,
+                        overrides={"vp": (1,), "zero": (0,), "recompute": ("none",), "micro_batch": (1,), "sp": (False,)})
+    r = optimize(big, CLUSTER, OptimizeSettings(headroom=0.5))
+    assert r.infeasible.get("does not fit in memory", 0) > 0
+    for e in r.evaluated:
+        if e.feasible:
+            assert e.result["peak_memory_bytes"] <= CLUSTER.gpu.memory_bytes * 0.5
+    assert all(e.point["tp"] <= 8 for e in r.evaluated)   # tp stays inside the 8-GPU NVLink domain
+
+
+def test_ray_path_matches_local() -> None:
+    ray = pytest.importorskip("ray")
+    settings = dict(exhaustive_limit=0, budget=12, seed=5)
+    local = optimize(_space(), CLUSTER, OptimizeSettings(**settings))
+    try:
+        remote = optimize(_space(), CLUSTER, OptimizeSettings(**settings, ray="auto"))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    assert remote.best.point == local.best.point and len(remote.evaluated) == len(local.evaluated)
+
+
+def test_interrupt_returns_best_so_far() -> None:
+    calls = {"n": 0}
+
+    def stop() -> bool:
+        calls["n"] += 1
+        return calls["n"] >= 5
+
+    r = optimize(_space(), CLUSTER, OptimizeSettings(), should_stop=stop)
+    assert r.interrupted and not r.proven_optimal and 1 <= len(r.evaluated) <= 5
+
+
+def test_optimize_cli(run_cli, tmp_path) -> None:
+    png = tmp_path / "top.png"
+    code, out, err = run_cli("optimize", "--model", "llama3-8b", "--layers", "8", "--cluster", "dgx-h100:16",
+                             "--global-batch", "32", "--seq-len", "1024", "--budget", "20", "--json",
+                             "--plot", str(png))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert set(doc) >= {"best", "top", "proven_optimal", "evaluations", "infeasible"}
+    assert doc["evaluations"] <= 20 and png.read_bytes()[:4] == b"\x89PNG"
+    code, out, _ = run_cli("optimize", "--model", "llama3-8b", "--layers", "8", "--cluster", "dgx-h100:16",
+                           "--global-batch", "32", "--seq-len", "1024", "--budget", "12")
+    assert code == 0 and "why #1 beats #2" in out and "infeasible, by rule" in out
+    code, _, err = run_cli("optimize", "--cluster", "dgx-h100", "--global-batch", "8", "--seq-len", "512")
+    assert code == 2 and "cluster:" in err
+
+
+EXPLORE = """
+model: llama3-8b
+baseline: dgx-h100:16
+global_batch: 32
+seq_len: 1024
+variables:
+  gpu.hbm_GBps: {min: 2000, max: 6000}
+  scale_up.bandwidth_GBps: {values: [300, 450, 900]}
+cost: {base: 10000, gpu.hbm_GBps: 2, scale_up.bandwidth_GBps: 5}
+points: 2
+candidates: 12
+inner_budget: 12
+reuse_top: 4
+"""
+
+
+def test_explore_frontier(run_cli, tmp_path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(EXPLORE)
+    png = tmp_path / "front.png"
+    code, out, err = run_cli("explore", str(spec), "--json", "--plot", str(png))
+    assert code == 0, err
+    doc = json.loads(out)
+    front = doc["frontier"]
+    assert front and all(c["confirmed"] for c in front)
+    costs = [c["cost_per_gpu"] for c in front]
+    steps = [c["step_time_s"] for c in front]
+    assert costs == sorted(costs) and steps == sorted(steps, reverse=True)   # a frontier
+    assert {d["variable"] for d in doc["sensitivity"]} == {"gpu.hbm_GBps", "scale_up.bandwidth_GBps"}
+    # more HBM bandwidth never slows training down
+    hbm = next(d for d in doc["sensitivity"] if d["variable"] == "gpu.hbm_GBps")
+    assert hbm["elasticity"] <= 1e-9
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("bad, param", [
+    ("variables: {gpu.colour: {min: 1, max: 2}}", "variables.gpu.colour"),
+    ("variables: {gpu.hbm_GBps: {min: 5, max: 1}}", "variables.gpu.hbm_GBps"),
+    ("mode: dream", "mode"),
+    ("cost: {gpu.bf16_tflops: 3}", "cost.gpu.bf16_tflops"),
+])
+def test_explore_bad_spec(run_cli, tmp_path, bad, param) -> None:
+    import yaml
+
+    doc = yaml.safe_load(EXPLORE)
+    doc.update(yaml.safe_load(bad))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(doc))
+    code, _, err = run_cli("explore", str(spec))
+    assert code == 2 and err.startswith(f"error: {param}:"), err
