@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from scipy.optimize import minimize
+from scipy.optimize import least_squares
 
 from stage_cosim.adapters.roofline.simulate import simulate
 from stage_cosim.hardware import resolve_cluster
@@ -27,11 +27,12 @@ from stage_cosim.workload import synthesize
 
 CLUSTER_OF = {"korthikanti2022": "dgx-a100", "megatron-core-0.8": "dgx-h100"}
 FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}
-PARAMS = ("matmul_efficiency", "matmul_half_flops", "memory_efficiency", "kernel_overhead_us",
-          "scale_up_efficiency", "scale_out_efficiency")
-# Search box (physically meaningful ranges) and scale of each parameter for the optimizer.
-BOUNDS = {"matmul_efficiency": (0.4, 1.0), "matmul_half_flops": (1e7, 5e10), "memory_efficiency": (0.4, 0.95),
-          "kernel_overhead_us": (0.0, 20.0), "scale_up_efficiency": (0.3, 1.0), "scale_out_efficiency": (0.3, 1.0)}
+PARAMS = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "memory_efficiency",
+          "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency")
+# Physically meaningful ranges: the fit may not leave them.
+BOUNDS = {"matmul_efficiency": (0.5, 0.9), "matmul_half_flops": (1e8, 1e11), "attention_efficiency": (0.25, 0.8),
+          "memory_efficiency": (0.6, 0.92), "kernel_overhead_us": (1.0, 10.0), "scale_up_efficiency": (0.6, 0.95),
+          "scale_out_efficiency": (0.6, 0.95)}
 LOG_PARAMS = {"matmul_half_flops"}
 
 
@@ -55,38 +56,36 @@ def predict(run: TrainingRun, params: dict[str, float] | None = None) -> float:
     return result.step_time_s
 
 
-def fit(cluster: str, exclude: int | None = None) -> dict[str, float]:
-    runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
-    base = calibration()["default"] | (calibration().get(FAMILY_OF[cluster]) or {})
+def _uses_flash(runs: list[TrainingRun]) -> bool:
+    return any(r.model.attention == "fused" for r in runs)
 
-    def decode(x: np.ndarray) -> dict[str, float]:
-        out = {}
-        for v, name in zip(x, PARAMS):
-            lo, hi = BOUNDS[name]
-            if name in LOG_PARAMS:
-                lo, hi = np.log(lo), np.log(hi)
-            val = lo + (hi - lo) / (1 + np.exp(-v))          # squash into the box
-            out[name] = float(np.exp(val) if name in LOG_PARAMS else val)
+
+def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None = None) -> dict[str, float]:
+    """Least-squares fit of the relative step-time errors within the physical bounds."""
+    runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
+    base = dict(calibration()["default"]) | (calibration().get(FAMILY_OF[cluster]) or {})
+    base.update(start or {})
+    # parameters no row depends on stay where they are (A100 rows use unfused attention)
+    names = [p for p in PARAMS if p != "attention_efficiency" or _uses_flash(runs)]
+
+    def to_x(params: dict[str, float]) -> np.ndarray:
+        return np.array([np.log10(params[n]) if n in LOG_PARAMS else params[n] for n in names], dtype=float)
+
+    def from_x(x: np.ndarray) -> dict[str, float]:
+        out = dict(base)
+        out.update({n: float(10 ** v if n in LOG_PARAMS else v) for n, v in zip(names, x)})
         return out
 
-    def encode(params: dict[str, float]) -> np.ndarray:
-        xs = []
-        for name in PARAMS:
-            lo, hi = BOUNDS[name]
-            val = float(params[name])
-            if name in LOG_PARAMS:
-                lo, hi, val = np.log(lo), np.log(hi), np.log(val)
-            frac = min(max((val - lo) / (hi - lo), 1e-4), 1 - 1e-4)
-            xs.append(np.log(frac / (1 - frac)))
-        return np.array(xs)
+    lo = np.array([np.log10(BOUNDS[n][0]) if n in LOG_PARAMS else BOUNDS[n][0] for n in names])
+    hi = np.array([np.log10(BOUNDS[n][1]) if n in LOG_PARAMS else BOUNDS[n][1] for n in names])
 
-    def loss(x: np.ndarray) -> float:
-        p = decode(x)
-        errs = [predict(r, p) / r.measured_step_s - 1 for r in runs]
-        return float(np.mean(np.square(errs)))
+    def residuals(x: np.ndarray) -> np.ndarray:
+        p = from_x(x)
+        return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
 
-    res = minimize(loss, encode(base), method="Nelder-Mead", options={"maxiter": 400, "xatol": 1e-3, "fatol": 1e-7})
-    return decode(res.x)
+    x0 = np.clip(to_x(base), lo + 1e-6, hi - 1e-6)
+    res = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-2, x_scale=hi - lo, max_nfev=60)
+    return {n: v for n, v in from_x(res.x).items() if n in PARAMS}
 
 
 def main() -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import CLUSTER_OF, fit, predict  # noqa: E402
+from calibrate import CLUSTER_OF, FAMILY_OF, fit, predict  # noqa: E402
+
+FITTED: dict[str, dict[str, float]] = {}   # the shipped calibration: the leave-one-out fits start there
 
 from stage_cosim.validation.published import korthikanti_table5, megatron_core_weak_scaling  # noqa: E402
 
@@ -24,6 +26,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loo", action="store_true", help="leave-one-out error (refits once per row)")
     args = ap.parse_args()
+    from stage_cosim.hardware.gpu import calibration
+
+    FITTED.update({src: calibration().get(FAMILY_OF[cl]) or {} for src, cl in CLUSTER_OF.items()})
     for title, runs in (("Korthikanti et al. 2022, Table 5 (A100-80GB, Selene)", korthikanti_table5()),
                         ("Megatron-Core 0.8 weak scaling (H100)", megatron_core_weak_scaling())):
         print(f"\n{title}")
@@ -37,7 +42,7 @@ def main() -> None:
             line = (f"{run.name:<18} {run.gpus:>5} {run.tp:>3} {run.pp:>3} {run.dp:>4} {run.measured_step_s:>11.3f} "
                     f"{pred:>12.3f} {100 * err:>+7.1f}%")
             if args.loo:
-                params = fit(CLUSTER_OF[run.source], exclude=i)
+                params = fit(CLUSTER_OF[run.source], exclude=i, start=FITTED.get(run.source))
                 p_loo = predict(run, params)
                 e_loo = p_loo / run.measured_step_s - 1
                 loo_errors.append(abs(e_loo))

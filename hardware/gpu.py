@@ -41,6 +41,7 @@ class GPU:
     scaleout_GBps: float | None   # NIC bandwidth per GPU, 10^9 B/s
     matmul_efficiency: float
     matmul_half_flops: float
+    attention_efficiency: float
     memory_efficiency: float
     kernel_overhead_us: float
     scale_up_efficiency: float
@@ -52,7 +53,8 @@ class GPU:
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps"):
             require(getattr(self, f) > 0, f"gpu.{f}", f"must be positive, got {getattr(self, f)!r}")
-        for f in ("matmul_efficiency", "memory_efficiency", "scale_up_efficiency", "scale_out_efficiency"):
+        for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "scale_up_efficiency",
+                  "scale_out_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"gpu.{f}", f"must be in (0, 1], got {v!r}")
         require(self.matmul_half_flops >= 0, "gpu.matmul_half_flops", "must be non-negative")

@@ -2,9 +2,10 @@
 
     t = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + kernel overhead
 
-Matmul-class kernels (GEMMs, attention) run on tensor cores: achievable = peak *
-matmul_efficiency * F / (F + matmul_half_flops), so small GEMMs fall off smoothly (wave
-quantization, launch). Everything else runs at the vector (CUDA-core) rate. Memory-bound
+GEMMs run on tensor cores: achievable = peak * matmul_efficiency * F / (F + matmul_half_flops),
+so small GEMMs fall off smoothly (wave quantization, launch). Fused (flash) attention kernels
+reach their own fraction of peak, attention_efficiency (softmax and masking inside the kernel
+keep them below GEMMs). Everything else runs at the vector (CUDA-core) rate. Memory-bound
 kernels reach peak HBM bandwidth * memory_efficiency.
 """
 
@@ -19,9 +20,11 @@ from stage_cosim.hardware.gpu import GPU
 class ComputeModel:
     gpu: GPU
 
-    def duration_s(self, flops: float, nbytes: float, matmul: bool) -> float:
+    def duration_s(self, flops: float, nbytes: float, matmul: bool, attention: bool = False) -> float:
         g = self.gpu
-        if matmul and flops > 0:
+        if attention and flops > 0:
+            rate = g.bf16_tflops * 1e12 * g.attention_efficiency
+        elif matmul and flops > 0:
             rate = g.bf16_tflops * 1e12 * g.matmul_efficiency * flops / (flops + g.matmul_half_flops)
         else:
             rate = g.vector_peak_tflops * 1e12

@@ -45,6 +45,7 @@ class AgentProgram:
     group: list[Hashable | None]               # COLL: rendezvous instance
     members: list[tuple[int, ...] | None]      # COLL: the group's global ranks
     streams: list[str | None] = field(default_factory=list)
+    involved: dict[int, tuple[bool, ...]] = field(default_factory=dict)   # COLL: network dims it spans
 
 
 @dataclass
@@ -107,7 +108,10 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
                 members = p.members[i] or (p.rank,)
                 issue_time = {ag: tm for ag, _, tm in arrived}
                 starts = [issue_time[agent_of_rank(r)] for r in members]
-                finishes = network.collective(p.coll[i], p.nbytes[i], members, starts)
+                if i in p.involved:
+                    finishes = network.collective(p.coll[i], p.nbytes[i], members, starts, involved=p.involved[i])
+                else:
+                    finishes = network.collective(p.coll[i], p.nbytes[i], members, starts)
                 # Each agent finishes when the member it stands for does.
                 done = {agent_of_rank(r): f for r, f in zip(members, finishes)
                         if programs[agent_of_rank(r)].rank == r}

@@ -26,10 +26,11 @@ from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.adapters.roofline.network import NetworkModel
 from stage_cosim.result import BREAKDOWN_KEYS
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND, RoleGraph
+from stage_cosim.schedule.program import COLL, COMP, RECV, RoleGraph
 from stage_cosim.workload import Workload
 
-WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own
+WAIT = "WAIT"
+ATTENTION_KINDS = ("attention", "attention_grad")   # fused attention kernels   # a placeholder node that only lets time pass, on a stream of its own
 
 
 @dataclass
@@ -70,17 +71,18 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
     for j, item in enumerate(rows_or_nodes):
         i = nw + j
         if isinstance(item, tuple):
-            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, *_ = item
+            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, cat, *_ = item
         else:
-            typ, flops, mem, matmul, coll, cbytes, group = (item.type, item.flops, item.mem_bytes, item.matmul,
-                                                            item.coll, item.comm_bytes, item.group)
+            typ, flops, mem, matmul, coll, cbytes, group, cat = (item.type, item.flops, item.mem_bytes, item.matmul,
+                                                                 item.coll, item.comm_bytes, item.group, item.category)
         prog.types.append(typ)
         prog.deps.append(deps[j])
         if typ == COMP:
-            key = (flops, mem, matmul)
+            attention = cat in ATTENTION_KINDS
+            key = (flops, mem, matmul, attention)
             d = durations.get(key)
             if d is None:
-                d = durations[key] = compute.duration_s(flops, mem, matmul)
+                d = durations[key] = compute.duration_s(flops, mem, matmul, attention)
             prog.duration[i] = d
             prog.streams.append("compute")
         else:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 from typing import Hashable
 
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
+from stage_cosim.adapters.roofline.fast import ATTENTION_KINDS
 from stage_cosim.adapters.roofline.network import CalibratedNetwork, NetworkModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
@@ -51,13 +51,14 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
         def agent_rank(a: int) -> int:
             return a
 
-    durations: dict[tuple[int, int, bool], float] = {}
+    durations: dict[tuple[int, int, bool, bool], float] = {}
 
     def duration(n) -> float:  # noqa: ANN001
-        key = (n.flops, n.mem_bytes, n.matmul)
+        attention = n.category in ATTENTION_KINDS
+        key = (n.flops, n.mem_bytes, n.matmul, attention)
         d = durations.get(key)
         if d is None:
-            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul)
+            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul, attention)
         return d
 
     participants: dict[Hashable, int] = {}
@@ -248,6 +249,8 @@ def programs_from_traces(ranks: dict, groups: dict[str, list[int]], compute: Com
                 prog.coll[i] = COLLECTIVE_NAMES.get(node.int_attr("comm_type", -1), "UNKNOWN")
                 prog.group[i] = ("pg", pg)
                 prog.members[i] = members
+                if isinstance(node.attrs.get("involved_dim"), list):
+                    prog.involved[i] = tuple(bool(x) for x in node.attrs["involved_dim"])
                 participants[("pg", pg)] = len(members)
             else:
                 prog.kind[i] = "pp"

@@ -12,6 +12,7 @@ import click
 
 from stage_cosim import __version__
 from stage_cosim.errors import UserError
+from stage_cosim.adapters.astra_sim.run import AstraSimError
 from stage_cosim.trace.chakra import TraceFormatError
 
 
@@ -23,13 +24,14 @@ def cli() -> None:
 
 def _register() -> None:
     from stage_cosim.cli import (
-        clusters_cmd, explore_cmd, models_cmd, optimize_cmd, simulate_cmd, synth_cmd, validate_cmd,
+        astra_cmd, clusters_cmd, explore_cmd, models_cmd, optimize_cmd, simulate_cmd, synth_cmd, validate_cmd,
     )
 
     cli.add_command(synth_cmd.synth)
     cli.add_command(simulate_cmd.simulate)
     cli.add_command(optimize_cmd.optimize)
     cli.add_command(explore_cmd.explore)
+    cli.add_command(astra_cmd.astra_sim)
     cli.add_command(validate_cmd.validate)
     cli.add_command(models_cmd.models)
     cli.add_command(clusters_cmd.clusters)
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         click.echo(f"error: {exc}", err=True)
         return exc.exit_code
+    except AstraSimError as exc:
+        click.echo(f"error: astra-sim: {exc}", err=True)
+        # a missing or unusable binary is the user's to fix; anything else is the simulator's failure
+        return 2 if exc.kind in ("missing", "not-executable") else 1
     except TraceFormatError as exc:
         click.echo(f"error: traces: {exc}", err=True)
         return 2

@@ -9,8 +9,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from stage_cosim.cli.options import model_options, resolve_model_options
-from stage_cosim.cli.simulate_cmd import cluster_option
+from stage_cosim.cli.options import cluster_option, model_options, resolve_model_options
 from stage_cosim.errors import UserError
 from stage_cosim.result import BREAKDOWN_KEYS
 

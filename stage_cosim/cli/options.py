@@ -98,3 +98,7 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
     names = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero",
              "recompute", "schedule", "dtype")
     return ParallelConfig(**{n: kw.pop(n) for n in names}, pp_layers=layers, axis_order=order)
+
+cluster_option = click.option(
+    "--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
+    help="Cluster preset with GPU count (default count: dp*tp*pp) or a YAML description ('stage-cosim clusters').")

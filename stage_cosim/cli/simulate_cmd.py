@@ -7,15 +7,15 @@ from pathlib import Path
 
 import click
 
-from stage_cosim.cli.options import model_options, parallel_options, resolve_model_options, resolve_parallel_options
+from stage_cosim.cli.astra_cmd import settings_from, with_astra_options
+from stage_cosim.cli.options import (
+    cluster_option, model_options, parallel_options, resolve_model_options, resolve_parallel_options,
+)
 from stage_cosim.errors import UserError
 from stage_cosim.result import SimResult
 
 GiB = 1 << 30
 
-cluster_option = click.option(
-    "--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
-    help="Cluster preset with GPU count (default count: dp*tp*pp) or a YAML description ('stage-cosim clusters').")
 
 
 def print_summary(r: SimResult) -> None:
@@ -53,16 +53,36 @@ def print_summary(r: SimResult) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--timeline", type=click.Path(path_type=Path), default=None,
               help="Write a Chrome/Perfetto trace (ui.perfetto.dev) of the simulated ranks.")
+@click.option("--backend", type=click.Choice(["roofline", "astra-sim"]), default="roofline", show_default=True,
+              help="Our analytical simulator, or a user's ASTRA-sim binary.")
+@click.option("--astra-sim", "astra_bin", default=None, metavar="PATH",
+              help="ASTRA-sim binary (default: $ASTRA_SIM_BIN, then AstraSim_Analytical_Congestion_Unaware on PATH).")
+@click.option("--keep", type=click.Path(path_type=Path), default=None,
+              help="astra-sim backend: keep the run directory here.")
+@click.option("--timeout", type=float, default=3600.0, show_default=True, help="astra-sim backend: seconds.")
+@with_astra_options
 def simulate(cluster: str, network_model: str, traces: Path | None, full: bool, as_json: bool,
-             timeline: Path | None, **kw) -> None:
-    """Simulate one training step with the built-in analytical simulator."""
+             timeline: Path | None, backend: str, astra_bin: str | None, keep: Path | None, timeout: float,
+             compute_mode: str, **kw) -> None:
+    """Simulate one training step with the built-in analytical simulator (or ASTRA-sim)."""
     from stage_cosim.adapters.roofline.simulate import simulate as run, simulate_traces
     from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.workload import synthesize
 
+    settings = settings_from(kw)
     model = resolve_model_options(kw)
     parallel = resolve_parallel_options(kw)
+    if backend == "astra-sim":
+        from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
+
+        if traces is not None or timeline is not None:
+            raise UserError("backend", "--traces and --timeline work with the roofline backend only")
+        result = simulate_astra_sim(synthesize(model, parallel), resolve_cluster(cluster, parallel.world_size),
+                                    binary=astra_bin, mode=compute_mode, settings=settings, keep=keep,
+                                    timeout_s=timeout)
+        click.echo(json.dumps(result.to_dict(), indent=1)) if as_json else print_summary(result)
+        return
     if traces is not None:
         from stage_cosim.trace.validate import load_trace_set  # noqa: F401 (errors surface as UserError)
 

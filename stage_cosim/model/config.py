@@ -53,7 +53,8 @@ class ModelConfig:
     # "unfused" materializes the s x s score matrix (softmax and dropout as separate ops, as in
     # Megatron before flash attention); "fused" is one flash-attention kernel.
     attention: AttentionImpl = "fused"
-    # Count attention FLOPs over the causal half of the score matrix only (off: full s x s).
+    # A causal attention kernel computes only the unmasked half of the score matrix (off: the
+    # full s x s, as the published closed forms count). Model FLOPs always count the full matrix.
     causal_flops: bool = False
 
     def __post_init__(self) -> None:

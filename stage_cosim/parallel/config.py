@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from stage_cosim.errors import UserError, positive_int, require
+from stage_cosim.errors import positive_int, require
 from stage_cosim.model.config import ModelConfig
 
 MESH_AXES = ("dp", "tp", "pp")            # axes this version shards over (cp, ep: later)

@@ -19,7 +19,7 @@ re-gathers and the ZeRO-3 re-gathers are derived rather than listed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import sympy as sp
@@ -29,7 +29,7 @@ from stage_cosim.graph.cost import op_flops
 from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, degree_symbol
 from stage_cosim.graph.ir import Block, Op, Tensor
 from stage_cosim.sharding.placement import (
-    PARTIAL, REPLICATE, Collective, Partial, Placement, Replicate, Shard, collective_for,
+    PARTIAL, REPLICATE, Collective, Partial, Placement, Shard, collective_for,
 )
 
 TENSOR_AXIS = "tp"

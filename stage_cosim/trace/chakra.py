@@ -167,3 +167,25 @@ def iter_framed(data: bytes) -> Iterator[bytes]:
         size, pos = _DecodeVarint32(data, pos)
         yield data[pos:pos + size]
         pos += size
+
+
+def node_message(node: TraceNode) -> pb.Node:
+    """A TraceNode back into its protobuf message (attributes in the fields they were read from)."""
+    msg = pb.Node(id=node.id, name=node.name, type=node.type, data_deps=node.data_deps, ctrl_deps=node.ctrl_deps,
+                  duration_micros=node.duration_micros)
+    for name, value in node.attrs.items():
+        kind = node.attr_kinds.get(name) or ("bool_val" if isinstance(value, bool) else
+                                             "uint64_val" if isinstance(value, int) else "string_val")
+        if kind.endswith("_list"):
+            a = pb.AttributeProto(name=name)
+            getattr(a, kind).values.extend(value)  # type: ignore[arg-type]
+            msg.attr.append(a)
+        else:
+            msg.attr.append(pb.AttributeProto(name=name, **{kind: value}))
+    return msg
+
+
+def write_trace_file(path: Path, nodes: list[TraceNode]) -> None:
+    """Write one rank's nodes as a Chakra file (any generator's nodes, e.g. read back)."""
+    data = metadata_bytes() + b"".join(frame(node_message(n).SerializeToString()) for n in nodes)
+    path.write_bytes(data)

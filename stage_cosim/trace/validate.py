@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stage_cosim.trace.chakra import (
-    COLLECTIVE_NAMES, INT_FIELDS, TRACE_NAME, TraceFormatError, TraceNode, read_comm_groups,
+    COLLECTIVE_NAMES, INT_FIELDS, TraceFormatError, TraceNode, read_comm_groups,
     read_trace_file, trace_files,
 )
 
@@ -49,8 +49,10 @@ def _read_json_rank(path: Path) -> list[TraceNode]:
     return nodes
 
 
-def load_trace_set(directory: Path) -> tuple[dict[int, list[TraceNode]], dict[str, list[int]] | None]:
-    """Every rank's nodes (Chakra ``.et`` or our ``.json``) and the group file if there is one."""
+def load_trace_set(directory: Path, groups_file: Path | None = None
+                   ) -> tuple[dict[int, list[TraceNode]], dict[str, list[int]] | None]:
+    """Every rank's nodes (Chakra ``.et`` or our ``.json``) and the communicator groups
+    (``groups_file``, else ``comm_groups.json`` beside the traces if there is one)."""
     if not directory.is_dir():
         raise TraceFormatError(f"{directory}: not a directory")
     try:
@@ -64,7 +66,7 @@ def load_trace_set(directory: Path) -> tuple[dict[int, list[TraceNode]], dict[st
             ranks = {r: _read_json_rank(p) for r, p in sorted(jsons.items())}
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise TraceFormatError(f"{directory}: unreadable JSON trace ({exc})") from None
-    groups_path = directory / "comm_groups.json"
+    groups_path = groups_file or directory / "comm_groups.json"
     groups = read_comm_groups(groups_path) if groups_path.exists() else None
     return ranks, groups
 

@@ -13,7 +13,7 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Union
+from typing import Callable, Iterator, Sequence, Union
 
 from google.protobuf.internal.encoder import _VarintBytes
 
@@ -60,12 +60,17 @@ def static_attrs(n: Node) -> list[pb.AttributeProto]:
             A(name="comm_tag", uint64_val=n.tag)]
 
 
-def chakra_template(role: RoleGraph) -> Template:
+# Per role: each node's duration_micros (compute nodes), or None to leave the placeholder 0.
+Durations = Callable[[RoleGraph], Sequence[int]]
+
+
+def chakra_template(role: RoleGraph, durations: Sequence[int] | None = None) -> Template:
     template: Template = []
     run: list[bytes] = []
     for n in role.nodes:
         body = pb.Node(id=n.id, name=n.name, type=_NODE_TYPE[n.type], data_deps=n.deps,
-                       ctrl_deps=n.ctrl, duration_micros=0, attr=static_attrs(n)).SerializeToString()
+                       ctrl_deps=n.ctrl, duration_micros=durations[n.id] if durations else 0,
+                       attr=static_attrs(n)).SerializeToString()
         hole = node_hole(n)
         if hole is None:
             run.append(_VarintBytes(len(body)) + body)
@@ -106,18 +111,18 @@ def stamp_chakra(template: Template, fills: dict[Hole, bytes], header: bytes) ->
 
 # -- JSON (the same graphs, readable) ------------------------------------------------------------
 
-def node_json(n: Node) -> dict:
+def node_json(n: Node, duration_micros: int = 0) -> dict:
     attrs = {a.name: getattr(a, a.WhichOneof("value")) for a in static_attrs(n)}
     d = {"id": n.id, "name": n.name, "type": pb.NodeType.Name(_NODE_TYPE[n.type]),
-         "data_deps": n.deps, "ctrl_deps": n.ctrl, "duration_micros": 0, "attrs": attrs}
+         "data_deps": n.deps, "ctrl_deps": n.ctrl, "duration_micros": duration_micros, "attrs": attrs}
     return d
 
 
-def rank_json(w: Workload, rank: int) -> bytes:
-    role = w.roles[w.role_of(rank)]
+def rank_json(w: Workload, rank: int, durations: Sequence[int] | None = None) -> bytes:
+    role = w.role(w.role_of(rank))
     nodes = []
     for n in role.nodes:
-        d = node_json(n)
+        d = node_json(n, durations[n.id] if durations else 0)
         hole = node_hole(n)
         if hole is not None:
             kind, key = hole
@@ -171,23 +176,27 @@ class WriteStats:
 
 
 def write_traces(w: Workload, directory: Path, fmt: str = "chakra",
-                 progress: Callable[[int], None] | None = None) -> WriteStats:
-    """Write every rank's trace and the communicator-group file into ``directory``."""
+                 progress: Callable[[int], None] | None = None, durations: Durations | None = None,
+                 prefix: str = TRACE_PREFIX) -> WriteStats:
+    """Write every rank's trace and the communicator-group file into ``directory``.
+
+    ``durations`` fills each compute node's ``duration_micros`` (per role), for simulators
+    that replay durations instead of computing a roofline."""
     if fmt not in FORMATS:
         raise UserError("format", f"must be one of {', '.join(FORMATS)}, got {fmt!r}")
     total = 0
     ext = "et" if fmt == "chakra" else "json"
     if fmt == "chakra":
         header = metadata_bytes()
-        templates = [chakra_template(role) for role in w.roles]
+        templates = [chakra_template(role, durations(role) if durations else None) for role in w.roles]
         holes = [{item[1] for item in t if not isinstance(item, bytes)} for t in templates]
     for rank in range(w.world_size):
         if fmt == "chakra":
             stage = w.role_of(rank)
             data = stamp_chakra(templates[stage], chakra_holes(w, rank, holes[stage]), header)
         else:
-            data = rank_json(w, rank)
-        fd = os.open(directory / f"{TRACE_PREFIX}.{rank}.{ext}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            data = rank_json(w, rank, durations(w.role(w.role_of(rank))) if durations else None)
+        fd = os.open(directory / f"{prefix}.{rank}.{ext}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, data)
         finally:

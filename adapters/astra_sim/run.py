@@ -1,0 +1,95 @@
+"""Run a user's ASTRA-sim binary on a run directory and turn every way it can fail into one line.
+
+Failures the simulator does not report clearly, all detected here: the binary is missing or not
+executable; it exits non-zero or dies on a signal (a floating-point exception from a bad system
+file, an assertion); it exits 0 but printed fewer ``finished`` lines than ranks or a
+``critical`` line (a deadlock); it runs past the time limit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from stage_cosim.adapters.astra_sim.export import BINARY_ENV, DEFAULT_BINARY, command
+from stage_cosim.adapters.astra_sim.parse import AstraOutput, parse_output
+
+EXCERPT_LINES = 12
+
+
+class AstraSimError(Exception):
+    """The simulator did not produce a result: ``summary`` (one line) and a log excerpt."""
+
+    def __init__(self, kind: str, summary: str, excerpt: str = "") -> None:
+        super().__init__(summary)
+        self.kind = kind
+        self.summary = summary
+        self.excerpt = excerpt
+
+    def __str__(self) -> str:
+        return self.summary + (f"\n--- simulator output (last lines) ---\n{self.excerpt}" if self.excerpt else "")
+
+
+@dataclass
+class AstraRun:
+    output: AstraOutput
+    returncode: int
+    log: str
+
+
+def find_binary(explicit: str | None) -> str:
+    """The binary from --astra-sim, else $ASTRA_SIM_BIN, else the default name on PATH."""
+    candidate = explicit or os.environ.get(BINARY_ENV) or DEFAULT_BINARY
+    path = shutil.which(candidate) if os.sep not in candidate else candidate
+    if path is None or not os.path.exists(path):
+        raise AstraSimError("missing", f"ASTRA-sim binary not found: {candidate!r} (give --astra-sim PATH or "
+                                       f"set {BINARY_ENV})")
+    if not os.path.isfile(path) or not os.access(path, os.X_OK):
+        raise AstraSimError("not-executable", f"ASTRA-sim binary is not an executable file: {path}")
+    return os.path.abspath(path)
+
+
+def _excerpt(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[-EXCERPT_LINES:])
+
+
+def run(binary: str, run_dir: Path, ranks: int, timeout_s: float = 3600.0) -> AstraRun:
+    """Run the simulator in ``run_dir``; raises :class:`AstraSimError` unless every rank finished."""
+    binary = find_binary(binary)
+    try:
+        proc = subprocess.Popen(command(binary), cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    except OSError as exc:
+        raise AstraSimError("not-executable", f"cannot start ASTRA-sim ({binary}): {exc.strerror or exc}") from None
+    try:
+        text, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        raise AstraSimError("timeout", f"ASTRA-sim ran past the time limit of {timeout_s:g} s and was stopped",
+                            _excerpt(text or "")) from None
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)   # cancelled: do not leave the simulator running
+        proc.wait()
+        raise
+    text = text or ""
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        hint = " (a floating-point exception: often a system file with a 0 or a missing value)" \
+            if proc.returncode == -signal.SIGFPE else ""
+        raise AstraSimError("signal", f"ASTRA-sim was killed by {sig}{hint}", _excerpt(text))
+    if proc.returncode != 0:
+        raise AstraSimError("exit", f"ASTRA-sim exited with status {proc.returncode}", _excerpt(text))
+    out = parse_output(text)
+    missing = out.missing(ranks)
+    if missing or out.critical:
+        what = f"{len(missing)} of {ranks} ranks never finished (e.g. {missing[:5]})" if missing else \
+            "it reported a critical error"
+        raise AstraSimError("deadlock", f"ASTRA-sim exited 0 but {what}: a deadlock (mismatched collectives "
+                                        f"or a stalled node)", _excerpt(text))
+    return AstraRun(out, proc.returncode, text)

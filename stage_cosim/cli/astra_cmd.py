@@ -1,0 +1,72 @@
+"""``stage-cosim astra-sim export``: a self-contained ASTRA-sim run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from stage_cosim.cli.options import (
+    cluster_option, model_options, parallel_options, resolve_model_options, resolve_parallel_options,
+)
+
+astra_options = [
+    click.option("--compute", "compute_mode", type=click.Choice(["replay", "roofline"]), default="replay",
+                 show_default=True, help="replay: node durations from our GPU model; roofline: the simulator's roofline."),
+    click.option("--collective-implementation", "implementation", default="ring", show_default=True,
+                 type=click.Choice(["ring", "direct", "halvingDoubling", "doubleBinaryTree"]),
+                 help="Collective algorithm on every network dimension."),
+    click.option("--dataset-splits", type=int, default=4, show_default=True, help="preferred-dataset-splits."),
+    click.option("--active-chunks", type=int, default=1, show_default=True, help="active-chunks-per-dimension."),
+    click.option("--collective-optimization", type=click.Choice(["baseline", "localBWAware"]), default="baseline",
+                 show_default=True),
+]
+
+
+def with_astra_options(f):  # noqa: ANN001, ANN201
+    for opt in reversed(astra_options):
+        f = opt(f)
+    return f
+
+
+def settings_from(kw: dict):  # noqa: ANN201
+    from stage_cosim.adapters.astra_sim.export import AstraSettings
+    from stage_cosim.errors import UserError
+
+    splits, chunks = kw.pop("dataset_splits"), kw.pop("active_chunks")
+    if splits < 1:
+        raise UserError("dataset-splits", f"must be at least 1, got {splits} (0 crashes the simulator)")
+    if chunks < 1:
+        raise UserError("active-chunks", f"must be at least 1, got {chunks}")
+    return AstraSettings(implementation=kw.pop("implementation"), preferred_dataset_splits=splits,
+                         active_chunks_per_dimension=chunks,
+                         collective_optimization=kw.pop("collective_optimization"))
+
+
+@click.group("astra-sim")
+def astra_sim() -> None:
+    """Work with a user's ASTRA-sim build."""
+
+
+@astra_sim.command("export")
+@model_options
+@parallel_options
+@cluster_option
+@with_astra_options
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory to create.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) -> None:
+    """Write traces, system.json, network.yml, memory.json and run.sh for ASTRA-sim."""
+    from stage_cosim.adapters.astra_sim.export import export
+    from stage_cosim.hardware import resolve_cluster
+    from stage_cosim.workload import synthesize
+
+    settings = settings_from(kw)
+    model = resolve_model_options(kw)
+    parallel = resolve_parallel_options(kw)
+    w = synthesize(model, parallel)
+    manifest = export(w, resolve_cluster(cluster, parallel.world_size), out, mode=compute_mode,
+                      settings=settings, force=force)
+    click.echo(f"wrote an ASTRA-sim run directory for {manifest['ranks']} ranks to {out} "
+               f"({manifest['trace_bytes'] / 2**20:.1f} MiB of traces, compute: {compute_mode})")
+    click.echo(f"run it with: {out}/run.sh /path/to/AstraSim_Analytical_Congestion_Unaware")

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""A STAND-IN for the ASTRA-sim binary, for testing process handling only.
+
+It prints in the simulator's real output format but computes nothing: the numbers are made
+up (rank r "finishes" at 1000 * (r + 1) cycles). Tests use it to exercise how the adapter
+launches, times out, and reads crashes and deadlocks. Its numbers must never reach a user.
+
+STANDIN_MODE: ok | crash | deadlock | hang | exit3
+"""
+
+import os
+import re
+import signal
+import sys
+import time
+
+
+def ranks() -> int:
+    text = open("network.yml").read()
+    counts = re.search(r"npus_count:\s*\[([^\]]*)\]", text)[1]
+    n = 1
+    for c in counts.split(","):
+        n *= int(c)
+    return n
+
+
+def main() -> None:
+    args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+    assert args["--workload-configuration"] and args["--system-configuration"]
+    mode = os.environ.get("STANDIN_MODE", "ok")
+    n = ranks()
+    if mode == "hang":
+        time.sleep(3600)
+    if mode == "exit3":
+        print("[error] cannot parse system file")
+        sys.exit(3)
+    if mode == "crash":
+        print("[info] starting")
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGFPE)
+    shown = n if mode == "ok" else max(0, n - 1)
+    for r in range(shown):
+        print(f"[2026-01-01 00:00:00.000] [workload] [info] sys[{r}] finished, {1000 * (r + 1)} cycles, "
+              f"exposed communication {100 * (r + 1)} cycles.")
+        print(f"[2026-01-01 00:00:00.000] [statistics] [info] sys[{r}], Wall time: {1000 * (r + 1)}")
+        print(f"[2026-01-01 00:00:00.000] [statistics] [info] sys[{r}], GPU time: {900 * (r + 1)}")
+        print(f"[2026-01-01 00:00:00.000] [statistics] [info] sys[{r}], Comm time: {300 * (r + 1)}")
+    if mode == "deadlock":
+        print("[2026-01-01 00:00:00.000] [workload] [critical] deadlock detected: rank stuck waiting")
+
+
+if __name__ == "__main__":
+    main()
