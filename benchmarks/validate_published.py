@@ -42,7 +42,8 @@ def main() -> None:
             line = (f"{run.name:<18} {run.gpus:>5} {run.tp:>3} {run.pp:>3} {run.dp:>4} {run.measured_step_s:>11.3f} "
                     f"{pred:>12.3f} {100 * err:>+7.1f}%")
             if args.loo:
-                params = fit(CLUSTER_OF[run.source], exclude=i, start=FITTED.get(run.source))
+                # a local refit from the shipped parameters, without this row
+                params = fit(CLUSTER_OF[run.source], exclude=i, start=FITTED.get(run.source), max_nfev=16)
                 p_loo = predict(run, params)
                 e_loo = p_loo / run.measured_step_s - 1
                 loo_errors.append(abs(e_loo))

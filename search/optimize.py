@@ -23,7 +23,7 @@ from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.search.evaluate import Evaluation, Objective
 from stage_cosim.search.runner import Runner, make_runner
-from stage_cosim.search.space import SearchSpace, check
+from stage_cosim.search.space import SearchSpace, canonical, check
 
 PENALTY = 1e12      # score of an infeasible point (its structural rank keeps DE moving)
 DEFAULT_BUDGET = 300
@@ -96,7 +96,7 @@ class _Search:
         self.reasons: Counter[str] = Counter()
 
     def structure(self, point: dict[str, Any]) -> tuple[ParallelConfig | None, str | None]:
-        k = _key(point)
+        k = _key(canonical(self.space, point))
         if k not in self.structural:
             par, reason = check(self.space, point, self.cluster, self.settings.allow_cross_domain_tp)
             self.structural[k] = (par, reason)
@@ -107,6 +107,7 @@ class _Search:
     def evaluate_many(self, points: list[dict[str, Any]]) -> list[Evaluation | None]:
         """Evaluations in the order given (None for structurally infeasible points)."""
         todo: dict[tuple, tuple[ParallelConfig, dict[str, Any]]] = {}
+        points = [canonical(self.space, p) for p in points]
         for p in points:
             par, _ = self.structure(p)
             k = _key(p)
@@ -146,7 +147,8 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
     search = _Search(space, cluster, settings, runner, progress, should_stop)
     interrupted = False
     try:
-        feasible = [p for p in space.points() if search.structure(p)[0] is not None]
+        unique = {_key(c): c for c in (canonical(space, p) for p in space.points())}
+        feasible = [p for p in unique.values() if search.structure(p)[0] is not None]
         exhaustive = len(feasible) <= settings.exhaustive_limit and (
             settings.budget is None or settings.budget >= len(feasible))
         method = "exhaustive" if exhaustive else "differential_evolution"
@@ -156,7 +158,7 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
             else:
                 budget = settings.budget or DEFAULT_BUDGET
                 # scipy explores; a discrete local search around the best polishes the answer
-                _differential_evolution(search, max(1, int(budget * 0.75)))
+                _differential_evolution(search, max(1, int(budget * 0.6)))
                 _local_search(search, budget)
         except KeyboardInterrupt:
             interrupted = True
@@ -197,22 +199,29 @@ def _differential_evolution(search: _Search, budget: int) -> None:
                            callback=stop, tol=0, atol=0, init="sobol")
 
 
-def _local_search(search: _Search, budget: int) -> None:
-    """Steepest descent over single-dimension moves from the best point, within the budget."""
+def _local_search(search: _Search, budget: int, starts: int = 4) -> None:
+    """Steepest descent over single-dimension moves, from the best point and then from the next
+    best ones (up to ``starts`` local optima), within the budget."""
     search.budget = budget
     dims = search.space.dimensions
-    while len(search.cache) < budget:
-        best = search.best()
-        if best is None:
+    polished: set[tuple] = set()
+    for _ in range(starts):
+        ranked = sorted((e for e in search.cache.values() if e.feasible), key=lambda e: (e.score, _key(e.point)))
+        start = next((e for e in ranked if _key(e.point) not in polished), None)
+        if start is None:
             return
-        neighbours = []
-        for d in dims:
-            for choice in d.choices:
-                if choice != best.point[d.name]:
-                    neighbours.append({**best.point, d.name: choice})
-        fresh = [p for p in neighbours if _key(p) not in search.cache and search.structure(p)[0] is not None]
-        if not fresh:
-            return
-        search.evaluate_many(fresh)
-        if search.best() is best:
+        current = start
+        while len(search.cache) < budget:
+            polished.add(_key(current.point))
+            neighbours = [canonical(search.space, {**current.point, d.name: c})
+                          for d in dims for c in d.choices if c != current.point[d.name]]
+            fresh = [p for p in neighbours if _key(p) not in search.cache and search.structure(p)[0] is not None]
+            evaluated = search.evaluate_many(fresh)
+            better = [e for e in evaluated if e is not None and e.feasible and e.score < current.score]
+            known = [search.cache[_key(p)] for p in neighbours if _key(p) in search.cache]
+            better += [e for e in known if e.feasible and e.score < current.score]
+            if not better:
+                break
+            current = min(better, key=lambda e: (e.score, _key(e.point)))
+        if len(search.cache) >= budget:
             return

@@ -84,6 +84,23 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
 
 # -- feasibility -------------------------------------------------------------------------------
 
+def canonical(space: SearchSpace, point: dict[str, Any]) -> dict[str, Any]:
+    """The same configuration written one way: choices that mean nothing in their context
+    collapse (sequence parallelism without tp, virtual stages without pp, ZeRO without dp).
+
+    Points that only differ in such choices are one configuration (simulated once), and a
+    search step that turns tp off does not land on an "infeasible" sp=True point.
+    """
+    p = dict(point)
+    if p.get("tp", 1) == 1 and "sp" in p:
+        p["sp"] = False
+    if p.get("pp", 1) == 1 and "vp" in p:
+        p["vp"] = 1
+    sharded = p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1) * p.get("ep", 1)
+    if "zero" in p and sharded and space.num_gpus % sharded == 0 and space.num_gpus // sharded == 1:
+        p["zero"] = 0
+    return p
+
 def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
           allow_cross_domain_tp: bool = False) -> tuple[ParallelConfig | None, str | None]:
     """The ParallelConfig of ``point``, or None and the name of the rule it breaks."""
@@ -98,17 +115,11 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
         return None, "tp does not divide heads / kv-heads / ffn"
     if pp * vp > m.layers:
         return None, "more pipeline stages than layers"
-    if vp > 1 and pp == 1:
-        return None, "virtual stages need pp > 1"
-    if point.get("sp") and tp == 1:
-        return None, "sequence parallelism needs tp > 1"
     if space.global_batch % (dp * mb):
         return None, "global batch not divisible by dp * micro-batch"
     m_count = space.global_batch // (dp * mb)
     if vp > 1 and m_count % pp:
         return None, "interleaving needs micro-batches divisible by pp"
-    if point.get("zero", 0) > 0 and dp == 1:
-        return None, "ZeRO needs dp > 1"
     if tp > cluster.domain and not allow_cross_domain_tp:
         return None, "tp exceeds the scale-up domain"
     if tp < cluster.domain and cluster.domain % tp:

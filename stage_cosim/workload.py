@@ -176,7 +176,8 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
     """Build the role graphs of one training step of ``model`` under ``parallel``."""
     parallel.check_against(model)
     padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
-    policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute)
+    policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
+                            grad_reduce_dtype=parallel.grad_reduce_dtype)
     blocks = compiled_blocks(model.switches(), policy)
     values = model_values(padded, parallel.micro_batch, parallel.seq_len)
     for axis in BLOCK_AXES:

@@ -39,6 +39,8 @@ class ParallelConfig:
     overlap_param_gather: bool = True
     # Megatron-Core --tp-comm-overlap: tensor-parallel collectives pipelined with their GEMMs.
     tp_comm_overlap: bool = False
+    # Data-parallel gradient reduction precision (Megatron's default for bf16 training: fp32).
+    grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "vp", "micro_batch", "seq_len"):
@@ -49,6 +51,8 @@ class ParallelConfig:
         require(self.zero in (0, 1, 2, 3), "zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         require(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         require(self.dtype == "bf16", "dtype", f"only bf16 is supported in this version, got {self.dtype!r}")
+        require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad-reduce-dtype",
+                f"must be fp32 or bf16, got {self.grad_reduce_dtype!r}")
         require(self.global_batch % (self.dp * self.micro_batch) == 0, "global-batch",
                 f"must be divisible by dp*micro-batch = {self.dp}*{self.micro_batch}, got {self.global_batch}")
         schedule = self.schedule or ("interleaved" if self.vp > 1 else "1f1b")

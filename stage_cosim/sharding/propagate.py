@@ -36,7 +36,6 @@ TENSOR_AXIS = "tp"
 BATCH_AXIS = "dp"
 BLOCK_AXES = (TENSOR_AXIS, BATCH_AXIS)  # axes that shard tensors inside a block, in redistribution order
 RECOMPUTE_MODES = ("none", "selective", "full")
-GRAD_REDUCE_DTYPE = "fp32"  # Megatron reduces bf16 training's gradients in fp32
 
 # Per-axis placements of one tensor, in BLOCK_AXES order.
 Placements = tuple[Placement, ...]
@@ -49,6 +48,8 @@ class ShardingPolicy:
     sp: bool = False
     zero: int = 0
     recompute: str = "none"
+    # Megatron accumulates and reduces bf16 training's gradients in fp32 by default.
+    grad_reduce_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -418,7 +419,7 @@ def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: 
         g = weight_grads.get(w)
         colls: list[tuple[str, Collective, sp.Expr]] = []
         if g is not None:
-            g32 = Tensor(g.name, g.labels, GRAD_REDUCE_DTYPE, g.kind)
+            g32 = Tensor(g.name, g.labels, policy.grad_reduce_dtype, g.kind)
             cur = placements[g]
             for i, (axis, target) in enumerate(zip(BLOCK_AXES, (tp_target, dp_target))):
                 coll = collective_for(cur[i], target)
