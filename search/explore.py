@@ -99,14 +99,16 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
     """An ExploreSpec from the content of an explore YAML file."""
     if not isinstance(doc, dict):
         raise UserError("spec", f"{where}: expected a mapping")
-    known = {"model", "baseline", "global_batch", "seq_len", "variables", "cost", "mode", "budget", "points",
-             "inner_budget", "reuse_top", "candidates", "seed"}
+    known = {"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode", "budget",
+             "points", "inner_budget", "reuse_top", "candidates", "seed"}
     for k in doc:
         if k not in known:
             raise UserError(k, f"is not an explore setting (settings: {', '.join(sorted(known))})")
-    for k in ("model", "baseline", "global_batch", "seq_len", "variables"):
+    for k in ("baseline", "global_batch", "seq_len", "variables"):
         if k not in doc:
             raise UserError(k, "is required in the explore spec")
+    if "model" not in doc and "model_config" not in doc:
+        raise UserError("model", "is required in the explore spec (a preset, a config.json, or model_config)")
     baseline = resolve_cluster(str(doc["baseline"]))
     variables = []
     if not isinstance(doc["variables"], dict) or not doc["variables"]:
@@ -154,7 +156,13 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
             if isinstance(val, bool) or not isinstance(val, int) or (val <= 0 and k != "seed"):
                 raise UserError(k, f"must be a positive integer, got {val!r}")
             ints[k] = val
-    return ExploreSpec(resolve_model(str(doc["model"])), baseline, variables=tuple(variables), unit_cost=unit,
+    if doc.get("model_config") is not None:
+        from stage_cosim.model.hf import model_from_hf_dict
+
+        model = model_from_hf_dict(doc["model_config"], "model_config")
+    else:
+        model = resolve_model(str(doc["model"]))
+    return ExploreSpec(model, baseline, variables=tuple(variables), unit_cost=unit,
                        base_cost=float(cost.get("base", 0.0)), mode=mode,
                        budget=float(doc["budget"]) if doc.get("budget") is not None else None, **ints)
 

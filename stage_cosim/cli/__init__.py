@@ -24,7 +24,7 @@ def cli() -> None:
 
 def _register() -> None:
     from stage_cosim.cli import (
-        astra_cmd, clusters_cmd, explore_cmd, models_cmd, optimize_cmd, simulate_cmd, synth_cmd, validate_cmd,
+        astra_cmd, bridge_cmd, clusters_cmd, explore_cmd, models_cmd, optimize_cmd, simulate_cmd, synth_cmd, validate_cmd,
     )
 
     cli.add_command(synth_cmd.synth)
@@ -35,6 +35,8 @@ def _register() -> None:
     cli.add_command(validate_cmd.validate)
     cli.add_command(models_cmd.models)
     cli.add_command(clusters_cmd.clusters)
+    cli.add_command(bridge_cmd.serve)
+    cli.add_command(bridge_cmd.remote)
 
 
 _register()

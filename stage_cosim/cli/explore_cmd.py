@@ -69,6 +69,11 @@ def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=1))
         return
+    print_report(doc, s)
+
+
+def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
+    """The text report of an exploration (also printed by 'stage-cosim remote explore')."""
     b = doc["baseline"]
     click.echo(f"baseline  {_fmt_values(b['values'])}: ${b['cost_per_gpu']:,.0f}/GPU, {b['step_time_s']:.4f} s/step "
                f"({describe_point(b['best']['point'], b['best']['config']['parallel'])})")

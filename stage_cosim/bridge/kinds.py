@@ -1,0 +1,113 @@
+"""What each job kind does, inside a worker process.
+
+Each runner takes the request (the project's vocabulary), the kind's options, the job's
+artifact directory and a reporter, and returns the result as plain data — exactly what the local
+command prints with ``--json``. Library functions do the work; the runners only wire them up:
+
+* simulate: ``stage_cosim.api.simulate``; the three ``simulate`` flags outside the request
+  vocabulary (``--traces``, ``--full``, ``--timeline``) take the same library calls as
+  ``stage_cosim/cli/simulate_cmd.py`` does.
+* synthesize: ``stage_cosim.api.synth`` into ``traces/``; the result is the manifest.
+* optimize, explore: ``stage_cosim.api.optimize`` / ``explore``, looked up when the job runs
+  (they arrive later than the bridge; a missing one fails the job, it does not break the server).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol
+
+from stage_cosim.errors import UserError
+
+KINDS = ("simulate", "synthesize", "optimize", "explore")
+TRACES_DIR = "traces"
+TIMELINE_FILE = "timeline.json"
+
+
+class Reporter(Protocol):
+    def progress(self, done: int, total: int, detail: Mapping[str, Any] | None = None) -> None: ...
+    def should_stop(self) -> bool: ...
+
+
+def run(kind: str, req: dict[str, Any], options: Mapping[str, Any], out: Path, report: Reporter) -> Any:
+    if kind == "simulate":
+        return simulate(req, options, out)
+    if kind == "synthesize":
+        return synthesize(req, options, out, report)
+    if kind in ("optimize", "explore"):
+        return search(kind, req, report)
+    raise UserError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def simulate(req: dict[str, Any], options: Mapping[str, Any], out: Path) -> dict[str, Any]:
+    from stage_cosim import api
+
+    traces, full, timeline = options.get("traces"), bool(options.get("full")), bool(options.get("timeline"))
+    if not (traces or full or timeline):
+        return api.simulate(req)
+    # Beyond api.simulate's vocabulary: the calls of `stage-cosim simulate` for these flags.
+    from stage_cosim.adapters.roofline.simulate import simulate as run_sim, simulate_traces
+    from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
+    from stage_cosim.workload import synthesize as synth_workload
+
+    api.check_request(req)
+    backend = req.get("backend") or "roofline"
+    if backend != "roofline":
+        raise UserError("backend", "traces, full and timeline need the roofline backend")
+    network_model = str(req.get("network_model") or "calibrated")
+    if traces:
+        directory = Path(traces)
+        n = len([p for p in directory.iterdir() if p.suffix in (".et", ".json") and p.stem.rsplit(".", 1)[-1].isdigit()])
+        result, rep, programs = simulate_traces(directory, api.cluster_of(req, n), network_model)
+        names = None
+    else:
+        model, parallel = api.model_of(req), api.parallel_of(req)
+        workload = synth_workload(model, parallel)
+        result, rep, programs = run_sim(workload, api.cluster_of(req, parallel.world_size), network_model,
+                                        symmetric=not full, exact=True if timeline else None)
+        names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
+    if timeline:
+        labels = names or [[f"node{i}" for i in p.ids] for p in programs]
+        write_timeline(out / TIMELINE_FILE, timeline_events(programs, rep, labels))
+    doc = result.to_dict()
+    if traces and doc.get("config", {}).get("traces") == str(traces):
+        # the server's directory means nothing to the client, which puts back its own name
+        doc["config"]["traces"] = f"upload:{options.get('traces_upload', '')}"
+    return doc
+
+
+def synthesize(req: dict[str, Any], options: Mapping[str, Any], out: Path, report: Reporter) -> dict[str, Any]:
+    from stage_cosim import api
+
+    fmt = str(options.get("format") or "chakra")
+    if fmt not in ("chakra", "json"):
+        raise UserError("format", f"must be chakra or json, got {fmt!r}")
+    return api.synth(req, out / TRACES_DIR, fmt=fmt, force=False,
+                     progress=lambda done, total: report.progress(done, total))
+
+
+def search(kind: str, req: dict[str, Any], report: Reporter) -> Any:
+    import stage_cosim.api as api
+
+    fn: Callable[..., Any] | None = getattr(api, kind, None)
+    if fn is None:
+        raise UserError(kind, f"is not available in this build (stage_cosim.api.{kind} is missing)")
+
+    total = int(req.get("budget" if kind == "optimize" else "candidates") or 0)
+    fastest: dict[str, Any] | None = None
+
+    def progress(detail: Mapping[str, Any]) -> None:
+        # best-so-far in one place whatever the search reports: its own "best", optimize's
+        # best_point/best_score, or (explore reports each candidate) the fastest candidate yet
+        nonlocal fastest
+        detail = dict(detail)
+        if "best" not in detail and detail.get("best_point") is not None:
+            detail["best"] = {"point": detail["best_point"], "score": detail.get("best_score")}
+        elif "best" not in detail and detail.get("step_time_s") is not None:
+            if fastest is None or detail["step_time_s"] < fastest["step_time_s"]:
+                fastest = {k: detail[k] for k in ("values", "step_time_s", "cost_per_gpu") if k in detail}
+            detail["best"] = fastest
+        done = detail.get("done", detail.get("evaluations", detail.get("candidates", 0)))
+        report.progress(int(done or 0), int(detail.get("total", total) or 0), detail)
+
+    return fn(req, progress=progress, should_stop=report.should_stop)

@@ -1,0 +1,61 @@
+"""Path safety: every path a client names resolves inside one directory the server owns.
+
+Clients name files when they upload a trace set and when they download artifacts. A name is a
+relative, '/'-separated path; it may not be absolute, contain '..', '.', empty parts, a
+backslash or control characters, and its resolved location — symlinks followed — must stay
+inside the root. Checking the text first gives a clear error; checking the resolved path too
+catches a symlink planted inside the root that points out of it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stage_cosim.errors import UserError
+
+MAX_PATH_CHARS = 1024
+MAX_DEPTH = 16
+
+
+def check_relative(name: str, field: str = "path") -> str:
+    """``name`` if it is a safe relative path, else a UserError naming ``field``."""
+    if not isinstance(name, str) or not name:
+        raise UserError(field, "must be a non-empty relative path")
+    if len(name) > MAX_PATH_CHARS:
+        raise UserError(field, f"is longer than {MAX_PATH_CHARS} characters")
+    if any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise UserError(field, "contains control characters")
+    if "\\" in name or ":" in name.split("/", 1)[0]:
+        raise UserError(field, f"must use '/' separators and no drive, got {name!r}")
+    if name.startswith("/"):
+        raise UserError(field, f"must be relative, got {name!r}")
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise UserError(field, f"may not contain '.', '..' or empty parts, got {name!r}")
+    if len(parts) > MAX_DEPTH:
+        raise UserError(field, f"is nested deeper than {MAX_DEPTH} levels")
+    return name
+
+
+def resolve_inside(root: Path, name: str, field: str = "path") -> Path:
+    """The path ``root/name``, refusing anything that lands outside ``root`` (symlinks included)."""
+    check_relative(name, field)
+    base = Path(os.path.realpath(root))
+    target = Path(os.path.realpath(base / name))
+    if target != base and base not in target.parents:
+        raise UserError(field, f"{name!r} leads outside its directory")
+    return target
+
+
+def walk_files(root: Path) -> list[str]:
+    """Every regular file under ``root`` as a sorted relative '/' path; symlinks are skipped."""
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel = Path(dirpath).relative_to(root)
+        dirnames[:] = sorted(d for d in dirnames if not (Path(dirpath) / d).is_symlink())
+        for f in filenames:
+            p = Path(dirpath) / f
+            if p.is_file() and not p.is_symlink():
+                out.append((rel / f).as_posix())
+    return sorted(out)

@@ -1,0 +1,146 @@
+"""The server's handle on one worker process (see ``worker.py`` for the other side).
+
+The worker runs in its own session, so ``kill()`` reaches every process a job started (an
+ASTRA-sim binary included) with one ``killpg``: SIGTERM first — searches see ``should_stop()``
+— then SIGKILL after a short grace. A killed worker is never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from typing import Any, Callable, Mapping
+
+from stage_cosim.bridge.worker import END_MARK
+
+STREAM_LIMIT = 16 << 20          # longest protocol or log line read in one piece
+
+
+class WorkerDied(Exception):
+    """The worker process ended while it had a job (crash, out of memory, killed)."""
+
+
+class WorkerProcess:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.jobs_run = 0
+        self._on_log: Callable[[str], None] | None = None
+        self._end_of_log = asyncio.Event()
+        self._stderr_task = asyncio.create_task(self._read_stderr())
+
+    @classmethod
+    async def start(cls, init: str | None = None, ready_timeout_s: float = 120.0) -> "WorkerProcess":
+        """Start a worker and wait until it has imported the library."""
+        env = dict(os.environ)
+        # like multiprocessing's spawn: the child sees the modules the server sees
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + env.get("PYTHONPATH", "").split(os.pathsep)))
+        env["PYTHONUNBUFFERED"] = "1"
+        args = [sys.executable, "-m", "stage_cosim.bridge.worker"] + (["--init", init] if init else [])
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, limit=STREAM_LIMIT)
+        worker = cls(proc)
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), ready_timeout_s)  # type: ignore[union-attr]
+            if not line or json.loads(line).get("type") != "ready":
+                raise WorkerDied(f"worker did not start (exit status {await proc.wait()})")
+        except BaseException:
+            await worker.kill(0.0)
+            raise
+        return worker
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    async def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        while True:
+            try:
+                raw = await self.proc.stderr.readline()
+            except (ValueError, asyncio.LimitOverrunError):     # a line over the limit: drop it
+                continue
+            if not raw:
+                self._end_of_log.set()
+                return
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line == END_MARK:
+                self._end_of_log.set()
+            elif self._on_log is not None:
+                self._on_log(line)
+
+    async def run(self, job: Mapping[str, Any], on_progress: Callable[[dict], None],
+                  on_log: Callable[[str], None]) -> dict[str, Any]:
+        """Send one job and relay its messages; returns the worker's final answer."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.jobs_run += 1
+        self._on_log, self._end_of_log = on_log, asyncio.Event()
+        try:
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise WorkerDied(self._died()) from None
+        while True:
+            line = await self.proc.stdout.readline()
+            if not line:
+                await self.proc.wait()
+                raise WorkerDied(self._died())
+            msg = json.loads(line)
+            if msg.get("type") == "progress":
+                on_progress(msg)
+            elif msg.get("type") == "done":
+                try:       # the job's last log lines come before its end
+                    await asyncio.wait_for(self._end_of_log.wait(), 5.0)
+                except asyncio.TimeoutError:
+                    pass
+                self._on_log = None
+                return msg
+
+    def _died(self) -> str:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return f"the worker process was killed by signal {signal.Signals(-code).name}"
+        return f"the worker process exited with status {code}"
+
+    async def kill(self, grace_s: float = 1.0) -> None:
+        """End the worker and everything it started (its whole process group)."""
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            if sig == signal.SIGTERM and grace_s <= 0:
+                continue
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                await asyncio.wait_for(self.proc.wait(), wait)
+                if sig == signal.SIGTERM:
+                    # the worker is gone; its children may not be
+                    try:
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                break
+            except asyncio.TimeoutError:
+                continue
+        await self._drain_pipes()
+
+    async def close(self) -> None:
+        """Let an idle worker exit on end of input; kill it if it lingers."""
+        if self.alive and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+        await self.kill(0.0)
+
+    async def _drain_pipes(self) -> None:
+        self._on_log = None
+        try:
+            await asyncio.wait_for(self._stderr_task, 2.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self._stderr_task.cancel()

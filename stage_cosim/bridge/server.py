@@ -1,0 +1,425 @@
+"""The gRPC server: the ``stagecosim.v1.Bridge`` service, health, reflection, auth, drain.
+
+One asyncio loop (``grpc.aio``) serves every call; jobs run in worker processes, so a watch
+stream costs an awaiting coroutine and nothing more: thousands of open streams do not starve
+other calls. ``BridgeServer`` is the embeddable piece (tests and notebooks start one with
+:func:`start_in_thread`); ``serve`` runs one until SIGTERM or SIGINT, then drains: health turns
+NOT_SERVING, new submits are refused, running jobs get ``drain_timeout_s`` to finish and are
+cancelled after it.
+
+Safe by default: the host is 127.0.0.1; with a token, every call but the health service must
+carry ``authorization: Bearer <token>``; TLS with a certificate and key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import shutil
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from stage_cosim import __version__
+from stage_cosim.bridge import jobs as J
+from stage_cosim.bridge.codec import loads_object, request_from_design
+from stage_cosim.bridge.kinds import KINDS
+from stage_cosim.bridge.manager import Draining, JobManager, Limits, NotFound, QueueFull, RequestIdReused, WrongState
+from stage_cosim.bridge.paths import resolve_inside
+from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
+from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2_grpc as pb_grpc
+from stage_cosim.bridge.resolve import resolve
+from stage_cosim.bridge.status import RpcAbort, invalid
+from stage_cosim.bridge.uploads import CHUNK_BYTES, UploadStore
+from stage_cosim.errors import UserError
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Bridge"].full_name
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    data_dir: Path | None = None              # None: a temporary directory, removed at the end
+    limits: Limits = field(default_factory=Limits)
+    max_upload_bytes: int = 4 << 30
+    heartbeat_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    worker_init: str | None = None            # MODULE:FUNCTION run in each worker (tests)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+def _guard(method: Callable) -> Callable:
+    """Turn the bridge's exceptions into status codes with details (unary and client-streaming)."""
+
+    async def wrapper(self: "BridgeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+def _guard_stream(method: Callable) -> Callable:
+    async def wrapper(self: "BridgeServicer", request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+def _as_abort(exc: Exception) -> RpcAbort:
+    code = grpc.StatusCode
+    if isinstance(exc, RpcAbort):
+        return exc
+    if isinstance(exc, UserError):
+        return invalid(exc.parameter, exc.rule)
+    if isinstance(exc, NotFound):
+        return RpcAbort(code.NOT_FOUND, f"job_id: {exc}", "NOT_FOUND", "job_id")
+    if isinstance(exc, QueueFull):
+        return RpcAbort(code.RESOURCE_EXHAUSTED, str(exc), "QUEUE_FULL", retry_after_s=exc.retry_after_s)
+    if isinstance(exc, Draining):
+        return RpcAbort(code.UNAVAILABLE, str(exc), "DRAINING", retry_after_s=5.0)
+    if isinstance(exc, RequestIdReused):
+        return RpcAbort(code.ALREADY_EXISTS, f"request_id: {exc}", "REQUEST_ID_REUSED", "request_id")
+    if isinstance(exc, WrongState):
+        return RpcAbort(code.FAILED_PRECONDITION, f"job_id: {exc}", "WRONG_STATE", "job_id")
+    return RpcAbort(code.INTERNAL, f"internal error: {exc.__class__.__name__}: {exc}", "INTERNAL")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, asyncio.CancelledError):
+        raise exc
+    err = _as_abort(exc)
+    await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+
+
+# -- the service -------------------------------------------------------------------------------------
+
+class BridgeServicer(pb_grpc.BridgeServicer):
+    def __init__(self, manager: JobManager, uploads: UploadStore, config: ServerConfig) -> None:
+        self.manager = manager
+        self.uploads = uploads
+        self.config = config
+
+    @_guard
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        kind = request.WhichOneof("kind")
+        if kind is None:
+            raise invalid("kind", f"set one of {', '.join(KINDS)}")
+        body = getattr(request, kind)
+        req = request_from_design(body.design)
+        options: dict[str, Any] = {}
+        settings: dict[str, Any] = {}
+        if kind == "simulate":
+            if body.traces_upload:
+                self.uploads.path(body.traces_upload, "traces_upload")
+                options["traces_upload"] = body.traces_upload
+            options.update({k: True for k in ("full", "timeline") if getattr(body, k)})
+        elif kind == "synthesize":
+            options["format"] = body.format or "chakra"
+            if options["format"] not in ("chakra", "json"):
+                raise invalid("format", f"must be chakra or json, got {body.format!r}")
+        else:
+            settings = loads_object(body.settings_json, "settings_json")
+            for key in settings:
+                if key in req:
+                    raise invalid(key, "is given both in the design and in settings_json")
+            req.update(settings)
+        digest = resolve(kind, req, options, settings)
+        bare = pb.SubmitJobRequest()
+        bare.CopyFrom(request)
+        bare.request_id = ""
+        fingerprint = hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
+        job = await self.manager.submit(kind, req, options, digest, fingerprint, request.request_id,
+                                        request.timeout_s, request.no_cache)
+        return job.to_proto()
+
+    @_guard
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        return self.manager.get(request.job_id).to_proto()
+
+    @_guard
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        size = min(request.page_size or 100, 1000)
+        start = _page_start(request.page_token)
+        jobs = sorted(self.manager.jobs.values(), key=lambda j: (j.created_at, j.id), reverse=True)
+        page = jobs[start:start + size]
+        more = start + size < len(jobs)
+        return pb.ListJobsResponse(jobs=[j.to_proto(with_result=False) for j in page],
+                                   next_page_token=str(start + size) if more else "")
+
+    @_guard_stream
+    async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
+        job = self.manager.get(request.job_id)
+        async for event in job.watch(request.after_seq, self.config.heartbeat_s):
+            yield event
+
+    @_guard
+    async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        return (await self.manager.cancel(request.job_id)).to_proto()
+
+    @_guard
+    async def UploadTraces(self, request_iterator: AsyncIterator[pb.UploadTracesRequest],
+                           context: grpc.aio.ServicerContext) -> pb.Upload:
+        return await self.uploads.receive(request_iterator)
+
+    def _owner(self, request: pb.ListArtifactsRequest | pb.DownloadRequest) -> tuple[Path, list[dict[str, Any]]]:
+        """The directory a request's paths resolve in, and the files it offers."""
+        owner = request.WhichOneof("owner")
+        if owner == "upload_id":
+            return self.uploads.path(request.upload_id), self.uploads.index(request.upload_id)
+        if owner != "job_id":
+            raise invalid("job_id", "give a job_id or an upload_id")
+        job = self.manager.get(request.job_id)
+        if job.state != J.SUCCEEDED:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"job_id: job {job.id} is {J.STATE_NAMES[job.state]}; artifacts come when it succeeds",
+                           "WRONG_STATE", "job_id")
+        return self.manager.artifacts_dir(job), self.manager.artifact_index(job)
+
+    @_guard
+    async def ListArtifacts(self, request: pb.ListArtifactsRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ListArtifactsResponse:
+        _, index = self._owner(request)
+        files = [f for f in index if f["path"].startswith(request.prefix)]
+        size = min(request.page_size or 1000, 10_000)
+        start = _page_start(request.page_token)
+        more = start + size < len(files)
+        return pb.ListArtifactsResponse(files=[pb.FileSpec(**f) for f in files[start:start + size]],
+                                        next_page_token=str(start + size) if more else "")
+
+    @_guard_stream
+    async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DownloadChunk]:
+        root, index = self._owner(request)
+        path = resolve_inside(root, request.path, "path")
+        spec = next((f for f in index if f["path"] == request.path), None)
+        if spec is None or not path.is_file():
+            raise RpcAbort(grpc.StatusCode.NOT_FOUND, f"path: no file {request.path!r}", "NOT_FOUND", "path")
+        size = spec["size"]
+        if not 0 <= request.offset <= size:
+            raise RpcAbort(grpc.StatusCode.OUT_OF_RANGE, f"offset: must be within 0..{size}, got {request.offset}",
+                           "INVALID_FIELD", "offset")
+        loop = asyncio.get_running_loop()
+        offset = request.offset
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while True:
+                data = await loop.run_in_executor(None, f.read, CHUNK_BYTES)
+                if not data and offset < size:
+                    raise RpcAbort(grpc.StatusCode.DATA_LOSS, f"path: {request.path!r} is shorter than recorded",
+                                   "DIGEST_MISMATCH", "path")
+                if data or offset == request.offset:     # an empty file still answers once
+                    yield pb.DownloadChunk(path=request.path, offset=offset, data=data, size=size,
+                                           sha256=spec["sha256"])
+                offset += len(data)
+                if offset >= size:
+                    return
+
+    @_guard
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        m, lim = self.manager, self.manager.limits
+        return pb.ServerInfo(version=__version__, job_kinds=list(KINDS), workers=lim.workers, max_queue=lim.max_queue,
+                             queued=m.queued, running=m.running, max_upload_bytes=self.uploads.max_bytes,
+                             default_timeout_s=lim.default_timeout_s, max_timeout_s=lim.max_timeout_s,
+                             draining=m.draining, jobs=len(m.jobs), cache_entries=len(m.cache))
+
+
+def _page_start(token: str) -> int:
+    if not token:
+        return 0
+    if not token.isdigit():
+        raise invalid("page_token", "is not a token this server gave")
+    return int(token)
+
+
+# -- authentication ------------------------------------------------------------------------------------
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Every call but the health service must carry ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        got = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
+        got = got.encode() if isinstance(got, str) else got
+        if hmac.compare_digest(got, self._expected):
+            return handler
+        return _deny(handler)
+
+
+def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    err = RpcAbort(grpc.StatusCode.UNAUTHENTICATED, "token: missing or wrong bearer token", "UNAUTHENTICATED", "token")
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, **kw)
+    return grpc.stream_stream_rpc_method_handler(deny, **kw)
+
+
+# -- the server ------------------------------------------------------------------------------------------
+
+class BridgeServer:
+    """The whole bridge on one asyncio loop: ``await start()`` (returns the port), ``await stop()``."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.port = 0
+        self._tmp: str | None = None
+        self._server: grpc.aio.Server | None = None
+        self.manager: JobManager | None = None
+        self.health = health_aio.HealthServicer()
+
+    async def start(self) -> int:
+        cfg = self.config
+        if cfg.data_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="stage-cosim-bridge-")
+        data = Path(cfg.data_dir or self._tmp)  # type: ignore[arg-type]
+        self.manager = JobManager(data, cfg.limits, cfg.worker_init)
+        uploads = UploadStore(self.manager.uploads_root, cfg.max_upload_bytes)
+        interceptors = [TokenAuth(cfg.token)] if cfg.token else []
+        # so_reuseport 0: a port already taken is an error, not a silently shared port
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_BridgeServicer_to_server(BridgeServicer(self.manager, uploads, cfg), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+        address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
+        try:
+            if cfg.tls_cert or cfg.tls_key:
+                creds = grpc.ssl_server_credentials([(_read(cfg.tls_key, "tls-key"), _read(cfg.tls_cert, "tls-cert"))])
+                self.port = server.add_secure_port(address, creds)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise UserError("port", f"cannot listen on {address}: {exc}") from None
+        if not self.port:
+            raise UserError("port", f"cannot listen on {address}")
+        await self.manager.start()
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Graceful: health NOT_SERVING, no new jobs, running jobs finish or are cancelled."""
+        if self._server is None or self.manager is None:
+            return
+        for name in ("", SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        await self.manager.drain(timeout)
+        await self._server.stop(grace=2.0)
+        await self.manager.close()
+        self._server = None
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _read(path: Path | None, name: str) -> bytes:
+    if path is None:
+        raise UserError(name, "is required with --tls-cert/--tls-key (give both)")
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UserError(name, f"{path}: {exc.strerror}") from None
+
+
+async def serve(config: ServerConfig, announce: Callable[[str], None] = print) -> None:
+    """Run until SIGTERM or SIGINT, then drain."""
+    server = BridgeServer(config)
+    port = await server.start()
+    host = config.host
+    scheme = "tls" if config.tls_cert else "insecure"
+    announce(f"stage-cosim bridge {__version__} serving on {host}:{port} ({scheme}"
+             f"{', token required' if config.token else ''}; data in {server.manager.data})")  # type: ignore[union-attr]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    announce(f"draining: running jobs have {config.drain_timeout_s:g} s to finish")
+    await server.stop()
+    announce("stopped")
+
+
+# -- embedding --------------------------------------------------------------------------------------------
+
+class ServerThread:
+    """A BridgeServer on its own loop in a background thread (tests, notebooks).
+
+    ``with start_in_thread(ServerConfig(port=0)) as s: Client(f"127.0.0.1:{s.port}")``
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.server = BridgeServer(config)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bridge-server", daemon=True)
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def call(self, coro: Any, timeout: float | None = 60.0) -> Any:
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self.port = self.call(self.server.start())
+        return self
+
+    def stop(self, drain_timeout_s: float = 5.0) -> None:
+        try:
+            self.call(self.server.stop(drain_timeout_s), timeout=drain_timeout_s + 60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_in_thread(config: ServerConfig) -> ServerThread:
+    return ServerThread(config)
+
+
+__all__ = ["BridgeServer", "Limits", "ServerConfig", "ServerThread", "serve", "start_in_thread"]
