@@ -10,9 +10,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from stage_cosim.errors import UserError, require
+from stage_cosim.files import read_yaml
 from stage_cosim.hardware.gpu import GPU, get_gpu
 from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
 
@@ -153,12 +152,7 @@ def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
     """``preset``, ``preset:COUNT`` or a YAML file describing every field."""
     path = Path(spec)
     if spec.endswith((".yaml", ".yml")) or path.is_file():
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise UserError("cluster", f"{spec}: no such file") from None
-        except (OSError, yaml.YAMLError) as exc:
-            raise UserError("cluster", f"{spec}: not valid YAML ({exc.__class__.__name__})") from None
+        doc = read_yaml(path, "cluster")
         return _build(doc, spec, None if doc and isinstance(doc, dict) and "num_gpus" in doc else default_gpus)
     name, _, count = spec.partition(":")
     if name not in CLUSTER_PRESETS:

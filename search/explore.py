@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import yaml
 
 from stage_cosim.errors import UserError
+from stage_cosim.files import read_yaml
 from stage_cosim.hardware.cluster import Cluster, resolve_cluster
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective
@@ -86,13 +86,7 @@ def _num(doc: dict, key: str, where: str) -> float:
 
 
 def load_spec(path: Path) -> ExploreSpec:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UserError("spec", f"{path}: no such file") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError("spec", f"{path}: not valid YAML ({exc.__class__.__name__})") from None
-    return spec_from_dict(doc, str(path))
+    return spec_from_dict(read_yaml(path, "spec"), str(path))
 
 
 def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:

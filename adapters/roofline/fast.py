@@ -22,11 +22,12 @@ import bisect
 from dataclasses import dataclass
 from typing import Hashable
 
+from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.adapters.roofline.network import NetworkModel
 from stage_cosim.result import BREAKDOWN_KEYS
-from stage_cosim.schedule.program import COLL, COMP, RECV, RoleGraph
+from stage_cosim.schedule.program import COLL, COMP, RoleGraph
 from stage_cosim.workload import Workload
 
 WAIT = "WAIT"
@@ -96,38 +97,7 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
 
 
 def _window_breakdown(prog: AgentProgram, rep: Replay, lo: float, hi: float, waiting: str) -> dict[str, float]:
-    from stage_cosim.adapters.roofline.simulate import EXPOSED_PRIORITY
-
-    events: list[tuple[float, int, str]] = []
-    for i, t in enumerate(prog.types):
-        s, e = max(rep.start[0][i], lo), min(rep.end[0][i], hi)
-        if e <= s or t in (WAIT, RECV):
-            continue
-        cat = "compute" if t == COMP else (prog.kind[i] if prog.kind[i] in EXPOSED_PRIORITY else "other")
-        events += [(s, 1, cat), (e, -1, cat)]
-    events.sort()
-    out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
-    active: dict[str, int] = {}
-    prev = lo
-
-    def charge(t0: float, t1: float) -> None:
-        if t1 <= t0:
-            return
-        if active.get("compute"):
-            out["compute"] += t1 - t0
-            return
-        for kind in EXPOSED_PRIORITY + ("other",):
-            if active.get(kind):
-                out[f"exposed_{kind}"] += t1 - t0
-                return
-        out[waiting] += t1 - t0
-
-    for t, delta, cat in events:
-        charge(prev, t)
-        active[cat] = active.get(cat, 0) + delta
-        prev = t
-    charge(prev, hi)
-    return out
+    return charge(intervals(prog.types, prog.kind, rep.start[0], rep.end[0]), lo, hi, waiting)
 
 
 def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel

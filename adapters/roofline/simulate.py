@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Hashable
 
+from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
 from stage_cosim.adapters.roofline.fast import ATTENTION_KINDS
@@ -12,13 +13,11 @@ from stage_cosim.adapters.roofline.network import CalibratedNetwork, NetworkMode
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.parallel.mesh import DeviceMesh
-from stage_cosim.result import BREAKDOWN_KEYS, RoleResult, SimResult
+from stage_cosim.result import RoleResult, SimResult
 from stage_cosim.schedule.program import COLL, COMP, EMBEDDING_GROUP, RECV, SEND
 from stage_cosim.workload import Workload
 
 NETWORK_MODELS = ("calibrated", "astra")
-# When compute is idle, exposed communication is charged to the first active kind here.
-EXPOSED_PRIORITY = ("tp", "pp", EMBEDDING_GROUP, "dp")
 
 
 def make_network(name: str, cluster: Cluster) -> NetworkModel:
@@ -103,45 +102,9 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
 # -- where the time goes -----------------------------------------------------------------------
 
 def breakdown(prog: AgentProgram, rep: Replay, a: int, step: float, pipelined: bool) -> dict[str, float]:
-    """Seconds by category over [0, step]: compute, then exposed communication by kind (compute
-    idle while that kind's transfer runs), then waiting: pipeline bubble (pp > 1) or idle."""
-    events: list[tuple[float, int, str]] = []
-    for i, t in enumerate(prog.types):
-        s, e = rep.start[a][i], rep.end[a][i]
-        if e <= s:
-            continue
-        if t == COMP:
-            cat = "compute"
-        elif t == RECV:
-            continue   # waiting for a pipeline peer is bubble, not communication
-        else:
-            cat = prog.kind[i] if prog.kind[i] in EXPOSED_PRIORITY else "other"
-        events.append((s, 1, cat))
-        events.append((e, -1, cat))
-    events.sort()
-    active: dict[str, int] = {}
-    out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
-    prev = 0.0
-    waiting = "pipeline_bubble" if pipelined else "idle"
-
-    def charge(t0: float, t1: float) -> None:
-        if t1 <= t0:
-            return
-        if active.get("compute"):
-            out["compute"] += t1 - t0
-            return
-        for kind in EXPOSED_PRIORITY + ("other",):
-            if active.get(kind):
-                out[f"exposed_{kind}"] += t1 - t0
-                return
-        out[waiting] += t1 - t0
-
-    for t, delta, cat in events:
-        charge(prev, t)
-        active[cat] = active.get(cat, 0) + delta
-        prev = t
-    charge(prev, step)
-    return out
+    """Seconds by category over the whole step (see :mod:`breakdown`)."""
+    spans = intervals(prog.types, prog.kind, rep.start[a], rep.end[a])
+    return charge(spans, 0.0, step, "pipeline_bubble" if pipelined else "idle")
 
 
 # -- the backend -------------------------------------------------------------------------------

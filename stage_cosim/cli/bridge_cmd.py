@@ -266,23 +266,8 @@ def remote_synth(**kw: Any) -> None:
             manifest = _wait(client, job.id, progress=not quiet)
             client.download(job.id, scratch, prefix="traces/", strip="traces/")
     elapsed = time.perf_counter() - t0
-    if quiet:
-        return
-    GiB = 1 << 30
-    counts = manifest["counts"]
-    click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp} pp{parallel.pp}"
-               f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}), {parallel.num_microbatches} micro-batches "
-               f"per rank, schedule {parallel.schedule}")
-    click.echo(f"wrote {counts['files']} files, {counts['bytes_written'] / 2**20:.1f} MiB to {out} in {elapsed:.2f} s")
-    click.echo(f"{'stage':>5} {'layers':>9} {'nodes':>7} {'TFLOP':>9} {'comm GiB':>9} {'memory GiB':>11}  "
-               "(weights/grads/optimizer/activations/workspace)")
-    for s in manifest["roles"]:
-        mem = s["peak_memory_bytes"]
-        comm = sum(v for g in s["comm_bytes"].values() for k, v in g.items() if k != "RECV")
-        layers = f"{s['layers'][0]}-{s['layers'][1]}" if s["layers"] else "-"
-        parts = "/".join(f"{mem[k] / GiB:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "workspace"))
-        click.echo(f"{s['stage']:>5} {layers:>9} {sum(s['nodes'].values()):>7} {s['flops'] / 1e12:>9.1f} "
-                   f"{comm / GiB:>9.2f} {mem['total'] / GiB:>11.2f}  ({parts})")
+    if not quiet:
+        synth_cmd.print_summary(model, parallel, manifest, out, elapsed)
 
 
 remote_synth.params[:0] = _local_params(synth_cmd.synth)
@@ -343,17 +328,11 @@ def remote_explore(**kw: Any) -> None:
 
     SPEC is read here and its content sent; its settings are the request.
     """
-    import yaml
-
     from stage_cosim.bridge.client import localize
+    from stage_cosim.files import read_yaml
 
     spec: Path = kw["spec"]
-    try:
-        doc = yaml.safe_load(spec.read_text())
-    except FileNotFoundError:
-        raise UserError("spec", f"{spec}: no such file") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError("spec", f"{spec}: not valid YAML ({exc.__class__.__name__})") from None
+    doc = read_yaml(spec, "spec")
     if not isinstance(doc, dict):
         raise UserError("spec", f"{spec}: expected a mapping")
     from stage_cosim.search.explore import spec_from_dict

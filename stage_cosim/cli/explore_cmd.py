@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import click
 from tqdm import tqdm
 
 from stage_cosim.cli.optimize_cmd import describe_point
+from stage_cosim.files import save_figure
 
 
 def _fmt_values(values: dict) -> str:
@@ -38,14 +38,7 @@ def plot_frontier(doc: dict, path: Path) -> None:
     ax.set_title("Step time against hardware cost")
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
+    save_figure(fig, path)
 
 
 @click.command()

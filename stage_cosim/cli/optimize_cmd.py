@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from stage_cosim.cli.options import cluster_option, model_options, resolve_model_options
 from stage_cosim.errors import UserError
+from stage_cosim.files import save_figure
 from stage_cosim.result import BREAKDOWN_KEYS
 
 GiB = 1 << 30
@@ -61,8 +62,6 @@ def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Obj
 
 
 def plot_top(doc: dict, path: Path) -> None:
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,14 +81,7 @@ def plot_top(doc: dict, path: Path) -> None:
     ax.set_title("Top configurations: where the time goes")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
+    save_figure(fig, path)
 
 
 @click.command()

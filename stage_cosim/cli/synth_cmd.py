@@ -40,12 +40,17 @@ def synth(out: Path, fmt: str, force: bool, quiet: bool, **kw) -> None:
                                   files=stats.files, bytes_written=stats.bytes_written)
         (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
     elapsed = time.perf_counter() - t0
-    if quiet:
-        return
+    if not quiet:
+        print_summary(model, parallel, manifest, out, elapsed)
+
+
+def print_summary(model, parallel, manifest: dict, out: Path, elapsed: float) -> None:  # noqa: ANN001
+    """What 'synth' prints (also 'remote synth'): the run, the files, and per stage the costs."""
+    counts = manifest["counts"]
     click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp} pp{parallel.pp}"
                f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}), {parallel.num_microbatches} micro-batches "
                f"per rank, schedule {parallel.schedule}")
-    click.echo(f"wrote {stats.files} files, {stats.bytes_written / 2**20:.1f} MiB to {out} in {elapsed:.2f} s")
+    click.echo(f"wrote {counts['files']} files, {counts['bytes_written'] / 2**20:.1f} MiB to {out} in {elapsed:.2f} s")
     click.echo(f"{'stage':>5} {'layers':>9} {'nodes':>7} {'TFLOP':>9} {'comm GiB':>9} {'memory GiB':>11}  "
                "(weights/grads/optimizer/activations/workspace)")
     for s in manifest["roles"]:
