@@ -233,3 +233,22 @@ def test_cluster_yaml(tmp_path) -> None:
     with pytest.raises(UserError, match="scale_up.colour"):
         rc(str(tmp_path / "bad.yaml"))
     assert math.isclose(rc("dgx-a100:16").network_dims()[1].bandwidth_GBps, 25e9 / 2**30)
+
+
+def test_zero3_prefetches_one_block_ahead() -> None:
+    """A block's parameter gather waits until the block before it has started computing."""
+    w, c = _small("llama3-8b", dict(dp=4, tp=2, pp=1, global_batch=8, seq_len=1024, zero=3))
+    _, rep, programs = simulate(w, c, exact=True)
+    role = w.role(0)
+    first_compute: dict[tuple, float] = {}
+    for n in role.nodes:
+        if n.type == COMP:
+            first_compute.setdefault((n.micro_batch, n.phase, n.block), rep.start[0][n.id])
+    gathers = [n for n in role.nodes if n.name.endswith("zero3_gather")]
+    assert gathers
+    for n in gathers:
+        # the block processed just before this one in the same pass
+        order = [b for (mb, ph, b) in first_compute if mb == n.micro_batch and ph == n.phase]
+        i = order.index(n.block)
+        if i > 0:
+            assert rep.start[0][n.id] >= first_compute[(n.micro_batch, n.phase, order[i - 1])] - 1e-12

@@ -245,6 +245,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     blocks: list[tuple[str, int, int]] = []
     prev_exit: list[int] = [_ENTRY]
     last_prologue: int | None = None
+    prev_first_compute: int | None = None     # the previous block's first kernel
     for bi, inst in enumerate(insts):
         sharded = inst.compiled.sharded
         steps = sharded.fwd if phase == "fwd" else sharded.bwd
@@ -257,10 +258,13 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             if st.deps:
                 deps = [n for d in st.deps for n in ids[d]]
             else:
-                # ZeRO-3 prefetch: a block's gather may start once the previous block's gather
-                # is done (the previous pass's last one, for the pass's first block).
+                # ZeRO-3 prefetch, one block ahead: a block's gather starts once the previous
+                # block's gather is done and that block has started computing (for the pass's
+                # first block: once the previous pass's last gather is done).
                 if st.prologue:
                     deps = [last_prologue] if last_prologue is not None else [_CHAIN]
+                    if prev_first_compute is not None:
+                        deps.append(prev_first_compute)
                 else:
                     deps = list(prev_exit) + [_PARAMS - bi]
                 if bi == 0:
@@ -279,6 +283,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             if st.prologue:
                 last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
         prev_exit = [n for e in exits for n in ids[e]] or prev_exit
+        prev_first_compute = next((j for j in range(start, len(rows)) if rows[j][1] == COMP), prev_first_compute)
         blocks.append((inst.label, start, len(rows)))
     exits = [e for e in prev_exit if e >= 0]
     if tp_overlap and degrees.get("tp", 1) > 1:
