@@ -199,13 +199,13 @@ def _differential_evolution(search: _Search, budget: int) -> None:
                            callback=stop, tol=0, atol=0, init="sobol")
 
 
-def _local_search(search: _Search, budget: int, starts: int = 4) -> None:
+def _local_search(search: _Search, budget: int) -> None:
     """Steepest descent over single-dimension moves, from the best point and then from the next
-    best ones (up to ``starts`` local optima), within the budget."""
+    best ones not yet polished, until the budget is spent or every point is a polished one."""
     search.budget = budget
     dims = search.space.dimensions
     polished: set[tuple] = set()
-    for _ in range(starts):
+    while len(search.cache) < budget:
         ranked = sorted((e for e in search.cache.values() if e.feasible), key=lambda e: (e.score, _key(e.point)))
         start = next((e for e in ranked if _key(e.point) not in polished), None)
         if start is None:
