@@ -82,10 +82,16 @@ def simulate(req: Mapping[str, Any]) -> dict[str, Any]:
     check_request(req)
     model, parallel = model_of(req), parallel_of(req)
     backend = req.get("backend") or "roofline"
+    workload = synthesize(model, parallel)
+    cluster = cluster_of(req, parallel.world_size)
+    if backend == "astra-sim":
+        # the binary comes from this process's ASTRA_SIM_BIN (a server never runs a client's path)
+        from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
+
+        return simulate_astra_sim(workload, cluster).to_dict()
     if backend != "roofline":
-        raise UserError("backend", f"must be roofline here, got {backend!r}")
-    result, _, _ = run(synthesize(model, parallel), cluster_of(req, parallel.world_size),
-                       str(req.get("network_model") or "calibrated"))
+        raise UserError("backend", f"must be roofline or astra-sim, got {backend!r}")
+    result, _, _ = run(workload, cluster, str(req.get("network_model") or "calibrated"))
     return result.to_dict()
 
 

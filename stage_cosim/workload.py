@@ -66,9 +66,6 @@ class Workload:
     def role_of(self, rank: int) -> int:
         return self.mesh.coord(rank, "pp")
 
-    def ranks_of_role(self, stage: int) -> range | list[int]:
-        return [r for r in range(self.world_size) if self.mesh.coord(r, "pp") == stage]
-
     @cached_property
     def group_base(self) -> dict[str, int]:
         """First communicator-group id of each kind (ids are 1-based; 0 means all ranks)."""
@@ -134,7 +131,7 @@ class Workload:
                 comm[PP_GROUP]["RECV"] += n.comm_bytes
         return {
             "stage": stage,
-            "ranks": len(self.ranks_of_role(stage)) if self.world_size <= 4096 else self.world_size // self.parallel.pp,
+            "ranks": self.world_size // self.parallel.pp,
             "layers": [min(role.layers), max(role.layers)] if role.layers else [],
             "num_layers": len(role.layers),
             "nodes": dict(sorted(counts.items())),
