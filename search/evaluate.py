@@ -7,6 +7,7 @@ cluster; the optimizer caches them by configuration, so no configuration is simu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any
 
 from stage_cosim.errors import UserError
@@ -63,13 +64,21 @@ class Evaluation:
         return asdict(self)
 
 
+@lru_cache(maxsize=16)
+def workload_of(model: ModelConfig, par: ParallelConfig):  # noqa: ANN201 (Workload)
+    """The graphs of a parallelization do not depend on the hardware: a hardware search
+    re-simulates the same few workloads on many clusters, so they are kept (a bounded cache)."""
+    from stage_cosim.workload import synthesize
+
+    return synthesize(model, par)
+
+
 def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: dict[str, Any],
              objective: Objective, network_model: str = "calibrated", headroom: float = 0.0) -> Evaluation:
     """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph)."""
     from stage_cosim.adapters.roofline.simulate import simulate
-    from stage_cosim.workload import synthesize
 
-    w = synthesize(model, par)
+    w = workload_of(model, par)
     capacity = cluster.gpu.memory_bytes * (1 - headroom)
     peak = max(w.memory(s).total for s in range(par.pp))
     if peak > capacity:

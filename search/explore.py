@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.files import read_yaml
 from stage_cosim.hardware.cluster import Cluster, resolve_cluster
 from stage_cosim.model import ModelConfig, resolve_model
-from stage_cosim.search.evaluate import Objective
+from stage_cosim.search.evaluate import Objective, workload_of
 from stage_cosim.search.optimize import OptimizeSettings, optimize
 from stage_cosim.search.space import check, default_space
 
@@ -251,19 +250,10 @@ class Explorer:
         return cand
 
 
-@lru_cache(maxsize=4096)
-def _workload(model: ModelConfig, par):  # noqa: ANN001, ANN202 (the graphs do not depend on hardware)
-    from stage_cosim.workload import synthesize
-
-    w = synthesize(model, par)
-    w.roles
-    return w
-
-
 def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any] | None:  # noqa: ANN001
     from stage_cosim.adapters.roofline.simulate import simulate
 
-    w = _workload(model, par)
+    w = workload_of(model, par)
     if max(w.memory(s).total for s in range(par.pp)) > cluster.gpu.memory_bytes:
         return None
     result, _, _ = simulate(w, cluster)
