@@ -212,9 +212,12 @@ class Explorer:
     def _space(self, cluster: Cluster):  # noqa: ANN202
         return default_space(self.spec.model, cluster, self.spec.global_batch, self.spec.seq_len)
 
-    def full_search(self, values: dict[str, float]) -> Candidate:
+    def full_search(self, values: dict[str, float], seeds: tuple[dict[str, Any], ...] = ()) -> Candidate:
+        """The best parallelization on this hardware: a full search, or a local search from
+        ``seeds`` (the configurations that won on similar hardware)."""
         cluster = apply(self.spec.baseline, values)
-        result = optimize(self._space(cluster), cluster, self._settings(), should_stop=self.should_stop)
+        settings = replace(self._settings(), seeds=seeds)
+        result = optimize(self._space(cluster), cluster, settings, should_stop=self.should_stop)
         doc = result.to_dict()
         best = doc["best"]
         cand = Candidate(values, cost_per_gpu(self.spec, values), best["step_time_s"] if best else None, best, True)
@@ -353,9 +356,12 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
     else:
         chosen = pareto_front(cands)
     if not interrupted:
-        for c in chosen:   # confirm each answer with a full inner search on its hardware
+        # confirm each answer with a nested search on its own hardware, warm-started from its
+        # best configuration so far and the baseline's best ones
+        for c in chosen:
             if not c.confirmed:
-                ex.full_search(c.values)
+                start = ((c.best["point"],) if c.best else ()) + tuple(ex.seeds[:3])
+                ex.full_search(c.values, start)
         cands = list(ex.cache.values())
         chosen = [ex.cache[ex._key(c.values)] for c in chosen]
         if spec.mode == "pareto":

@@ -41,6 +41,9 @@ class OptimizeSettings:
     headroom: float = 0.0               # fraction of HBM kept free
     network_model: str = "calibrated"
     allow_cross_domain_tp: bool = False
+    # Start from these points and only polish locally (a nested search warm-started by an
+    # outer one), instead of exploring the whole space.
+    seeds: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -151,10 +154,18 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
         feasible = [p for p in unique.values() if search.structure(p)[0] is not None]
         exhaustive = len(feasible) <= settings.exhaustive_limit and (
             settings.budget is None or settings.budget >= len(feasible))
-        method = "exhaustive" if exhaustive else "differential_evolution"
+        if settings.seeds and not exhaustive:
+            method = "local search from seeds"
+        else:
+            method = "exhaustive" if exhaustive else "differential_evolution"
         try:
             if exhaustive:
                 search.evaluate_many(feasible)
+            elif settings.seeds:
+                budget = settings.budget or DEFAULT_BUDGET
+                search.budget = budget
+                search.evaluate_many(list(settings.seeds))
+                _local_search(search, budget)
             else:
                 budget = settings.budget or DEFAULT_BUDGET
                 # scipy explores; a discrete local search around the best polishes the answer

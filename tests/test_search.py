@@ -188,3 +188,10 @@ def test_explore_bad_spec(run_cli, tmp_path, bad, param) -> None:
     spec.write_text(yaml.safe_dump(doc))
     code, _, err = run_cli("explore", str(spec))
     assert code == 2 and err.startswith(f"error: {param}:"), err
+
+
+def test_seeded_local_search_improves_on_its_seed(exhaustive) -> None:
+    worst = exhaustive.ranked[-1]
+    r = optimize(_space(), CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=40, seeds=(worst.point,)))
+    assert r.method == "local search from seeds" and not r.proven_optimal
+    assert r.best.score < worst.score and len(r.evaluated) <= 40
