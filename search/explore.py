@@ -329,16 +329,17 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
     ex = Explorer(spec, progress, should_stop)
     base = baseline_values(spec)
     interrupted = False
-    # the baseline: a full inner search, whose top configurations seed every other candidate
+    # the baseline: a full inner search, polished by the same local search that confirms the
+    # frontier (so the baseline and the frontier are searched alike); its top configurations
+    # seed every other candidate
     cluster = apply(spec.baseline, base)
     result = optimize(ex._space(cluster), cluster, ex._settings(), should_stop=should_stop)
-    ex.seeds = [e.point for e in result.ranked[:spec.reuse_top]]
-    doc = result.to_dict()
-    baseline = Candidate(base, cost_per_gpu(spec, base), doc["best"]["step_time_s"] if doc["best"] else None,
-                         doc["best"], True)
-    ex.cache[ex._key(base)] = baseline
-    if baseline.step_time_s is None:
+    if not result.ranked:
         raise UserError("baseline", "no parallelization of the model fits the baseline cluster")
+    top = [e.point for e in result.ranked[:spec.reuse_top]]
+    baseline = ex.full_search(base, tuple(top[:3]))
+    ex.seeds = [baseline.best["point"]] + [p for p in top if p != baseline.best["point"]]
+    ex.seeds = ex.seeds[:spec.reuse_top]
     try:
         if spec.mode == "budget":
             _minimize_step(ex, spec.budget, spec.seed)
