@@ -235,17 +235,8 @@ class Explorer:
             return self.cache[key]
         if self.should_stop is not None and self.should_stop():
             raise KeyboardInterrupt
-        cluster = apply(self.spec.baseline, values)
-        space = self._space(cluster)
-        best, best_t = None, math.inf
-        for point in self.seeds:
-            par, reason = check(space, point, cluster)
-            if par is None:
-                continue
-            r = _simulate_cached(self.spec.model, par, cluster)
-            if r is not None and r["step_time_s"] < best_t:
-                best, best_t = {**r, "point": point}, r["step_time_s"]
-        cand = Candidate(values, cost_per_gpu(self.spec, values), best_t if best else None, best)
+        best = _best_of(self, values, self.seeds)
+        cand = Candidate(values, cost_per_gpu(self.spec, values), best["step_time_s"] if best else None, best)
         self.cache[key] = cand
         if self.progress is not None:
             self.progress({"candidates": len(self.cache), "values": values, "step_time_s": cand.step_time_s,
@@ -261,6 +252,19 @@ def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any
         return None
     result, _, _ = simulate(w, cluster)
     return result.to_dict()
+
+
+def _best_of(ex: "Explorer", values: dict[str, float], points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest of ``points`` on the hardware ``values`` (re-checked and re-simulated)."""
+    cluster = apply(ex.spec.baseline, values)
+    space = ex._space(cluster)
+    best = None
+    for point in points:
+        par, _ = check(space, point, cluster)
+        r = _simulate_cached(ex.spec.model, par, cluster) if par is not None else None
+        if r is not None and (best is None or r["step_time_s"] < best["step_time_s"]):
+            best = {**r, "point": point}
+    return best
 
 
 def _minimize_step(ex: Explorer, max_cost: float | None, seed: int) -> None:
@@ -358,11 +362,20 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
         chosen = pareto_front(cands)
     if not interrupted:
         # confirm each answer with a nested search on its own hardware, warm-started from its
-        # best configuration so far and the baseline's best ones
+        # best configuration so far, the baseline's best ones, and the winners on the hardware
+        # confirmed before it (good configurations carry over between similar machines)
+        winners: list[dict[str, Any]] = []
         for c in chosen:
             if not c.confirmed:
-                start = ((c.best["point"],) if c.best else ()) + tuple(ex.seeds[:3])
-                ex.full_search(c.values, start)
+                start = ((c.best["point"],) if c.best else ()) + tuple(winners[-3:]) + tuple(ex.seeds[:3])
+                confirmed = ex.full_search(c.values, start)
+                if confirmed.best and confirmed.best["point"] not in winners:
+                    winners.append(confirmed.best["point"])
+        # and the baseline gets the same chance: every winner, re-simulated on it
+        better = _best_of(ex, base, winners)
+        if better is not None and better["step_time_s"] < baseline.step_time_s:
+            baseline = Candidate(base, baseline.cost_per_gpu, better["step_time_s"], better, True)
+            ex.cache[ex._key(base)] = baseline
         cands = list(ex.cache.values())
         chosen = [ex.cache[ex._key(c.values)] for c in chosen]
         if spec.mode == "pareto":
