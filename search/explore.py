@@ -376,6 +376,9 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
         if better is not None and better["step_time_s"] < baseline.step_time_s:
             baseline = Candidate(base, baseline.cost_per_gpu, better["step_time_s"], better, True)
             ex.cache[ex._key(base)] = baseline
+        # the sensitivity below re-tries the baseline's configuration first
+        ex.seeds = [baseline.best["point"]] + [p for p in winners + ex.seeds if p != baseline.best["point"]]
+        ex.seeds = ex.seeds[:spec.reuse_top]
         cands = list(ex.cache.values())
         chosen = [ex.cache[ex._key(c.values)] for c in chosen]
         if spec.mode == "pareto":
