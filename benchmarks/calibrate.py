@@ -5,7 +5,7 @@
 
 Per GPU family, one parameter set for all rows (no per-row tuning): matmul efficiency, the
 small-GEMM half-efficiency size, memory efficiency, kernel overhead, scale-up and scale-out
-bus-bandwidth efficiency. scipy minimizes the mean squared relative error of step time.
+bus-bandwidth efficiency. scipy minimizes a robust (soft-L1) loss of the relative step-time errors.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}
 PARAMS = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "memory_efficiency",
           "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency")
 # Physically meaningful ranges: the fit may not leave them.
-# (Flash attention reaches 45-75 % of peak on A100/H100; streaming kernels 75-92 % of HBM; NCCL
-# bus bandwidth 60-95 % of the link.)
-BOUNDS = {"matmul_efficiency": (0.5, 0.9), "matmul_half_flops": (1e8, 1e11), "attention_efficiency": (0.45, 0.8),
+# (Flash attention reaches 30-75 % of dense peak on A100/H100 — FlashAttention-2's causal
+# backward on H100 near the bottom, cuDNN/FlashAttention-3 forward near the top; streaming kernels
+# 75-92 % of HBM; NCCL bus bandwidth 60-95 % of the link.)
+BOUNDS = {"matmul_efficiency": (0.5, 0.9), "matmul_half_flops": (1e8, 1e11), "attention_efficiency": (0.3, 0.8),
           "memory_efficiency": (0.75, 0.92), "kernel_overhead_us": (1.0, 10.0), "scale_up_efficiency": (0.6, 0.95),
           "scale_out_efficiency": (0.6, 0.95)}
 LOG_PARAMS = {"matmul_half_flops"}
@@ -87,7 +88,10 @@ def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None
         return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
 
     x0 = np.clip(to_x(base), lo + 1e-6, hi - 1e-6)
-    res = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-2, x_scale=hi - lo, max_nfev=max_nfev)
+    # A robust loss (about linear beyond 5 %): the mean absolute error is what we report, and one
+    # row the model cannot explain should not drag every parameter towards it.
+    res = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-2, x_scale=hi - lo, max_nfev=max_nfev,
+                        loss="soft_l1", f_scale=0.05)
     return {n: v for n, v in from_x(res.x).items() if n in PARAMS}
 
 

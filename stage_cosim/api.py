@@ -26,7 +26,7 @@ from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel import ParallelConfig
 
 MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention",
-                   "causal_flops")
+                   "causal_flops", "cross_entropy")
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
 REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS}
 

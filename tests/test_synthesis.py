@@ -164,3 +164,21 @@ def test_every_compute_node_has_costs(llama_small) -> None:
                 assert n.mem_bytes > 0, n
             if n.type == COLL:
                 assert n.comm_bytes > 0, n
+
+
+@pytest.mark.parametrize("impl,passes", [("fused", (1, 1)), ("unfused", (6, 2))])
+def test_cross_entropy_bytes_closed_form(llama_small, impl, passes) -> None:
+    """Per rank, the loss streams its vocabulary shard of the logits: bf16 logits in and fp32
+    probabilities out (plus int64 labels and the fp32 loss) forward; fp32 probabilities in and
+    bf16 gradient out backward. Megatron's unfused loss runs that traffic six times forward
+    (cast, max, subtract, exp, sum, divide) and twice backward."""
+    b, s, tp = 2, 256, 2
+    model = llama_small.with_overrides(vocab=32768, cross_entropy=impl)
+    w = synthesize(model, ParallelConfig(tp=tp, pp=2, micro_batch=b, global_batch=b, seq_len=s))
+    last = w.role(w.role_of(w.mesh.rank(pp=1)))
+    nodes = {n.name: n for n in last.nodes if n.type == COMP}
+    tokens, v_local = b * s, model.vocab // tp
+    forward = tokens * v_local * (2 + 4) + tokens * 8 + tokens * 4
+    backward = tokens * v_local * (4 + 2) + tokens * 8 + tokens * 4   # dloss and labels in
+    assert nodes["head.cross_entropy"].mem_bytes == passes[0] * forward
+    assert nodes["head.cross_entropy.grad"].mem_bytes == passes[1] * backward

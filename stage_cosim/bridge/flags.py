@@ -16,7 +16,8 @@ from typing import Any
 from stage_cosim.cli.options import MODEL_DIMENSIONS, resolve_model_options, resolve_parallel_options
 from stage_cosim.errors import UserError
 
-MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, "attention", "causal_flops")
+MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy")
+MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES)
 PARALLEL_FLAGS = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute",
                   "schedule", "pp_layers", "axis_order", "dtype")
 
@@ -41,7 +42,7 @@ def model_request(kw: dict[str, Any]) -> dict[str, Any]:
         if kw.get("model") is not None:
             req["model"] = kw["model"]
         req.update({d: v for d, v in dims.items() if v is not None})
-    for switch in ("attention", "causal_flops"):
+    for switch in MODEL_SWITCHES:
         if kw.get(switch) is not None:
             req[switch] = kw[switch]
     return req

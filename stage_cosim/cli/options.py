@@ -35,6 +35,8 @@ model_options = _compose(
       for d in MODEL_DIMENSIONS),
     click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
                  help="Flash (fused) attention or materialized scores (unfused)."),
+    click.option("--cross-entropy", "cross_entropy", type=click.Choice(["fused", "unfused"]), default=None,
+                 help="Loss kernels: Megatron's unfused vocabulary-parallel cross-entropy (default) or one fused kernel."),
     click.option("--causal-flops/--full-attention-flops", "causal_flops", default=None,
                  help="Count attention FLOPs over the causal half of the score matrix."),
 )
@@ -66,7 +68,7 @@ def resolve_model_options(kw: dict[str, Any]) -> ModelConfig:
     spec = kw.pop("model")
     arch = kw.pop("arch")
     dims = {d: kw.pop(d) for d in MODEL_DIMENSIONS}
-    switches = {k: kw.pop(k) for k in ("attention", "causal_flops")}
+    switches = {k: kw.pop(k) for k in ("attention", "causal_flops", "cross_entropy")}
     for name, value in dims.items():
         if value is not None and value <= 0:
             raise UserError(name.replace("_", "-"), f"must be a positive integer, got {value}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stage_cosim.graph.ir import Block, Op, Tensor
+from stage_cosim.graph.ir import UNFUSED_CROSS_ENTROPY_PASSES, Block, Op, Tensor
 
 GRAD_DTYPE = "bf16"
 WEIGHT_GRAD_DTYPE = "fp32"  # gradients accumulate into fp32 main-grad buffers, as in Megatron
@@ -143,8 +143,9 @@ def _lookup(op: Op, douts: list[Tensor | None], st: _State) -> None:
 def _cross_entropy(op: Op, douts: list[Tensor | None], st: _State) -> None:
     logits = op.inputs[0]
     dlogits = _grad_tensor(logits)
+    passes = 1 if op.memory_passes == 1 else UNFUSED_CROSS_ENTROPY_PASSES[1]
     st.ops.append(Op(f"{op.name}.grad", "cross_entropy_grad", [douts[0], *op.saves], [dlogits],
-                     flops_per_element=3, grad_of=op))
+                     flops_per_element=3, grad_of=op, memory_passes=passes))
     st.contribute(logits, dlogits)
 
 

@@ -16,6 +16,12 @@ import sympy as sp
 
 from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE
 
+# Passes over the logits of Megatron's unfused vocabulary-parallel cross-entropy, (forward,
+# backward). Forward: cast to fp32, max, subtract, exp, sum, divide (bytes of one pass = bf16
+# logits in + fp32 probabilities out, so six passes ~ the 38 bytes per logit those kernels move).
+# Backward: scale the saved probabilities in place, cast the gradient to bf16.
+UNFUSED_CROSS_ENTROPY_PASSES = (6, 2)
+
 TensorKind = Literal["input", "activation", "weight", "grad", "weight_grad"]
 
 # Op kinds. "einsum" and "attention" are the matmul-class ops the FLOP conventions count.
@@ -79,6 +85,9 @@ class Op:
     grad_of: "Op | None" = None
     # Causal attention FLOPs (half the score matrix).
     causal: bool = False
+    # Times the op streams its inputs and outputs through HBM (an unfused implementation runs
+    # several kernels over the same data).
+    memory_passes: int = 1
 
     def einsum_operands(self) -> tuple[list[str], str]:
         lhs, out = self.spec.split("->")
@@ -209,11 +218,12 @@ class BlockBuilder:
         self._add(Op(name, "lookup", [table, ids], [out], spec=table.labels[0], saves=[ids]))
         return out
 
-    def cross_entropy(self, name: str, logits: Tensor, labels_in: Tensor) -> Tensor:
+    def cross_entropy(self, name: str, logits: Tensor, labels_in: Tensor, *, fused: bool = True) -> Tensor:
         loss = self._act(name, logits.labels.replace("v", ""), "fp32", residual=False)
         probs = Tensor(name + ".probs", logits.labels, "fp32", "activation")
         self._add(Op(name, "cross_entropy", [logits, labels_in], [loss, probs], spec="v", flops_per_element=5,
-                     saves=[probs, labels_in]))
+                     saves=[probs, labels_in],
+                     memory_passes=1 if fused else UNFUSED_CROSS_ENTROPY_PASSES[0]))
         return loss
 
     def build(self, outputs: list[Tensor]) -> Block:

@@ -105,7 +105,7 @@ def build_head(model: ModelConfig | ArchSwitches, embedding: Block | None = None
     else:
         w = b.weight("output.weight", "vh", tp_shard="v")
     logits = b.einsum("logits", "bsh,vh->bsv", y, w)
-    loss = b.cross_entropy("cross_entropy", logits, labels)
+    loss = b.cross_entropy("cross_entropy", logits, labels, fused=model.cross_entropy == "fused")
     return b.build([loss])
 
 

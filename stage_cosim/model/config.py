@@ -9,6 +9,7 @@ from stage_cosim.errors import UserError, positive_int, require
 
 Arch = Literal["gpt", "llama"]
 AttentionImpl = Literal["fused", "unfused"]
+CrossEntropyImpl = Literal["fused", "unfused"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ArchSwitches:
     attention: str
     causal_flops: bool
     tied_embeddings: bool
+    cross_entropy: str = "unfused"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,12 @@ class ModelConfig:
     # A causal attention kernel computes only the unmasked half of the score matrix (off: the
     # full s x s, as the published closed forms count). Model FLOPs always count the full matrix.
     causal_flops: bool = False
+    # "unfused" is Megatron's default vocabulary-parallel cross-entropy: the logits are cast to
+    # fp32 and streamed by separate max, subtract, exp, sum and divide kernels (about six passes
+    # forward, two backward); "fused" is one kernel each way (Megatron's
+    # --cross-entropy-loss-fusion). On small models with large vocabularies this is several
+    # percent of the step.
+    cross_entropy: CrossEntropyImpl = "unfused"
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq"):
@@ -68,6 +76,8 @@ class ModelConfig:
         require(self.position in ("learned", "rope"), "position", f"must be learned or rope, got {self.position!r}")
         require(self.attention in ("fused", "unfused"), "attention",
                 f"must be fused or unfused, got {self.attention!r}")
+        require(self.cross_entropy in ("fused", "unfused"), "cross-entropy",
+                f"must be fused or unfused, got {self.cross_entropy!r}")
 
     # -- derived quantities -------------------------------------------------------------------
 
@@ -91,7 +101,7 @@ class ModelConfig:
 
     def switches(self) -> ArchSwitches:
         return ArchSwitches(self.norm, self.mlp, self.position, self.bias, self.dropout,
-                            self.attention, self.causal_flops, self.tied_embeddings)
+                            self.attention, self.causal_flops, self.tied_embeddings, self.cross_entropy)
 
     def with_overrides(self, **overrides: Any) -> "ModelConfig":
         """A copy with the given fields replaced (None values are ignored)."""

@@ -284,8 +284,8 @@ class _Pass:
 
         out_numel = local_numel(op.outputs[0], out_pls[0])
         flops, model_flops = op_flops(op, local, out_numel)
-        mem = sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
-                     *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
+        mem = op.memory_passes * sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
+                                        *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
         idx = len(self.steps)
         self.steps.append(Step(idx, op.name, phase, "compute", op.kind, flops,
                                model_flops if phase != "recompute" else sp.Integer(0), mem,

@@ -26,7 +26,7 @@ CANCELLING: JobState
 CANCELLED: JobState
 
 class Design(_message.Message):
-    __slots__ = ("model", "model_config", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention", "causal_flops", "dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", "dtype", "tp_comm_overlap", "overlap_param_gather", "grad_reduce_dtype", "cluster", "cluster_description", "network_model", "backend")
+    __slots__ = ("model", "model_config", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention", "causal_flops", "cross_entropy", "dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", "dtype", "tp_comm_overlap", "overlap_param_gather", "grad_reduce_dtype", "cluster", "cluster_description", "network_model", "backend")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class Design(_message.Message):
     MAX_SEQ_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     CAUSAL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    CROSS_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     DP_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +73,7 @@ class Design(_message.Message):
     max_seq: int
     attention: str
     causal_flops: bool
+    cross_entropy: str
     dp: int
     tp: int
     pp: int
@@ -93,7 +95,7 @@ class Design(_message.Message):
     cluster_description: str
     network_model: str
     backend: str
-    def __init__(self, model: _Optional[str] = ..., model_config: _Optional[str] = ..., layers: _Optional[int] = ..., hidden: _Optional[int] = ..., ffn: _Optional[int] = ..., heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab: _Optional[int] = ..., max_seq: _Optional[int] = ..., attention: _Optional[str] = ..., causal_flops: _Optional[bool] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., vp: _Optional[int] = ..., sp: _Optional[bool] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[str] = ..., schedule: _Optional[str] = ..., pp_layers: _Optional[_Iterable[int]] = ..., axis_order: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., tp_comm_overlap: _Optional[bool] = ..., overlap_param_gather: _Optional[bool] = ..., grad_reduce_dtype: _Optional[str] = ..., cluster: _Optional[str] = ..., cluster_description: _Optional[str] = ..., network_model: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_config: _Optional[str] = ..., layers: _Optional[int] = ..., hidden: _Optional[int] = ..., ffn: _Optional[int] = ..., heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab: _Optional[int] = ..., max_seq: _Optional[int] = ..., attention: _Optional[str] = ..., causal_flops: _Optional[bool] = ..., cross_entropy: _Optional[str] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., vp: _Optional[int] = ..., sp: _Optional[bool] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[str] = ..., schedule: _Optional[str] = ..., pp_layers: _Optional[_Iterable[int]] = ..., axis_order: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., tp_comm_overlap: _Optional[bool] = ..., overlap_param_gather: _Optional[bool] = ..., grad_reduce_dtype: _Optional[str] = ..., cluster: _Optional[str] = ..., cluster_description: _Optional[str] = ..., network_model: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class SimulateJob(_message.Message):
     __slots__ = ("design", "traces_upload", "full", "timeline")
