@@ -77,12 +77,14 @@ def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: d
              objective: Objective, network_model: str = "calibrated", headroom: float = 0.0) -> Evaluation:
     """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph)."""
     from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.workload import gc_paused
 
     w = workload_of(model, par)
     capacity = cluster.gpu.memory_bytes * (1 - headroom)
     peak = max(w.memory(s).total for s in range(par.pp))
     if peak > capacity:
         return Evaluation(point, par.to_dict(), False, MEMORY_REASON, None, None)
-    result, _, _ = simulate(w, cluster, network_model)
+    with gc_paused():    # the cached graphs are large: full collections would rescan them all
+        result, _, _ = simulate(w, cluster, network_model)
     d = result.to_dict()
     return Evaluation(point, par.to_dict(), True, None, objective.score(d), d)
