@@ -264,6 +264,9 @@ def test_queue_full_is_resource_exhausted() -> None:
 
 def test_many_watchers_do_not_starve_other_calls(client) -> None:
     job = client.submit("optimize", SMALL, settings={"budget": 40, "sleep": 0.05})
+    deadline = time.monotonic() + 30      # a cold worker first imports the package
+    while client.job(job.id).state != pb.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.02)
     streams = [client.stub.WatchJob(pb.WatchJobRequest(job_id=job.id)) for _ in range(200)]
     try:
         time.sleep(0.3)
