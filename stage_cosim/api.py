@@ -22,11 +22,11 @@ from typing import Any, Callable, Mapping
 
 from stage_cosim.errors import UserError
 from stage_cosim.model import ModelConfig, resolve_model
+from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel import ParallelConfig
 
-MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention",
-                   "causal_flops", "cross_entropy")
+MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", *MODEL_SWITCHES)
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
 REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS}
 

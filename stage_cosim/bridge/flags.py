@@ -15,8 +15,8 @@ from typing import Any
 
 from stage_cosim.cli.options import MODEL_DIMENSIONS, resolve_model_options, resolve_parallel_options
 from stage_cosim.errors import UserError
+from stage_cosim.model.config import MODEL_SWITCHES
 
-MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy")
 MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES)
 PARALLEL_FLAGS = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute",
                   "schedule", "pp_layers", "axis_order", "dtype")

@@ -12,6 +12,7 @@ import click
 
 from stage_cosim.errors import UserError
 from stage_cosim.model import ModelConfig, resolve_model
+from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, RECOMPUTE, SCHEDULES, ParallelConfig
 
@@ -68,7 +69,7 @@ def resolve_model_options(kw: dict[str, Any]) -> ModelConfig:
     spec = kw.pop("model")
     arch = kw.pop("arch")
     dims = {d: kw.pop(d) for d in MODEL_DIMENSIONS}
-    switches = {k: kw.pop(k) for k in ("attention", "causal_flops", "cross_entropy")}
+    switches = {k: kw.pop(k) for k in MODEL_SWITCHES}
     for name, value in dims.items():
         if value is not None and value <= 0:
             raise UserError(name.replace("_", "-"), f"must be a positive integer, got {value}")

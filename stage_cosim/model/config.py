@@ -10,6 +10,8 @@ from stage_cosim.errors import UserError, positive_int, require
 Arch = Literal["gpt", "llama"]
 AttentionImpl = Literal["fused", "unfused"]
 CrossEntropyImpl = Literal["fused", "unfused"]
+# Implementation switches a user sets one by one (command-line flags and request fields alike).
+MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy")
 
 
 @dataclass(frozen=True)
