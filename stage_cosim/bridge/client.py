@@ -30,6 +30,7 @@ from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2_grpc as pb_grpc
 from stage_cosim.bridge.status import detail_of
 from stage_cosim.bridge.uploads import CHUNK_BYTES
 from stage_cosim.errors import UserError
+from stage_cosim.model.hf import read_hf_config
 
 T = TypeVar("T")
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -80,13 +81,7 @@ def localize(req: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(model, str) and model not in PRESETS:
         path = Path(model)
         if model.endswith(".json") or path.exists():
-            file = path / "config.json" if path.is_dir() else path
-            try:
-                cfg = json.loads(file.read_text())
-            except FileNotFoundError:
-                raise UserError("model", f"{file}: no such file") from None
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise UserError("model", f"{file}: not a valid JSON config ({exc.__class__.__name__})") from None
+            cfg, file = read_hf_config(path)
             if isinstance(cfg, dict) and not (cfg.get("_name_or_path") or cfg.get("model_type")):
                 cfg["_name_or_path"] = file.parent.name or "hf-model"
             out.pop("model")
@@ -202,6 +197,15 @@ class Client:
                 attempt += 1
                 time.sleep(max(err.retry_after_s, self.backoff_s * 2 ** (attempt - 1)))
 
+    def _stream_backoff(self, exc: grpc.RpcError, attempt: int) -> int:
+        """A dropped resumable stream: raise unless retryable and retries remain, else wait and
+        return the next attempt number."""
+        err = BridgeError.of(exc)
+        if err.code not in _RETRYABLE or attempt >= self.retries:
+            raise err from None
+        time.sleep(self.backoff_s * 2 ** attempt)
+        return attempt + 1
+
     def _unary(self, method: str, request: Any) -> Any:
         return self._retry(lambda: getattr(self.stub, method)(request, timeout=self.timeout_s))
 
@@ -270,11 +274,7 @@ class Client:
                         return
                 return
             except grpc.RpcError as exc:
-                err = BridgeError.of(exc)
-                if err.code not in _RETRYABLE or attempt >= self.retries:
-                    raise err from None
-                attempt += 1
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                attempt = self._stream_backoff(exc, attempt)
             finally:
                 call.cancel()
 
@@ -414,11 +414,7 @@ class Client:
                             f.write(chunk.data)
                 break
             except grpc.RpcError as exc:
-                err = BridgeError.of(exc)
-                if err.code not in _RETRYABLE or attempt >= self.retries:
-                    raise err from None
-                attempt += 1
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                attempt = self._stream_backoff(exc, attempt)
         size, digest = file_digest(part)
         if (size, digest) != (spec.size, spec.sha256):
             part.unlink()

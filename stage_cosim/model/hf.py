@@ -20,14 +20,19 @@ def _int(cfg: dict[str, Any], key: str, where: Path) -> int:
     return value
 
 
-def load_hf_config(path: Path) -> ModelConfig:
+def read_hf_config(path: Path) -> tuple[Any, Path]:
+    """The parsed config.json at ``path`` (a file or a model directory) and the file read."""
     file = path / "config.json" if path.is_dir() else path
     try:
-        cfg = json.loads(file.read_text())
+        return json.loads(file.read_text()), file
     except FileNotFoundError:
         raise UserError("model", f"{file}: no such file") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError("model", f"{file}: not a valid JSON config ({exc.__class__.__name__})") from None
+
+
+def load_hf_config(path: Path) -> ModelConfig:
+    cfg, file = read_hf_config(path)
     return model_from_hf_dict(cfg, file)
 
 
