@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=150)
     ap.add_argument("--seeds", type=int, default=3, help="search runs with seeds 0 .. N-1")
     ap.add_argument("--skip-exhaustive", action="store_true",
-                    help="only the seeded searches (the ground truth takes ~35 minutes)")
+                    help="only the seeded searches (the ground truth takes ~5 minutes)")
     args = ap.parse_args()
     model = get_preset("llama3-70b")
     cluster = resolve_cluster("dgx-h100:1024")

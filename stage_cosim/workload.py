@@ -147,12 +147,8 @@ class Workload:
     def _flop_totals(self) -> tuple[int, int, int]:
         matmul = executed = model = 0
         for role in self.roles:
-            for n in role.nodes:
-                if n.type == COMP:
-                    executed += n.flops
-                    model += n.model_flops
-                    if n.matmul:
-                        matmul += n.flops
+            e, m, mm = role.compute_totals()
+            executed, model, matmul = executed + e, model + m, matmul + mm
         ranks = self.parallel.dp * self.parallel.tp
         return matmul * ranks, executed * ranks, model * ranks
 

@@ -182,3 +182,25 @@ def test_cross_entropy_bytes_closed_form(llama_small, impl, passes) -> None:
     backward = tokens * v_local * (4 + 2) + tokens * 8 + tokens * 4   # dloss and labels in
     assert nodes["head.cross_entropy"].mem_bytes == passes[0] * forward
     assert nodes["head.cross_entropy.grad"].mem_bytes == passes[1] * backward
+
+
+def test_role_nodes_created_on_demand_match_the_full_graph() -> None:
+    """A pass's nodes created alone (``node(i)``) are those of the whole graph, and the FLOP
+    totals taken from the pass templates equal the sum over the created nodes."""
+    from stage_cosim.model import get_preset
+
+    model = get_preset("llama3-8b").with_overrides(layers=4)
+    par = ParallelConfig(dp=2, tp=2, pp=2, vp=2, global_batch=8, seq_len=512, sp=True, zero=1)
+    lazy, full = synthesize(model, par), synthesize(model, par)
+    for s in range(par.pp):
+        role, ref = lazy.role(s), full.role(s).nodes
+        totals = role.compute_totals()
+        probe = [p.base + 3 for p in role.passes[::3]] + [role.num_nodes - 1, 0]
+        for i in probe:
+            a, b = role.node(i), ref[i]
+            assert (a.id, a.name, a.type, a.deps, a.ctrl, a.flops, a.micro_batch) == \
+                   (b.id, b.name, b.type, b.deps, b.ctrl, b.flops, b.micro_batch)
+        comp = [n for n in ref if n.type == COMP]
+        assert totals == (sum(n.flops for n in comp), sum(n.model_flops for n in comp),
+                          sum(n.flops for n in comp if n.matmul))
+        assert [(n.name, n.deps) for n in role.nodes] == [(n.name, n.deps) for n in ref]

@@ -141,7 +141,7 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     # the next gathers) starts late enough that its first use finds it free
     stream_free: list[dict[str, float]] = [dict() for _ in range(pp)]
     nxt = [0] * pp
-    prologue = [[n.id for n in r.nodes[:r.passes[0].base] if n.type == COLL] if r.passes else [] for r in roles]
+    prologue = [[i for i in range(r.passes[0].base) if r.node(i).type == COLL] if r.passes else [] for r in roles]
     remaining = sum(len(r.passes) for r in roles)
     while remaining:
         progressed = False
@@ -151,7 +151,7 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                 pl = role.passes[k]
                 ready = sinks_done[s]
                 if pl.recv >= 0:
-                    rv = role.nodes[pl.recv]
+                    rv = role.node(pl.recv)
                     key = ((s + rv.peer) % pp, s, rv.tag)
                     if key not in arrivals:
                         break
@@ -176,7 +176,7 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                 exit_t = t0 + run.exit
                 sinks_done[s] = t0 + run.sinks
                 if pl.send >= 0:
-                    sd = role.nodes[pl.send]
+                    sd = role.node(pl.send)
                     dst = (s + sd.peer) % pp
                     busy, delay = network.p2p(reps[s], reps[dst], sd.comm_bytes)
                     start = max(exit_t, send_free[s])
@@ -203,7 +203,7 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
             rel = node_id - pl.base
             return t0s[_s][k] + run.end[rel] if 0 <= rel < len(run.end) else sinks_done[_s]
 
-        tail = role.nodes[role.step_end_start:]
+        tail = [role.node(i) for i in range(role.step_end_start, role.num_nodes)]
         waits, deps = [], []
         for j, n in enumerate(tail):
             pass_deps = [d for d in n.deps if d < role.step_end_start]
@@ -218,7 +218,7 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     finishes = []
     for s in range(pp):
         last = max(sinks_done[s], send_free[s])
-        fin = max(last, max(rep.end[s][len(roles[s].nodes) - roles[s].step_end_start:], default=0.0))
+        fin = max(last, max(rep.end[s][roles[s].num_nodes - roles[s].step_end_start:], default=0.0))
         # the step-end tail, charged like everything else
         one = Replay([rep.start[s]], [rep.end[s]], [fin])
         tail_bd = _window_breakdown(programs[s], one, sinks_done[s], fin, "idle")
@@ -236,14 +236,14 @@ def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready
                    waiting: str, since: float) -> _PassRun:
     """The first forward of a chunk with the step-start parameter gathers running alongside:
     absolute times from 0 (WAIT node 0 holds the pass back until ``ready``)."""
-    gathers = [role.nodes[i] for i in prologue]
+    gathers = [role.node(i) for i in prologue]
     npro = len(gathers)
     rows = t.rows
     deps: list[list[int]] = [[] for _ in gathers]
     node_ids = list(range(pl.base, pl.base + len(rows)))
     gather_pos = {nid: 1 + j for j, nid in enumerate(prologue)}  # +1: WAIT node first
     for j, nid in enumerate(node_ids):
-        node = role.nodes[nid]
+        node = role.node(nid)
         ds = []
         for d in node.deps + node.ctrl:
             if pl.base <= d < pl.base + len(rows):
@@ -253,7 +253,7 @@ def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready
             else:
                 ds.append(0)  # the receive or the previous pass: both done by ``ready``
         deps.append(sorted(set(ds)))
-    items = gathers + [role.nodes[i] for i in node_ids]
+    items = gathers + [role.node(i) for i in node_ids]
     # dependencies are numbered in the whole program: the WAIT node 0, the gathers, the pass
     prog = _program(f"stage{s}", rank, items, deps, w, role, compute, network, durations, waits=[ready])
     rep = run_one(prog)

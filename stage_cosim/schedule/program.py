@@ -7,8 +7,10 @@ and the simulator resolve them per rank.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from stage_cosim.schedule.pipeline import Pass, schedule_order
 from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock
@@ -89,10 +91,16 @@ class StageMemory:
 
 @dataclass
 class RoleGraph:
-    """The graph of one pipeline stage (every rank of the stage runs it)."""
+    """The graph of one pipeline stage (every rank of the stage runs it).
+
+    The nodes of the passes are created on first use: a simulator that works from the pass
+    templates (the fast path, and so every search) only reads the few nodes around them
+    (pipeline sends and receives, parameter gathers, the step end) through ``node(i)``, and
+    never pays for the millions of per-micro-batch copies. ``nodes`` creates them all.
+    """
 
     stage: int
-    nodes: list[Node]
+    _nodes: list["Node | None"]      # None: a node of a pass not created yet
     memory: StageMemory
     layers: tuple[int, ...]          # global layer indices held by this stage
     order: list[Pass] = field(default_factory=list)
@@ -101,6 +109,48 @@ class RoleGraph:
     templates: dict = field(default_factory=dict)
     passes: list["PlacedPass"] = field(default_factory=list)
     step_end_start: int = 0
+    # passes whose nodes are not created yet, by first node id
+    _deferred: dict[int, "_Deferred"] = field(default_factory=dict, repr=False)
+
+    @property
+    def nodes(self) -> list[Node]:
+        for d in list(self._deferred.values()):
+            self._materialize(d)
+        return self._nodes  # type: ignore[return-value]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes)
+
+    def node(self, i: int) -> Node:
+        """Node ``i``, creating only the pass it belongs to if need be."""
+        n = self._nodes[i]
+        if n is None:
+            k = bisect.bisect_right(self._bases, i) - 1
+            self._materialize(self._deferred[self._bases[k]])
+            n = self._nodes[i]
+        return n  # type: ignore[return-value]
+
+    @cached_property
+    def _bases(self) -> list[int]:
+        return sorted(self._deferred)
+
+    def _materialize(self, d: "_Deferred") -> None:
+        if self._deferred.pop(d.base, None) is not None:
+            _place(self._nodes, d)
+
+    def compute_totals(self) -> tuple[int, int, int]:
+        """(executed FLOPs, model FLOPs, matmul FLOPs) of the compute nodes, without creating them."""
+        executed = model = matmul = 0
+        for n in self._nodes:
+            if n is not None and n.type == COMP:
+                executed += n.flops
+                model += n.model_flops
+                matmul += n.flops if n.matmul else 0
+        for d in self._deferred.values():
+            e, m, mm = d.template.compute_totals
+            executed, model, matmul = executed + e, model + m, matmul + mm
+        return executed, model, matmul
 
 
 @dataclass(frozen=True)
@@ -135,13 +185,26 @@ class _Instance:
 
 class _Builder:
     def __init__(self, degrees: dict[str, int]) -> None:
-        self.nodes: list[Node] = []
+        self.nodes: list[Node | None] = []
+        self.deferred: dict[int, _Deferred] = {}
+        self.last_compute: int | None = None
         self.degrees = degrees
 
     def add(self, name: str, type: str, deps: list[int], **kw) -> int:
         nid = len(self.nodes)
         self.nodes.append(Node(nid, name, type, sorted(set(deps)), **kw))
+        if type == COMP:
+            self.last_compute = nid
         return nid
+
+    def defer(self, t: "_PassTemplate", **placement) -> int:
+        """Reserve the ids of a pass's nodes; they are created when first read. Returns the first id."""
+        base = len(self.nodes)
+        self.nodes.extend([None] * len(t.rows))
+        self.deferred[base] = _Deferred(base, t, **placement)
+        if t.last_compute is not None:
+            self.last_compute = base + t.last_compute
+        return base
 
     def add_collective(self, name: str, deps: list[int], **kw) -> list[int]:
         """A collective over a group of one rank is nothing: its dependents wait on its inputs."""
@@ -169,6 +232,30 @@ class _PassTemplate:
     sinks: list[int]
     blocks: list[tuple[str, int, int]]     # (block label, first row, end row)
     last_prologue: int | None
+
+    @cached_property
+    def last_compute(self) -> int | None:
+        return next((j for j in range(len(self.rows) - 1, -1, -1) if self.rows[j][1] == COMP), None)
+
+    @cached_property
+    def compute_totals(self) -> tuple[int, int, int]:
+        """(executed, model, matmul) FLOPs of one placement of the pass."""
+        comp = [r for r in self.rows if r[1] == COMP]
+        return (sum(r[3] for r in comp), sum(r[4] for r in comp), sum(r[3] for r in comp if r[6]))
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """Where and how a pass is placed; its nodes are created from this on first use."""
+
+    base: int
+    template: _PassTemplate
+    entry: list[int]
+    chain: list[int]
+    ctrl: list[int]
+    micro_batch: int
+    chunk: int
+    params: dict[int, list[int]]
 
 
 def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], list[int]]:
@@ -299,13 +386,13 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     return _PassTemplate(rows, exits, sinks, blocks, last_prologue)
 
 
-def _place(b: "_Builder", t: _PassTemplate, *, entry: list[int], chain: list[int], ctrl: list[int],
-           micro_batch: int, chunk: int, params: dict[int, list[int]]) -> int:
-    """Append a pass's nodes; returns the id of its first node. (The hot loop of synthesis.)"""
-    base = len(b.nodes)
-    append = b.nodes.append
+def _place(nodes: list[Node | None], d: _Deferred) -> None:
+    """Create a pass's nodes in their reserved slots. (The hot loop of synthesis.)"""
+    base, entry, chain, ctrl, params = d.base, d.entry, d.chain, d.ctrl, d.params
+    micro_batch, chunk = d.micro_batch, d.chunk
     new = Node.__new__
-    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label) in enumerate(t.rows):
+    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label) in enumerate(
+            d.template.rows):
         node_ctrl: list[int] = []
         if rel and rel[0] < 0:   # markers sort first
             deps = []
@@ -327,8 +414,7 @@ def _place(b: "_Builder", t: _PassTemplate, *, entry: list[int], chain: list[int
         n.flops, n.model_flops, n.mem_bytes, n.matmul = flops, mflops, mem, matmul
         n.coll, n.comm_bytes, n.group, n.peer, n.tag = coll, cbytes, group, 0, 0
         n.phase, n.micro_batch, n.chunk, n.block, n.category = phase, micro_batch, chunk, label, cat
-        append(n)
-    return base
+        nodes[base + i] = n
 
 
 def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ...],
@@ -400,8 +486,8 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
         if p.phase == "fwd" and p.chunk not in first_fwd_done:
             first_fwd_done.add(p.chunk)
             params = {j: param_ag.get(inst.label, []) for j, inst in enumerate(chunks[p.chunk])}
-        base = _place(b, t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
-                      params=params)
+        base = b.defer(t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
+                       params=params)
         if t.last_prologue is not None:
             chain = [base + t.last_prologue]
         exits = [base + e for e in t.exits] or entry
@@ -424,7 +510,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
               gather_after_update=not gathered)
     memory = _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
-    return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start)
+    return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start, b.deferred)
 
 
 def _tag(micro_batch: int, vs: int, nv: int, direction: int) -> int:
@@ -492,8 +578,7 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
             syncs += b.add_collective(f"{inst.label}.grad_{coll.short.lower()}_{axis}", deps, coll=coll,
                                       comm_bytes=_ceil(nbytes), group=axis, phase="step", block=inst.label,
                                       category=axis)
-    all_compute = [n.id for n in b.nodes if n.type == COMP]
-    last_compute = all_compute[-1:] if all_compute else []
+    last_compute = [b.last_compute] if b.last_compute is not None else []
     for inst in instances:
         params = params_of.get(inst.label, 0.0)
         if params <= 0:
