@@ -14,7 +14,7 @@ bus-bandwidth efficiency. scipy minimizes a robust (soft-L1) loss of the relativ
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -66,57 +66,73 @@ def _uses_flash(runs: list[TrainingRun]) -> bool:
     return any(r.model.attention == "fused" for r in runs)
 
 
+@dataclass(frozen=True)
+class _Box:
+    """The fitted parameters of one family as a vector: log10 where LOG_PARAMS says, within BOUNDS;
+    every other parameter stays at ``base``."""
+
+    names: tuple[str, ...]
+    base: dict[str, float]
+
+    @classmethod
+    def of(cls, cluster: str, runs: list[TrainingRun], start: dict[str, float] | None = None) -> "_Box":
+        base = dict(calibration()["default"]) | (calibration().get(FAMILY_OF[cluster]) or {}) | (start or {})
+        # parameters no row depends on stay where they are (A100 rows use unfused attention)
+        return cls(tuple(p for p in PARAMS if p != "attention_efficiency" or _uses_flash(runs)), base)
+
+    def _coord(self, n: str, v: float) -> float:
+        return float(np.log10(v)) if n in LOG_PARAMS else v
+
+    @property
+    def lo(self) -> np.ndarray:
+        return np.array([self._coord(n, BOUNDS[n][0]) for n in self.names])
+
+    @property
+    def hi(self) -> np.ndarray:
+        return np.array([self._coord(n, BOUNDS[n][1]) for n in self.names])
+
+    def start(self, margin: float) -> np.ndarray:
+        """``base`` as a vector, pulled ``margin`` inside the bounds."""
+        x = np.array([self._coord(n, self.base[n]) for n in self.names], dtype=float)
+        return np.clip(x, self.lo + margin, self.hi - margin)
+
+    def params(self, x: np.ndarray) -> dict[str, float]:
+        return self.base | {n: float(10 ** v if n in LOG_PARAMS else v) for n, v in zip(self.names, x)}
+
+    def fitted(self, x: np.ndarray) -> dict[str, float]:
+        return {n: v for n, v in self.params(x).items() if n in PARAMS}
+
+
 def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None = None,
         max_nfev: int = 60) -> dict[str, float]:
     """Least-squares fit of the relative step-time errors within the physical bounds."""
     runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
-    base = dict(calibration()["default"]) | (calibration().get(FAMILY_OF[cluster]) or {})
-    base.update(start or {})
-    # parameters no row depends on stay where they are (A100 rows use unfused attention)
-    names = [p for p in PARAMS if p != "attention_efficiency" or _uses_flash(runs)]
-
-    def to_x(params: dict[str, float]) -> np.ndarray:
-        return np.array([np.log10(params[n]) if n in LOG_PARAMS else params[n] for n in names], dtype=float)
-
-    def from_x(x: np.ndarray) -> dict[str, float]:
-        out = dict(base)
-        out.update({n: float(10 ** v if n in LOG_PARAMS else v) for n, v in zip(names, x)})
-        return out
-
-    lo = np.array([np.log10(BOUNDS[n][0]) if n in LOG_PARAMS else BOUNDS[n][0] for n in names])
-    hi = np.array([np.log10(BOUNDS[n][1]) if n in LOG_PARAMS else BOUNDS[n][1] for n in names])
+    box = _Box.of(cluster, runs, start)
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        p = from_x(x)
+        p = box.params(x)
         return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
 
-    x0 = np.clip(to_x(base), lo + 1e-6, hi - 1e-6)
+    lo, hi = box.lo, box.hi
     # A robust loss (about linear beyond 5 %): the mean absolute error is what we report, and one
     # row the model cannot explain should not drag every parameter towards it.
-    res = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-2, x_scale=hi - lo, max_nfev=max_nfev,
-                        loss="soft_l1", f_scale=0.05)
-    return {n: v for n, v in from_x(res.x).items() if n in PARAMS}
+    res = least_squares(residuals, box.start(1e-6), bounds=(lo, hi), diff_step=1e-2, x_scale=hi - lo,
+                        max_nfev=max_nfev, loss="soft_l1", f_scale=0.05)
+    return box.fitted(res.x)
 
 
 def global_check(cluster: str, generations: int = 12, seed: int = 0) -> tuple[float, dict[str, float]]:
     """Lowest mean absolute error differential evolution finds within the bounds, and its parameters."""
     runs = runs_for(cluster)
-    names = [p for p in PARAMS if p != "attention_efficiency" or _uses_flash(runs)]
-    shipped = dict(calibration()["default"]) | (calibration().get(FAMILY_OF[cluster]) or {})
-    lo = np.array([np.log10(BOUNDS[n][0]) if n in LOG_PARAMS else BOUNDS[n][0] for n in names])
-    hi = np.array([np.log10(BOUNDS[n][1]) if n in LOG_PARAMS else BOUNDS[n][1] for n in names])
-
-    def params(x: np.ndarray) -> dict[str, float]:
-        return shipped | {n: float(10 ** v if n in LOG_PARAMS else v) for n, v in zip(names, x)}
+    box = _Box.of(cluster, runs)
 
     def mean_abs_error(x: np.ndarray) -> float:
-        p = params(x)
+        p = box.params(x)
         return float(np.mean([abs(predict(r, p) / r.measured_step_s - 1) for r in runs]))
 
-    x0 = np.clip([np.log10(shipped[n]) if n in LOG_PARAMS else shipped[n] for n in names], lo + 1e-9, hi - 1e-9)
-    res = differential_evolution(mean_abs_error, list(zip(lo, hi)), x0=x0, seed=seed, maxiter=generations,
-                                 popsize=5, polish=False, updating="immediate")
-    return float(res.fun), {n: v for n, v in params(res.x).items() if n in PARAMS}
+    res = differential_evolution(mean_abs_error, list(zip(box.lo, box.hi)), x0=box.start(1e-9), seed=seed,
+                                 maxiter=generations, popsize=5, polish=False, updating="immediate")
+    return float(res.fun), box.fitted(res.x)
 
 
 def main() -> None:
