@@ -19,9 +19,10 @@ from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.schedule.program import (
-    COLL, COMP, EMBEDDING_GROUP, PP_GROUP, RECV, SEND, RoleGraph, StageMemory, build_role, stage_memory,
+    COLL, COMP, EMBEDDING_GROUP, PP_GROUP, RECV, SEND, ModelBlocks, RoleGraph, StageMemory, build_role,
+    stage_memory,
 )
-from stage_cosim.sharding.numeric import compiled_blocks
+from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock, compiled_blocks
 from stage_cosim.sharding.propagate import BLOCK_AXES, ShardingPolicy
 
 GROUP_KINDS = ("tp", "dp", EMBEDDING_GROUP)   # communicator groups a collective can name
@@ -171,16 +172,24 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
     padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
     policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
                             grad_reduce_dtype=parallel.grad_reduce_dtype)
-    blocks = compiled_blocks(model.switches(), policy)
-    values = model_values(padded, parallel.micro_batch, parallel.seq_len)
-    for axis in BLOCK_AXES:
-        values[degree_symbol(axis)] = parallel.degrees()[axis]
-    costs = tuple(b.evaluate(values) for b in blocks)
+    embedding, layer, head = compiled_blocks(model.switches(), policy)
+
+    def costs(block: CompiledBlock, window: int | None = None) -> BlockCosts:
+        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window)
+        for axis in BLOCK_AXES:
+            values[degree_symbol(axis)] = parallel.degrees()[axis]
+        return block.evaluate(values)
+
+    # One evaluation per distinct layer kind (global attention, each sliding window).
+    layer_costs = {w: costs(layer, w) for w in set(model.layer_windows())}
+    blocks = ModelBlocks((embedding, costs(embedding)),
+                         tuple((layer, layer_costs[w]) for w in model.layer_windows()),
+                         (head, costs(head)))
     mesh = DeviceMesh.build(parallel.degrees(), parallel.axis_order)
     role_args = dict(pp=parallel.pp, vp=parallel.vp, schedule=parallel.schedule,
                      num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
-                     costs=costs, zero=parallel.zero, tied_embeddings=model.tied_embeddings,
+                     zero=parallel.zero, tied_embeddings=model.tied_embeddings,
                      degrees=parallel.degrees(), overlap_param_gather=parallel.overlap_param_gather,
                      tp_comm_overlap=parallel.tp_comm_overlap)
     return Workload(model, parallel, mesh, role_args)

@@ -479,7 +479,8 @@ def test_remote_simulate_json_is_byte_for_byte_local(run_cli, server, flags) -> 
 def test_remote_simulate_files_and_custom_models(run_cli, server, tmp_path) -> None:
     cfg_dir = tmp_path / "my-model"
     cfg_dir.mkdir()
-    (cfg_dir / "config.json").write_text(json.dumps({"n_layer": 2, "n_embd": 512, "n_head": 8, "vocab_size": 5000}))
+    (cfg_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 512, "n_head": 8,
+                                                         "vocab_size": 5000}))
     cluster = tmp_path / "cl.yaml"
     cluster.write_text("gpu: H100-SXM\nscale_up: {gpus_per_domain: 4, bandwidth_GBps: 300, latency_ns: 700}\n"
                        "scale_out: {bandwidth_GBps: 25, latency_ns: 2000}\n")

@@ -59,8 +59,8 @@ def test_hf_llama_config_folder(tmp_path) -> None:
 
 @pytest.mark.parametrize("content, needle", [
     ("{not json", "not a valid JSON"),
-    ('{"foo": 1}', "neither GPT-2 keys"),
-    ('{"n_layer": 2, "n_embd": -5, "n_head": 1, "vocab_size": 10}', "n_embd"),
+    ('{"foo": 1}', "no model_type or architectures"),
+    ('{"model_type": "gpt2", "n_layer": 2, "n_embd": -5, "n_head": 1, "vocab_size": 10}', "n_embd"),
     ("[1, 2]", "expected a JSON object"),
 ])
 def test_malformed_hf_config(tmp_path, content: str, needle: str) -> None:

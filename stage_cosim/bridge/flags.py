@@ -51,14 +51,14 @@ def model_request(kw: dict[str, Any]) -> dict[str, Any]:
 def _arch_config(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     max_seq = d["max_seq"] or 4096
     if arch == "gpt":
-        cfg = {"_name_or_path": "custom", "n_layer": d["layers"], "n_embd": d["hidden"], "n_head": d["heads"],
-               "vocab_size": d["vocab"], "n_positions": max_seq, "tie_word_embeddings": True}
+        cfg = {"_name_or_path": "custom", "model_type": "gpt2", "n_layer": d["layers"], "n_embd": d["hidden"],
+               "n_head": d["heads"], "vocab_size": d["vocab"], "n_positions": max_seq, "tie_word_embeddings": True}
         if d["ffn"] is not None:
             cfg["n_inner"] = d["ffn"]
         return cfg
-    cfg = {"_name_or_path": "custom", "num_hidden_layers": d["layers"], "hidden_size": d["hidden"],
-           "num_attention_heads": d["heads"], "intermediate_size": d["ffn"], "vocab_size": d["vocab"],
-           "max_position_embeddings": max_seq, "tie_word_embeddings": False}
+    cfg = {"_name_or_path": "custom", "model_type": "llama", "num_hidden_layers": d["layers"],
+           "hidden_size": d["hidden"], "num_attention_heads": d["heads"], "intermediate_size": d["ffn"],
+           "vocab_size": d["vocab"], "max_position_embeddings": max_seq, "tie_word_embeddings": False}
     if d["kv_heads"] is not None:
         cfg["num_key_value_heads"] = d["kv_heads"]
     if d["head_dim"] is not None:

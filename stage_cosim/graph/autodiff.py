@@ -109,8 +109,8 @@ def _norm(op: Op, douts: list[Tensor | None], st: _State) -> None:
     dx = _grad_tensor(x)
     dws = [_grad_tensor(w) for w in weights]
     st.ops.append(Op(f"{op.name}.grad", "norm_grad", [dout, *op.saves, *weights], [dx, *dws],
-                     flops_per_element=2 * op.flops_per_element, residual=True, unsharded="h",
-                     grad_of=op))
+                     flops_per_element=2 * op.flops_per_element, residual=op.residual,
+                     unsharded=op.unsharded, grad_of=op))
     st.contribute(x, dx)
     for w, dw in zip(weights, dws):
         st.contribute(w, dw)
@@ -127,7 +127,8 @@ def _softmax(op: Op, douts: list[Tensor | None], st: _State) -> None:
 def _attention(op: Op, douts: list[Tensor | None], st: _State) -> None:
     dq, dk, dv = (_grad_tensor(t) for t in op.inputs)
     st.ops.append(Op(f"{op.name}.grad", "attention_grad", [douts[0], *op.saves], [dq, dk, dv],
-                     unsharded=op.unsharded, grad_of=op, attention_core=True, causal=op.causal))
+                     unsharded=op.unsharded, grad_of=op, attention_core=True, causal=op.causal,
+                     softcap=op.softcap))
     for t, g in zip(op.inputs, (dq, dk, dv)):
         st.contribute(t, g)
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import sympy as sp
 
-from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE
+from stage_cosim.graph.dims import DTYPE_BYTES, S, W
 from stage_cosim.graph.ir import Op
 
 # local_size(label_letter_of_this_op) -> per-rank size of that dimension for this op
@@ -19,9 +19,26 @@ def einsum_flops(op: Op, local: LocalSize) -> sp.Expr:
     return 2 * sp.Mul(*(local(c) for c in every))
 
 
+# Elementwise work per score of soft-capping, cap * tanh(x / cap): divide, tanh, multiply
+# (forward), and its derivative (backward).
+SOFTCAP_FLOPS_PER_SCORE = 3
+
+
+def attention_scores(op: Op, local: LocalSize) -> sp.Expr:
+    """Scores a fused kernel computes: every query against the keys it attends to (``W``: the
+    whole sequence, or the sliding window)."""
+    return local("b") * local("s") * W * local("g") * local("q")
+
+
+def causal_fraction() -> sp.Expr:
+    """The unmasked share of the scores under a causal mask: with a window of w keys a query
+    sees min(i + 1, w) of them, s*w - w^2/2 pairs in all, i.e. 1 - w/(2s) (1/2 for w = s)."""
+    return 1 - W / (2 * S)
+
+
 def attention_flops(op: Op, local: LocalSize) -> sp.Expr:
-    """QK^T and PV over the full s x s score matrix."""
-    return 4 * local("b") * local("s") * LABEL_SIZE["t"] * local("g") * local("q") * local("d")
+    """QK^T and PV over the score matrix (s x s for global attention, s x w with a window)."""
+    return 4 * attention_scores(op, local) * local("d")
 
 
 def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
@@ -32,13 +49,16 @@ def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.
         return f, f
     # A causal kernel skips the masked half of the score matrix; the model-FLOP convention of the
     # published formulas still counts all of it.
-    if op.kind == "attention":
+    if op.kind in ("attention", "attention_grad"):
         f = attention_flops(op, local)
-        return (f / 2 if op.causal else f), f
-    if op.kind == "attention_grad":
         # Flash attention's backward: four matmuls plus recomputing QK^T (2.5x the forward).
-        f = attention_flops(op, local)
-        return sp.Rational(5, 2) * (f / 2 if op.causal else f), 2 * f
+        executed = f if op.kind == "attention" else sp.Rational(5, 2) * f
+        # Soft-capped scores cost elementwise work inside the kernel (not model FLOPs).
+        if op.softcap:
+            executed += SOFTCAP_FLOPS_PER_SCORE * attention_scores(op, local)
+        if op.causal:
+            executed *= causal_fraction()
+        return executed, (f if op.kind == "attention" else 2 * f)
     return op.flops_per_element * out_numel, sp.Integer(0)
 
 

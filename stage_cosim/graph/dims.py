@@ -12,10 +12,14 @@ import sympy as sp
 
 # Model and batch symbols (positive integers, so sympy simplifies divisions sensibly).
 B, S, H, F, G, Q, D, V, P = sp.symbols("b s h f g q d v p", positive=True, integer=True)
+# Keys each query attends to: the sequence in a global-attention layer, min(sequence, window)
+# in a sliding-window layer. Not a tensor dimension (keys and values still hold the whole
+# sequence), only the extent of the score matrix a fused kernel computes; bound per layer.
+W = sp.Symbol("w", positive=True, integer=True)
 
 MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "micro_batch": B, "seq": S, "hidden": H, "ffn": F, "kv_heads": G,
-    "query_groups": Q, "head_dim": D, "vocab": V, "max_seq": P,
+    "query_groups": Q, "head_dim": D, "vocab": V, "max_seq": P, "attention_span": W,
 }
 
 def degree_symbol(axis: str) -> sp.Symbol:
@@ -49,7 +53,9 @@ LABEL_MEANING: dict[str, str] = {
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "u8": 1, "i32": 4, "i64": 8}
 
 
-def model_values(model: "ModelConfig", micro_batch: int, seq: int) -> dict[sp.Symbol, int]:  # noqa: F821
-    """Bind the model and batch symbols to numbers."""
+def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821
+                 window: int | None = None) -> dict[sp.Symbol, int]:
+    """Bind the model and batch symbols to numbers (for a layer with sliding ``window``, if given)."""
     return {B: micro_batch, S: seq, H: model.hidden, F: model.ffn, G: model.kv_heads,
-            Q: model.query_groups, D: model.head_dim, V: model.vocab, P: model.max_seq}
+            Q: model.query_groups, D: model.head_dim, V: model.vocab, P: model.max_seq,
+            W: seq if window is None else min(seq, window)}

@@ -70,7 +70,8 @@ class Op:
     # view: "in1,in2->out1,out2" label mapping for splits and joins.
     spec: str = ""
     # Pointwise and normalization work per output element (memory-bound ops; rough is fine).
-    flops_per_element: int = 0
+    # A fraction where only part of the element is touched (partial rotary embeddings).
+    flops_per_element: int | sp.Rational = 0
     # Runs in the residual-stream layout.
     residual: bool = False
     # Labels that this op cannot have sharded (a normalization over h, a softmax over t …).
@@ -85,6 +86,8 @@ class Op:
     grad_of: "Op | None" = None
     # Causal attention FLOPs (half the score matrix).
     causal: bool = False
+    # Fused attention with soft-capped scores (elementwise work inside the kernel).
+    softcap: bool = False
     # Times the op streams its inputs and outputs through HBM (an unfused implementation runs
     # several kernels over the same data).
     memory_passes: int = 1
@@ -161,11 +164,13 @@ class BlockBuilder:
     def pointwise(self, name: str, inputs: list[Tensor], out_labels: str, *, flops_per_element: int,
                   saves: list[Tensor] | None = None, residual: bool = False,
                   passthrough: bool = False, attention_core: bool = False,
-                  dtype: str | None = None) -> Tensor:
+                  dtype: str | None = None, saves_output: bool = False) -> Tensor:
+        """An elementwise op; its backward reads ``saves`` (and its own output if ``saves_output``,
+        as the derivative of tanh does)."""
         out = self._act(name, out_labels, dtype, residual=residual)
         self._add(Op(name, "pointwise", list(inputs), [out], flops_per_element=flops_per_element,
-                     saves=list(saves or []), residual=residual, passthrough=passthrough,
-                     attention_core=attention_core))
+                     saves=list(saves or []) + ([out] if saves_output else []), residual=residual,
+                     passthrough=passthrough, attention_core=attention_core))
         return out
 
     def add(self, name: str, x: Tensor, y: Tensor, *, residual: bool = True) -> Tensor:
@@ -181,13 +186,16 @@ class BlockBuilder:
                      residual=residual, attention_core=attention_core))
         return out
 
-    def norm(self, name: str, x: Tensor, weights: list[Tensor], *, rms: bool) -> Tensor:
-        out = self._act(name, x.labels, residual=True)
-        stat_labels = x.labels.replace("h", "")
+    def norm(self, name: str, x: Tensor, weights: list[Tensor], *, rms: bool, over: str = "h",
+             residual: bool = True) -> Tensor:
+        """LayerNorm or RMSNorm over label ``over`` (the hidden size, or a head's dimension for
+        QK-norm, which runs where the heads are rather than in the residual stream)."""
+        out = self._act(name, x.labels, residual=residual)
+        stat_labels = x.labels.replace(over, "")
         stats = [Tensor(f"{name}.{s}", stat_labels, "fp32", "activation")
                  for s in (("rstd",) if rms else ("mean", "rstd"))]
         self._add(Op(name, "norm", [x, *weights], [out, *stats], flops_per_element=4 if rms else 5,
-                     residual=True, unsharded="h", saves=[x, *stats]))
+                     residual=residual, unsharded=over, saves=[x, *stats]))
         return out
 
     def softmax(self, name: str, x: Tensor, over: str, *, attention_core: bool = False) -> Tensor:
@@ -204,12 +212,13 @@ class BlockBuilder:
         self._add(Op(name, "view", list(inputs), outs, spec=spec))
         return outs
 
-    def attention(self, name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> Tensor:
+    def attention(self, name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+                  softcap: bool = False) -> Tensor:
         """Fused (flash) attention: never materializes the score matrix."""
         out = self._act(name, q.labels)
         lse = Tensor(name + ".lse", "bgqs", "fp32", "activation")
         self._add(Op(name, "attention", [q, k, v], [out, lse], unsharded="sd",
-                     saves=[q, k, v, out, lse], attention_core=True, causal=causal))
+                     saves=[q, k, v, out, lse], attention_core=True, causal=causal, softcap=softcap))
         return out
 
     def lookup(self, name: str, table: Tensor, ids: Tensor) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from fractions import Fraction
 from typing import Any, Literal
 
 from stage_cosim.errors import UserError, positive_int, require
@@ -13,29 +14,62 @@ CrossEntropyImpl = Literal["fused", "unfused"]
 # Implementation switches a user sets one by one (command-line flags and request fields alike).
 MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy")
 
+NORMS = ("layernorm", "rmsnorm")
+# "gelu": one up-projection and a GELU; "swiglu" / "geglu": gated (gate and up projections,
+# SiLU or GELU on the gate, times the up projection), as Llama and Gemma do.
+MLPS = ("gelu", "swiglu", "geglu")
+POSITIONS = ("learned", "rope")
+# Hugging Face's names for the attention of one layer (``layer_types``).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
 
 @dataclass(frozen=True)
 class ArchSwitches:
-    """The architecture choices that shape the graph (sizes aside): one graph serves every size."""
+    """The architecture choices that shape the graph (sizes aside): one graph serves every size.
+
+    Numbers that only scale costs (the sliding-window length) are not here: they are bound to
+    the graph's symbols per layer, so a windowed layer and a global one share one graph.
+    """
 
     norm: str
     mlp: str
     position: str
-    bias: bool
-    dropout: bool
+    attention_bias: bool
+    mlp_bias: bool
+    add_qkv_bias: bool
+    hidden_dropout: bool
+    attention_dropout: bool
     attention: str
     causal_flops: bool
     tied_embeddings: bool
     cross_entropy: str = "unfused"
+    qk_layernorm: bool = False
+    rotary_percent: Fraction = Fraction(1)
+    parallel_residual: bool = False
+    sandwich_norm: bool = False
+    scale_embeddings: bool = False
+    attn_softcap: bool = False
+    final_softcap: bool = False
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.add_qkv_bias
+
+    @property
+    def gated(self) -> bool:
+        return self.mlp in ("swiglu", "geglu")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer, in the spirit of Megatron-Core's ``TransformerConfig``.
+    """A decoder-only transformer, in the spirit of Megatron-Core's ``TransformerConfig`` (field
+    names follow Megatron-Core where it has the concept, Hugging Face where only it has).
 
     ``arch`` picks the family defaults (GPT: LayerNorm, GELU MLP, learned positions, biases,
     dropout; Llama: RMSNorm, SwiGLU, RoPE, no biases, no dropout); the individual switches can
-    still be set one by one.
+    still be set one by one. Every field that changes a cost is here; the Hugging Face reader
+    (:mod:`stage_cosim.model.hf`) fills them from a ``config.json`` or refuses what it cannot.
     """
 
     name: str
@@ -50,10 +84,18 @@ class ModelConfig:
     max_seq: int
     tied_embeddings: bool
     norm: Literal["layernorm", "rmsnorm"]
-    mlp: Literal["gelu", "swiglu"]
+    mlp: Literal["gelu", "swiglu", "geglu"]
     position: Literal["learned", "rope"]
-    bias: bool
-    dropout: bool
+    # Biases: on the QKV and output projections of attention (Hugging Face's attention_bias),
+    # on the MLP's projections (mlp_bias), on QKV alone (Megatron-Core's add_qkv_bias, Qwen2).
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    add_qkv_bias: bool = False
+    # Dropout probabilities (Megatron-Core's names): hidden_dropout on the embedding and on each
+    # sublayer's output, attention_dropout on the attention probabilities. Only whether they are
+    # non-zero changes a cost (the masks are kernels and saved activations).
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     # "unfused" materializes the s x s score matrix (softmax and dropout as separate ops, as in
     # Megatron before flash attention); "fused" is one flash-attention kernel.
     attention: AttentionImpl = "fused"
@@ -66,6 +108,29 @@ class ModelConfig:
     # --cross-entropy-loss-fusion). On small models with large vocabularies this is several
     # percent of the step.
     cross_entropy: CrossEntropyImpl = "unfused"
+    # RMSNorm (or LayerNorm) of each query and key head over head_dim before RoPE (Qwen3,
+    # Megatron-Core's qk_layernorm).
+    qk_layernorm: bool = False
+    # Fraction of each head's dimensions that RoPE rotates (Megatron-Core's rotary_percent;
+    # GPT-NeoX's rotary_pct, Phi's partial_rotary_factor).
+    rotary_percent: float = 1.0
+    # Attention and MLP read the same input and their outputs are summed into the residual
+    # (GPT-NeoX, GPT-J): with tensor parallelism the two row-parallel outputs share one reduction.
+    parallel_residual: bool = False
+    # A second norm on each sublayer's output before the residual add (Gemma-2's
+    # post_attention_layernorm / post_feedforward_layernorm): four norms per layer.
+    sandwich_norm: bool = False
+    # The embedding output multiplied by sqrt(hidden) (Gemma).
+    scale_embeddings: bool = False
+    # Soft-capping, cap * tanh(x / cap), of the attention scores and of the final logits (Gemma-2).
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Sliding-window attention: each query attends to the last ``sliding_window`` keys in the
+    # layers whose type is "sliding_attention". ``layer_types`` is a pattern repeated over the
+    # layers (layer i has type layer_types[i % len]); empty means every layer has a window when
+    # sliding_window is set, and none when it is not.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq"):
@@ -73,13 +138,28 @@ class ModelConfig:
         require(self.arch in ("gpt", "llama"), "arch", f"must be gpt or llama, got {self.arch!r}")
         require(self.heads % self.kv_heads == 0, "kv-heads",
                 f"must divide heads ({self.heads}), got {self.kv_heads}")
-        require(self.norm in ("layernorm", "rmsnorm"), "norm", f"must be layernorm or rmsnorm, got {self.norm!r}")
-        require(self.mlp in ("gelu", "swiglu"), "mlp", f"must be gelu or swiglu, got {self.mlp!r}")
-        require(self.position in ("learned", "rope"), "position", f"must be learned or rope, got {self.position!r}")
-        require(self.attention in ("fused", "unfused"), "attention",
-                f"must be fused or unfused, got {self.attention!r}")
-        require(self.cross_entropy in ("fused", "unfused"), "cross-entropy",
-                f"must be fused or unfused, got {self.cross_entropy!r}")
+        _choice(self.norm, "norm", NORMS)
+        _choice(self.mlp, "mlp", MLPS)
+        _choice(self.position, "position", POSITIONS)
+        _choice(self.attention, "attention", ("fused", "unfused"))
+        _choice(self.cross_entropy, "cross-entropy", ("fused", "unfused"))
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1,
+                    name.replace("_", "-"), f"must be a probability in [0, 1), got {p!r}")
+        require(isinstance(self.rotary_percent, (int, float)) and 0 < self.rotary_percent <= 1,
+                "rotary-percent", f"must be in (0, 1], got {self.rotary_percent!r}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            require(cap is None or (isinstance(cap, (int, float)) and cap > 0), name.replace("_", "-"),
+                    f"must be positive or unset, got {cap!r}")
+        if self.sliding_window is not None:
+            positive_int(self.sliding_window, "sliding-window")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for t in self.layer_types:
+            _choice(t, "layer-types", LAYER_TYPES)
+        require(self.sliding_window is not None or SLIDING_ATTENTION not in self.layer_types, "layer-types",
+                "has sliding_attention layers but sliding-window is not set")
 
     # -- derived quantities -------------------------------------------------------------------
 
@@ -88,22 +168,50 @@ class ModelConfig:
         """Query heads per key/value head (1 for multi-head attention)."""
         return self.heads // self.kv_heads
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to the whole sequence)."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer % len(self.layer_types)] == SLIDING_ATTENTION else None
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.layers))
+
     def param_count(self) -> int:
         """Exact parameter count, in closed form (checked against the symbolic graph's weights)."""
         h, f, d = self.hidden, self.ffn, self.head_dim
-        qkv = h * (self.heads + 2 * self.kv_heads) * d + (self.heads + 2 * self.kv_heads) * d * self.bias
-        out = self.heads * d * h + h * self.bias
-        mlp_in_width = 2 * f if self.mlp == "swiglu" else f
-        mlp = h * mlp_in_width + mlp_in_width * self.bias + f * h + h * self.bias
-        norm = h * (2 if self.norm == "layernorm" else 1)
-        layer = qkv + out + mlp + 2 * norm
+        sw = self.switches()
+        qkv_width = (self.heads + 2 * self.kv_heads) * d
+        qkv = h * qkv_width + qkv_width * sw.qkv_bias
+        out = self.heads * d * h + h * self.attention_bias
+        mlp_in_width = 2 * f if sw.gated else f
+        mlp = h * mlp_in_width + f * h + (mlp_in_width + h) * self.mlp_bias
+        per_norm = 2 if self.norm == "layernorm" else 1
+        norms = h * per_norm * (4 if self.sandwich_norm else 2)
+        qk_norms = 2 * d * per_norm if self.qk_layernorm else 0
+        layer = qkv + out + mlp + norms + qk_norms
         embed = self.vocab * h + (self.max_seq * h if self.position == "learned" else 0)
         head = 0 if self.tied_embeddings else self.vocab * h
-        return self.layers * layer + embed + head + norm
+        return self.layers * layer + embed + head + h * per_norm
+
+    def embedding_param_count(self) -> int:
+        """Parameters of the embedding tables and the untied output layer."""
+        embed = self.vocab * self.hidden + (self.max_seq * self.hidden if self.position == "learned" else 0)
+        return embed + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     def switches(self) -> ArchSwitches:
-        return ArchSwitches(self.norm, self.mlp, self.position, self.bias, self.dropout,
-                            self.attention, self.causal_flops, self.tied_embeddings, self.cross_entropy)
+        return ArchSwitches(
+            norm=self.norm, mlp=self.mlp, position=self.position, attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias, add_qkv_bias=self.add_qkv_bias, hidden_dropout=self.hidden_dropout > 0,
+            attention_dropout=self.attention_dropout > 0, attention=self.attention,
+            causal_flops=self.causal_flops, tied_embeddings=self.tied_embeddings,
+            cross_entropy=self.cross_entropy, qk_layernorm=self.qk_layernorm,
+            rotary_percent=Fraction(str(self.rotary_percent)) if self.position == "rope" else Fraction(1),
+            parallel_residual=self.parallel_residual, sandwich_norm=self.sandwich_norm,
+            scale_embeddings=self.scale_embeddings, attn_softcap=self.attn_logit_softcapping is not None,
+            final_softcap=self.final_logit_softcapping is not None)
 
     def with_overrides(self, **overrides: Any) -> "ModelConfig":
         """A copy with the given fields replaced (None values are ignored)."""
@@ -114,15 +222,18 @@ class ModelConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
 
     @staticmethod
     def family(arch: Arch) -> dict[str, Any]:
         """The architecture switches that a family implies."""
         if arch == "gpt":
-            return dict(norm="layernorm", mlp="gelu", position="learned", bias=True, dropout=True)
+            return dict(norm="layernorm", mlp="gelu", position="learned", attention_bias=True, mlp_bias=True,
+                        hidden_dropout=0.1, attention_dropout=0.1)
         if arch == "llama":
-            return dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, dropout=False)
+            return dict(norm="rmsnorm", mlp="swiglu", position="rope")
         raise UserError("arch", f"must be gpt or llama, got {arch!r}")
 
     @classmethod
@@ -146,3 +257,7 @@ class ModelConfig:
                    vocab=vocab, max_seq=max_seq,
                    tied_embeddings=(arch == "gpt") if tied_embeddings is None else tied_embeddings,
                    **family)
+
+
+def _choice(value: object, parameter: str, allowed: tuple[str, ...]) -> None:
+    require(value in allowed, parameter, f"must be one of {', '.join(allowed)}, got {value!r}")

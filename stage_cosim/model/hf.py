@@ -1,23 +1,288 @@
-"""Read a Hugging Face ``config.json`` (GPT-2 style or Llama style keys) into a ModelConfig."""
+"""Read a Hugging Face ``config.json`` into a ModelConfig, one reader per ``model_type``.
+
+A config means what Hugging Face's implementation of its ``model_type`` builds from it, so each
+family's reader knows every key that implementation reads that changes a cost (dimensions,
+activation, biases, norms and where they sit, rotary fraction, parallel residual, sliding
+windows, soft-capping, tied embeddings, dropout) and either models it or refuses the config
+with one line naming the key and its value. A key absent from the file takes Hugging Face's
+default for that family. Keys the implementation never reads do not change the model and are
+ignored, as Hugging Face ignores them. A ``model_type`` (or ``architectures`` entry) without a
+reader is refused with the list of those that have one; Mixture-of-Experts families are named
+as such.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from stage_cosim.errors import UserError
-from stage_cosim.model.config import ModelConfig
+from stage_cosim.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, ModelConfig
 
-_GPT2_KEYS = ("n_layer", "n_embd", "n_head")
-_LLAMA_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads")
+# Hugging Face activation names, by what they cost (the tanh and erf forms of GELU alike).
+_GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "gelu_accurate")
+_SILU = ("silu", "swish")
+
+_REQUIRED = object()
 
 
-def _int(cfg: dict[str, Any], key: str, where: Path) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UserError("model", f"{where}: key {key!r} must be a positive integer, got {value!r}")
-    return value
+class HFConfig:
+    """One parsed config.json and the file it came from; typed reads that fail in one line."""
+
+    def __init__(self, cfg: dict[str, Any], file: Path, model_type: str) -> None:
+        self.cfg = cfg
+        self.file = file
+        self.model_type = model_type
+
+    def error(self, key: str, value: Any, rule: str) -> UserError:
+        return UserError("model", f"{self.file}: {key} = {json.dumps(value)}: {rule}")
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.cfg:
+            return self.cfg[key]
+        if default is _REQUIRED:
+            raise UserError("model", f"{self.file}: key {key!r} is missing (a {self.model_type} config needs it)")
+        return default
+
+    def int(self, key: str, default: Any = _REQUIRED, *, nullable: bool = False, minimum: int = 1) -> int | None:
+        value = self._get(key, default)
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(key, value, "must be a positive integer" if minimum == 1 else
+                             f"must be an integer of at least {minimum}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED, *, nullable: bool = False) -> float | None:
+        value = self._get(key, default)
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise self.error(key, value, "must be a non-negative number")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, value, "must be true or false")
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED) -> str:
+        value = self._get(key, default)
+        if not isinstance(value, str):
+            raise self.error(key, value, "must be a string")
+        return value
+
+    def refuse_if(self, key: str, value_is_refused: Callable[[Any], bool], rule: str) -> None:
+        if key in self.cfg and value_is_refused(self.cfg[key]):
+            raise self.error(key, self.cfg[key], rule)
+
+    # -- pieces several families share ---------------------------------------------------
+
+    def mlp(self, key: str, default: str, *, gated: bool) -> str:
+        act = self.text(key, default)
+        if act in _GELU:
+            return "geglu" if gated else "gelu"
+        if act in _SILU and gated:
+            return "swiglu"
+        kinds = "SiLU or GELU gated MLPs" if gated else "GELU MLPs"
+        raise self.error(key, act, f"only {kinds} are modelled for {self.model_type}")
+
+    def rotary_percent(self, default: float = 1.0, key: str = "partial_rotary_factor") -> float:
+        """The rotated fraction of each head: a top-level key, or inside ``rope_parameters``
+        (newer Hugging Face files keep it there)."""
+        rope = self.cfg.get("rope_parameters")
+        if isinstance(rope, dict) and "partial_rotary_factor" in rope:
+            value, where = rope["partial_rotary_factor"], "rope_parameters.partial_rotary_factor"
+        elif key in self.cfg:
+            value, where = self.cfg[key], key
+        else:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise self.error(where, value, "must be in (0, 1]")
+        return float(value)
+
+    def dropout(self, *keys: str, default: float = 0.0) -> float:
+        """One probability for several keys that must agree on whether there is dropout at all
+        (the model has one hidden-dropout switch for the embedding and the sublayer outputs)."""
+        values = {k: self.number(k, default) for k in keys}
+        if len({v > 0 for v in values.values()}) > 1:
+            on = next(k for k, v in values.items() if v > 0)
+            off = next(k for k, v in values.items() if v == 0)
+            raise self.error(on, values[on], f"dropout here but not at {off} (0) is not modelled")
+        for k, v in values.items():
+            if v >= 1:
+                raise self.error(k, v, "must be a probability below 1")
+        return max(values.values())
+
+    def head_dim(self, hidden: int, heads: int, default: int | None = None) -> int:
+        value = self.int("head_dim", default, nullable=True)
+        if value is not None:
+            return value
+        if hidden % heads:
+            raise UserError("model", f"{self.file}: hidden_size {hidden} is not a multiple of "
+                                     f"num_attention_heads {heads} and head_dim is missing")
+        return hidden // heads
+
+    def layer_types(self, layers: int, default: tuple[str, ...]) -> tuple[str, ...]:
+        """Per-layer attention kinds, as the shortest pattern that repeats into them."""
+        value = self.cfg.get("layer_types")
+        if value is None:
+            types = default
+        else:
+            if not isinstance(value, list) or any(t not in LAYER_TYPES for t in value):
+                raise self.error("layer_types", value, f"must be a list of {' or '.join(LAYER_TYPES)}")
+            if len(value) != layers:
+                raise self.error("layer_types", value, f"must have one entry per layer ({layers})")
+            types = tuple(value)
+        return _shortest_period(types)
+
+
+def _shortest_period(types: tuple[str, ...]) -> tuple[str, ...]:
+    for p in range(1, len(types) + 1):
+        if all(types[i] == types[i % p] for i in range(len(types))):
+            return types[:p]
+    return types
+
+
+def _windowed(c: HFConfig, layers: int, window: int | None,
+              default_types: Callable[[int], tuple[str, ...]]) -> dict[str, Any]:
+    """sliding_window and layer_types of a family whose windows HF configures per layer."""
+    types = c.layer_types(layers, default_types(layers) if window is not None else ())
+    if SLIDING_ATTENTION in types and window is None:
+        raise c.error("layer_types", list(types), "names sliding_attention layers but sliding_window is unset")
+    if window is None or SLIDING_ATTENTION not in types:
+        return {}
+    return dict(sliding_window=window, layer_types=() if set(types) == {SLIDING_ATTENTION} else types)
+
+
+# -- the families ---------------------------------------------------------------------------
+
+def _dims(c: HFConfig) -> dict[str, int]:
+    return dict(layers=c.int("num_hidden_layers"), hidden=c.int("hidden_size"), heads=c.int("num_attention_heads"),
+                ffn=c.int("intermediate_size"), vocab=c.int("vocab_size"))
+
+
+def _llama_like(c: HFConfig, *, max_seq: int, tied: bool, head_dim: int | None = None,
+                act: tuple[str, str] = ("hidden_act", "silu"), **arch: Any) -> dict[str, Any]:
+    d = _dims(c)
+    return dict(d, arch="llama", kv_heads=c.int("num_key_value_heads", d["heads"], nullable=True) or d["heads"],
+                head_dim=c.head_dim(d["hidden"], d["heads"], head_dim),
+                max_seq=c.int("max_position_embeddings", max_seq),
+                tied_embeddings=c.flag("tie_word_embeddings", tied),
+                mlp=c.mlp(*act, gated=True), norm="rmsnorm", position="rope",
+                rotary_percent=c.rotary_percent(), attention_dropout=c.number("attention_dropout", 0.0), **arch)
+
+
+def _qwen_windows(c: HFConfig, layers: int) -> dict[str, Any]:
+    """Qwen2/Qwen3: a window only with use_sliding_window, in the layers from max_window_layers on."""
+    use = c.flag("use_sliding_window", False)
+    window = c.int("sliding_window", 4096, nullable=True) if use else None
+    start = c.int("max_window_layers", 28, minimum=0)
+    return _windowed(c, layers, window,
+                     lambda n: tuple(SLIDING_ATTENTION if i >= start else FULL_ATTENTION for i in range(n)))
+
+
+def _llama(c: HFConfig) -> dict[str, Any]:
+    return _llama_like(c, max_seq=2048, tied=False, attention_bias=c.flag("attention_bias", False),
+                       mlp_bias=c.flag("mlp_bias", False))
+
+
+def _mistral(c: HFConfig) -> dict[str, Any]:
+    window = c.int("sliding_window", 4096, nullable=True)    # every layer, as HF's Mistral does
+    return _llama_like(c, max_seq=4096 * 32, tied=False, sliding_window=window)
+
+
+def _qwen2(c: HFConfig) -> dict[str, Any]:
+    # Qwen2 hard-codes biases on q, k and v (not on the output projection or the MLP).
+    return _llama_like(c, max_seq=32768, tied=False, add_qkv_bias=True,
+                       **_qwen_windows(c, c.int("num_hidden_layers")))
+
+
+def _qwen3(c: HFConfig) -> dict[str, Any]:
+    return _llama_like(c, max_seq=32768, tied=False, head_dim=128, qk_layernorm=True,
+                       attention_bias=c.flag("attention_bias", False),
+                       **_qwen_windows(c, c.int("num_hidden_layers")))
+
+
+def _gemma2(c: HFConfig) -> dict[str, Any]:
+    c.refuse_if("use_bidirectional_attention", bool, "bidirectional attention is not modelled")
+    window = c.int("sliding_window", 4096, nullable=True)
+    layers = c.int("num_hidden_layers")
+    # Even layers slide, odd layers attend globally (HF's default pattern for Gemma-2).
+    windows = _windowed(c, layers, window, lambda n: tuple(
+        SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n)))
+    return _llama_like(c, max_seq=8192, tied=True, head_dim=256, act=("hidden_activation", "gelu_pytorch_tanh"),
+                       attention_bias=c.flag("attention_bias", False), sandwich_norm=True,
+                       scale_embeddings=True,
+                       attn_logit_softcapping=c.number("attn_logit_softcapping", 50.0, nullable=True) or None,
+                       final_logit_softcapping=c.number("final_logit_softcapping", 30.0, nullable=True) or None,
+                       **windows)
+
+
+def _phi3(c: HFConfig) -> dict[str, Any]:
+    return _llama_like(c, max_seq=4096, tied=False, sliding_window=c.int("sliding_window", None, nullable=True),
+                       hidden_dropout=c.dropout("resid_pdrop", "embd_pdrop"))
+
+
+def _gpt2(c: HFConfig) -> dict[str, Any]:
+    c.refuse_if("add_cross_attention", bool, "cross-attention is not modelled")
+    hidden, heads = c.int("n_embd"), c.int("n_head")
+    if hidden % heads:
+        raise c.error("n_head", heads, f"must divide n_embd ({hidden})")
+    return dict(arch="gpt", layers=c.int("n_layer"), hidden=hidden, heads=heads, kv_heads=heads,
+                head_dim=hidden // heads, ffn=c.int("n_inner", None, nullable=True) or 4 * hidden,
+                vocab=c.int("vocab_size", 50257), max_seq=c.int("n_positions", 1024),
+                tied_embeddings=c.flag("tie_word_embeddings", True), norm="layernorm", position="learned",
+                mlp=c.mlp("activation_function", "gelu_new", gated=False), attention_bias=True, mlp_bias=True,
+                hidden_dropout=c.dropout("resid_pdrop", "embd_pdrop", default=0.1),
+                attention_dropout=c.number("attn_pdrop", 0.1))
+
+
+def _gpt_neox(c: HFConfig) -> dict[str, Any]:
+    d = _dims(c)
+    # multi-head attention: GPT-NeoX has no key/value head count of its own
+    if d["hidden"] % d["heads"]:
+        raise c.error("num_attention_heads", d["heads"], f"must divide hidden_size ({d['hidden']})")
+    return dict(d, arch="gpt", kv_heads=d["heads"], head_dim=d["hidden"] // d["heads"],
+                max_seq=c.int("max_position_embeddings", 2048), norm="layernorm", position="rope",
+                tied_embeddings=c.flag("tie_word_embeddings", False),
+                mlp=c.mlp("hidden_act", "gelu", gated=False),
+                rotary_percent=c.rotary_percent(0.25, key="rotary_pct"),
+                parallel_residual=c.flag("use_parallel_residual", True),
+                attention_bias=c.flag("attention_bias", True), mlp_bias=True,
+                hidden_dropout=c.number("hidden_dropout", 0.0), attention_dropout=c.number("attention_dropout", 0.0))
+
+
+READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
+    "gpt2": _gpt2, "gpt_neox": _gpt_neox, "llama": _llama, "mistral": _mistral, "qwen2": _qwen2,
+    "qwen3": _qwen3, "gemma2": _gemma2, "phi3": _phi3,
+}
+
+ARCHITECTURES: dict[str, str] = {
+    "GPT2LMHeadModel": "gpt2", "GPTNeoXForCausalLM": "gpt_neox", "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
+    # Mixture-of-Experts families (refused below until they are modelled)
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss", "DbrxForCausalLM": "dbrx", "OlmoeForCausalLM": "olmoe",
+    "PhimoeForCausalLM": "phimoe", "JambaForCausalLM": "jamba", "GraniteMoeForCausalLM": "granitemoe",
+}
+
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "dbrx", "olmoe",
+             "phimoe", "jamba", "granitemoe", "granitemoeshared", "jetmoe", "llama4", "minimax", "glm4_moe",
+             "qwen3_next", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "bailing_moe", "step3p5")
+
+# Keys of any family that ask for something this tool does not model.
+_GENERAL_REFUSALS = (
+    ("is_encoder_decoder", bool, "encoder-decoder models are not modelled"),
+    ("quantization_config", lambda v: v is not None,
+     "quantized checkpoints are not modelled (training runs in bf16); remove the key for the bf16 model"),
+)
 
 
 def read_hf_config(path: Path) -> tuple[Any, Path]:
@@ -36,36 +301,39 @@ def load_hf_config(path: Path) -> ModelConfig:
     return model_from_hf_dict(cfg, file)
 
 
+def model_type_of(cfg: dict[str, Any], file: Path) -> str:
+    """The family a config belongs to: its model_type, else its first known architecture."""
+    known = ", ".join(sorted(READERS))
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type is None:
+        if not isinstance(archs, list) or not archs:
+            raise UserError("model", f"{file}: no model_type or architectures (known model types: {known})")
+        model_type = ARCHITECTURES.get(str(archs[0]))
+        if model_type is None:
+            raise UserError("model", f"{file}: architectures = {json.dumps(archs)}: not a known architecture "
+                                     f"(known: {', '.join(a for a, t in ARCHITECTURES.items() if t in READERS)})")
+    if model_type in MOE_TYPES:
+        raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: Mixture-of-Experts models are "
+                                 f"not modelled yet (dense model types: {known})")
+    if not isinstance(model_type, str) or model_type not in READERS:
+        raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: not a known model type "
+                                 f"(known: {known})")
+    return model_type
+
+
 def model_from_hf_dict(cfg: object, file: Path | str = "config") -> ModelConfig:
     """A ModelConfig from the parsed content of a Hugging Face config.json."""
     file = Path(file)
     if not isinstance(cfg, dict):
         raise UserError("model", f"{file}: expected a JSON object")
-    name = str(cfg.get("_name_or_path") or cfg.get("model_type") or file.parent.name or "hf-model")
-    if all(k in cfg for k in _GPT2_KEYS):
-        hidden = _int(cfg, "n_embd", file)
-        inner = cfg.get("n_inner")
-        return ModelConfig.build(
-            name, "gpt", layers=_int(cfg, "n_layer", file), hidden=hidden,
-            heads=_int(cfg, "n_head", file), vocab=_int(cfg, "vocab_size", file),
-            max_seq=_int(cfg, "n_positions", file) if "n_positions" in cfg else 1024,
-            ffn=inner if isinstance(inner, int) and inner > 0 else 4 * hidden,
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)))
-    if all(k in cfg for k in _LLAMA_KEYS):
-        hidden = _int(cfg, "hidden_size", file)
-        heads = _int(cfg, "num_attention_heads", file)
-        head_dim = cfg.get("head_dim")
-        if head_dim is None and hidden % heads:
-            raise UserError("model", f"{file}: hidden_size {hidden} is not a multiple of "
-                                     f"num_attention_heads {heads} and head_dim is missing")
-        return ModelConfig.build(
-            name, "llama", layers=_int(cfg, "num_hidden_layers", file), hidden=hidden,
-            heads=heads, ffn=_int(cfg, "intermediate_size", file),
-            kv_heads=_int(cfg, "num_key_value_heads", file) if "num_key_value_heads" in cfg else heads,
-            head_dim=_int(cfg, "head_dim", file) if head_dim is not None else None,
-            vocab=_int(cfg, "vocab_size", file),
-            max_seq=_int(cfg, "max_position_embeddings", file) if "max_position_embeddings" in cfg else 4096,
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-    raise UserError("model", f"{file}: neither GPT-2 keys ({', '.join(_GPT2_KEYS)}) nor "
-                             f"Llama keys ({', '.join(_LLAMA_KEYS)}) found")
+    model_type = model_type_of(cfg, file)
+    c = HFConfig(cfg, file, model_type)
+    for key, refused, rule in _GENERAL_REFUSALS:
+        c.refuse_if(key, refused, rule)
+    fields = READERS[model_type](c)
+    name = str(cfg.get("_name_or_path") or model_type or file.parent.name or "hf-model")
+    try:
+        return ModelConfig(name=name, **fields)
+    except UserError as exc:
+        raise UserError("model", f"{file}: {exc.parameter}: {exc.rule}") from None

@@ -417,9 +417,19 @@ def _place(nodes: list[Node | None], d: _Deferred) -> None:
         nodes[base + i] = n
 
 
+@dataclass(frozen=True, eq=False)
+class ModelBlocks:
+    """The compiled blocks of a model with their numbers under one configuration: the
+    embedding, every layer in order (layers may differ: a sliding-window layer binds the same
+    block to other numbers, another kind of layer is another block), the head."""
+
+    embedding: tuple[CompiledBlock, BlockCosts]
+    layers: tuple[tuple[CompiledBlock, BlockCosts], ...]
+    head: tuple[CompiledBlock, BlockCosts]
+
+
 def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ...],
-                  blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
-                  costs: tuple[BlockCosts, BlockCosts, BlockCosts]) -> dict[int, list[_Instance]]:
+                  blocks: ModelBlocks) -> dict[int, list[_Instance]]:
     """The blocks of each model chunk held by ``stage``, in forward order."""
     nv = pp * vp
     starts = [sum(layers_per_vstage[:i]) for i in range(nv)]
@@ -428,33 +438,32 @@ def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ..
         vs = c * pp + stage
         out = []
         if vs == 0:
-            out.append(_Instance("embedding", -1, blocks[0], costs[0]))
-        out += [_Instance("layer", starts[vs] + i, blocks[1], costs[1]) for i in range(layers_per_vstage[vs])]
+            out.append(_Instance("embedding", -1, *blocks.embedding))
+        out += [_Instance("layer", starts[vs] + i, *blocks.layers[starts[vs] + i])
+                for i in range(layers_per_vstage[vs])]
         if vs == nv - 1:
-            out.append(_Instance("head", -1, blocks[2], costs[2]))
+            out.append(_Instance("head", -1, *blocks.head))
         chunks[c] = out
     return chunks
 
 
 def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
-                 layers_per_vstage: tuple[int, ...], blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
-                 costs: tuple[BlockCosts, BlockCosts, BlockCosts], zero: int, tied_embeddings: bool,
+                 layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                  degrees: dict[str, int], overlap_param_gather: bool = False,
                  tp_comm_overlap: bool = False) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
-    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, costs)
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = schedule_order(schedule, pp, stage, num_microbatches, vp)
     instances = [inst for c in range(vp) for inst in chunks[c]]
     return _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
 
 
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
-               layers_per_vstage: tuple[int, ...], blocks: tuple[CompiledBlock, CompiledBlock, CompiledBlock],
-               costs: tuple[BlockCosts, BlockCosts, BlockCosts], zero: int, tied_embeddings: bool,
+               layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                degrees: dict[str, int], overlap_param_gather: bool = False,
                tp_comm_overlap: bool = False) -> RoleGraph:
     nv = pp * vp
-    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, costs)
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = schedule_order(schedule, pp, stage, num_microbatches, vp)
     templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
                                          tp_comm_overlap)
@@ -463,7 +472,8 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     last_bwd_nodes: dict[str, list[int]] = {}   # block instance -> its nodes in the last backward
     prev_sinks: list[int] = []
     chain: list[int] = []
-    act_bytes = _ceil(costs[1].boundary_bytes)
+    # every layer hands on the same activation (b, s, h): the first layer's says how large
+    act_bytes = _ceil((blocks.layers[0][1] if blocks.layers else blocks.embedding[1]).boundary_bytes)
     gathered = zero in (1, 2) and overlap_param_gather
     # With the distributed optimizer's overlapped parameter gather, the updated parameters of
     # the previous step are all-gathered block by block ahead of each block's first forward.

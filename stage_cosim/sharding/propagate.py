@@ -249,11 +249,13 @@ class _Pass:
             return
         labels = self.choose(op)
         operands = self._operands(op)
+        partial = self._partial_axes(op, labels)
         local_inputs: list[Tensor] = []
         deps: list[int] = []
         for t, letters in operands:
-            want = tuple(Shard(t.labels[letters.index(l)]) if l is not None and l in letters else REPLICATE
-                         for l in labels)
+            want = tuple(PARTIAL if keep else
+                         Shard(t.labels[letters.index(l)]) if l is not None and l in letters else REPLICATE
+                         for l, keep in zip(labels, partial))
             if t.kind == "weight":
                 want = tuple(w if a == TENSOR_AXIS else REPLICATE for w, a in zip(want, BLOCK_AXES))
             lt = self.redistribute(t, want, phase)
@@ -271,8 +273,10 @@ class _Pass:
         out_pls: list[Placements] = []
         for out, letters in zip(op.outputs, out_letters):
             pl = []
-            for l in labels:
-                if l is None:
+            for l, keep in zip(labels, partial):
+                if keep:
+                    pl.append(PARTIAL)
+                elif l is None:
                     pl.append(REPLICATE)
                 elif l in letters:
                     pl.append(Shard(out.labels[letters.index(l)]))
@@ -306,6 +310,15 @@ class _Pass:
         for out, pl in zip(op.outputs, out_pls):
             self.placements[out] = pl
             self.producers[out] = last if out is op.outputs[0] else (idx,)
+
+    def _partial_axes(self, op: Op, labels: tuple[str | None, ...]) -> tuple[bool, ...]:
+        """Axes on which a sum stays a partial sum: a linear op outside the residual stream whose
+        every input is partial there (two row-parallel outputs added before their one
+        reduction, as a parallel-residual layer does)."""
+        if not op.passthrough or op.residual:
+            return (False,) * len(BLOCK_AXES)
+        return tuple(l is None and all(isinstance(self.placement(t)[i], Partial) for t in op.inputs)
+                     for i, l in enumerate(labels))
 
     def _view(self, op: Op) -> None:
         """Splits and joins move no data; placements follow the labels through."""

@@ -79,7 +79,8 @@ def megatron_core_weak_scaling() -> list[TrainingRun]:
         gpus, gb = int(r["gpus"]), int(r["global_batch"])
         step = megatron_model_flops(gb, s, l, h, v) / (float(r["measured_tflops_per_gpu"]) * 1e12 * gpus)
         model = ModelConfig.build(f"gpt-{r['params_B']}b", "gpt", layers=l, hidden=h, heads=int(r["heads"]),
-                                  vocab=v, max_seq=s, tied_embeddings=False, dropout=False, causal_flops=True)
+                                  vocab=v, max_seq=s, tied_embeddings=False, hidden_dropout=0.0,
+                                  attention_dropout=0.0, causal_flops=True)
         runs.append(TrainingRun("megatron-core-0.8", f"{r['params_B']}B", model, r["gpu"], gpus, int(r["tp"]),
                                 int(r["pp"]), int(r["dp"]), 1, gb, 1, s, "none", True, step, zero=1,
                                 tp_comm_overlap=True))

@@ -1,0 +1,182 @@
+"""Hugging Face configs are read per model_type: published models come out with their published
+parameter counts, and every key that changes a cost is modelled or refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stage_cosim.errors import UserError
+from stage_cosim.graph.transformer import symbolic_param_count
+from stage_cosim.model.config import SLIDING_ATTENTION
+from stage_cosim.model.hf import READERS, model_from_hf_dict
+
+HF = Path(__file__).parent / "data" / "hf"
+
+# config.json as published on the Hugging Face hub -> the published parameter count
+# (the safetensors index's total_size / bytes per parameter, or the model card's exact figure).
+PUBLISHED = {
+    "gpt2": 124_439_808,                      # GPT-2 small
+    "Meta-Llama-3-8B": 8_030_261_248,
+    "Mistral-7B-v0.1": 7_241_732_096,         # total_size 14,483,464,192 B in bf16
+    "Qwen2.5-72B-Instruct": 72_706_203_648,   # total_size 145,412,407,296 B; model card "72.7B"
+    "Qwen3-8B": 8_190_735_360,                # total_size 16,381,470,720 B; model card "8.2B"
+    "gemma-2-9b": 9_241_705_984,              # safetensors total 9,241,705,984
+    "gpt-neox-20b": 20_554_567_680,           # model card "nparameters 20554567680"
+    "Phi-3-mini-4k-instruct": 3_821_079_552,  # total_size 7,642,159,104 B; model card "3.8B"
+}
+
+# Mixture-of-Experts families: refused until they are modelled (published totals for later:
+# Mixtral-8x7B 46.7B, DeepSeek-V3 671B).
+MOE = {"Mixtral-8x7B-v0.1": "mixtral", "DeepSeek-V3": "deepseek_v3"}
+
+
+def _cfg(name: str) -> dict:
+    return json.loads((HF / name / "config.json").read_text())
+
+
+def _read(cfg: dict):
+    return model_from_hf_dict(cfg, "config.json")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_parameter_count(name: str) -> None:
+    m = _read(_cfg(name))
+    assert m.param_count() == PUBLISHED[name]
+    assert symbolic_param_count(m) == PUBLISHED[name]      # the graph's weights add up the same
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_mixture_of_experts_refused(name: str) -> None:
+    with pytest.raises(UserError) as exc:
+        _read(_cfg(name))
+    assert exc.value.parameter == "model"
+    assert f'model_type = "{MOE[name]}"' in exc.value.rule and "Mixture-of-Experts" in exc.value.rule
+
+
+def test_issue_table_no_longer_silently_wrong() -> None:
+    """The configs that used to be read as dense Llamas: NeoX's GELU MLP and parallel residual,
+    Qwen2's QKV bias, Gemma-2's GeGLU and soft-capping."""
+    neox = _read(_cfg("gpt-neox-20b"))
+    assert (neox.mlp, neox.parallel_residual, neox.rotary_percent, neox.norm) == ("gelu", True, 0.25, "layernorm")
+    qwen = _read(_cfg("Qwen2.5-72B-Instruct"))
+    assert qwen.add_qkv_bias and not qwen.attention_bias and not qwen.mlp_bias
+    gemma = _read(_cfg("gemma-2-9b"))
+    assert gemma.mlp == "geglu" and gemma.sandwich_norm and gemma.scale_embeddings and gemma.tied_embeddings
+    assert (gemma.attn_logit_softcapping, gemma.final_logit_softcapping) == (50.0, 30.0)
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"model_type": "falcon", "hidden_size": 8}, 'model_type = "falcon": not a known model type (known: gemma2'),
+    ({"architectures": ["BloomForCausalLM"]}, "not a known architecture (known: GPT2LMHeadModel"),
+    ({"hidden_size": 8}, "no model_type or architectures (known model types: gemma2, gpt2"),
+    ({"model_type": 3}, "model_type = 3: not a known model type"),
+])
+def test_unknown_families_refused_with_the_known_list(cfg: dict, needle: str) -> None:
+    with pytest.raises(UserError) as exc:
+        _read(cfg)
+    assert needle in exc.value.rule
+    for known in READERS:
+        assert known in exc.value.rule or "architecture" in needle
+
+
+def test_architectures_alone_name_the_family() -> None:
+    cfg = _cfg("Meta-Llama-3-8B")
+    del cfg["model_type"]
+    assert _read(cfg).param_count() == PUBLISHED["Meta-Llama-3-8B"]
+
+
+@pytest.mark.parametrize("name, key, value, needle", [
+    ("Meta-Llama-3-8B", "hidden_act", "relu", "hidden_act = \"relu\": only SiLU or GELU gated MLPs"),
+    ("gpt2", "activation_function", "silu", "activation_function = \"silu\": only GELU MLPs"),
+    ("gpt-neox-20b", "hidden_act", "relu", "hidden_act = \"relu\""),
+    ("gpt2", "add_cross_attention", True, "add_cross_attention = true: cross-attention is not modelled"),
+    ("gemma-2-9b", "use_bidirectional_attention", True, "bidirectional attention is not modelled"),
+    ("Meta-Llama-3-8B", "quantization_config", {"quant_method": "gptq"}, "quantized checkpoints are not modelled"),
+    ("Meta-Llama-3-8B", "is_encoder_decoder", True, "encoder-decoder models are not modelled"),
+    ("gpt2", "embd_pdrop", 0.0, "resid_pdrop = 0.1: dropout here but not at embd_pdrop"),
+    ("gpt-neox-20b", "rotary_pct", 1.5, "rotary_pct = 1.5: must be in (0, 1]"),
+    ("Phi-3-mini-4k-instruct", "rope_parameters", {"partial_rotary_factor": 0}, "partial_rotary_factor = 0"),
+    ("Qwen3-8B", "num_key_value_heads", 5, "kv-heads: must divide heads (32)"),
+    ("Meta-Llama-3-8B", "num_hidden_layers", 0, "num_hidden_layers = 0: must be a positive integer"),
+    ("Meta-Llama-3-8B", "tie_word_embeddings", "yes", "tie_word_embeddings = \"yes\": must be true or false"),
+    ("gemma-2-9b", "layer_types", ["full_attention"], "must have one entry per layer (42)"),
+    ("Qwen3-8B", "layer_types", ["sliding_attention"] * 36, "names sliding_attention layers but sliding_window"),
+])
+def test_cost_keys_refused_in_one_line(name: str, key: str, value, needle: str) -> None:
+    cfg = _cfg(name)
+    cfg[key] = value
+    with pytest.raises(UserError) as exc:
+        _read(cfg)
+    assert exc.value.parameter == "model" and needle in exc.value.rule and "\n" not in exc.value.rule
+
+
+def test_missing_dimension_is_named() -> None:
+    cfg = _cfg("Qwen3-8B")
+    del cfg["intermediate_size"]
+    with pytest.raises(UserError, match="key 'intermediate_size' is missing"):
+        _read(cfg)
+
+
+def test_sliding_windows_per_family() -> None:
+    mistral = _read(_cfg("Mistral-7B-v0.1"))
+    assert set(mistral.layer_windows()) == {4096}                 # every layer, as HF's Mistral
+    gemma = _read(_cfg("gemma-2-9b"))
+    assert gemma.layer_windows()[:4] == (4096, None, 4096, None)  # even layers slide
+    assert gemma.layer_types == (SLIDING_ATTENTION, "full_attention")
+    phi = _read(_cfg("Phi-3-mini-4k-instruct"))
+    assert set(phi.layer_windows()) == {2047}
+    qwen = _cfg("Qwen2.5-72B-Instruct")
+    assert set(_read(qwen).layer_windows()) == {None}             # use_sliding_window: false
+    qwen["use_sliding_window"] = True                             # then layers from max_window_layers on
+    windows = _read(qwen).layer_windows()
+    assert windows[:70] == (None,) * 70 and windows[70:] == (131072,) * 10
+    qwen3 = _cfg("Qwen3-8B")
+    qwen3.update(use_sliding_window=True, sliding_window=4096, max_window_layers=0)
+    assert set(_read(qwen3).layer_windows()) == {4096}
+
+
+def test_absent_keys_take_the_family_defaults() -> None:
+    """As Hugging Face builds the model: a key left out means the class default."""
+    gemma = _cfg("gemma-2-9b")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "head_dim"):
+        del gemma[key]
+    m = _read(gemma)
+    assert (m.attn_logit_softcapping, m.final_logit_softcapping, m.sliding_window, m.head_dim) == (50.0, 30.0, 4096, 256)
+    gemma["final_logit_softcapping"] = None                      # explicitly off
+    assert _read(gemma).final_logit_softcapping is None
+    neox = _cfg("gpt-neox-20b")
+    del neox["rotary_pct"], neox["use_parallel_residual"]
+    m = _read(neox)
+    assert (m.rotary_percent, m.parallel_residual, m.attention_bias) == (0.25, True, True)
+    assert _read(_cfg("gpt2")).hidden_dropout == 0.1
+
+
+def test_keys_the_family_does_not_read_are_ignored() -> None:
+    """Hugging Face's Mistral has no biases whatever the file says; Phi-3's file carries an
+    attention_bias its implementation never reads; legacy GPT-NeoX dropout keys are unused."""
+    mistral = _cfg("Mistral-7B-v0.1")
+    mistral["attention_bias"] = True
+    assert _read(mistral).param_count() == PUBLISHED["Mistral-7B-v0.1"]
+    neox = _cfg("gpt-neox-20b")
+    neox["hidden_dropout_prob"] = 0.1
+    assert _read(neox).hidden_dropout == 0.0
+
+
+def test_biases_and_partial_rotary_in_newer_files() -> None:
+    llama = _cfg("Meta-Llama-3-8B")
+    llama.update(attention_bias=True, mlp_bias=True)
+    m = _read(llama)
+    h, f, kv = 4096, 14336, 8 * 128
+    assert m.param_count() - PUBLISHED["Meta-Llama-3-8B"] == 32 * ((h + 2 * kv) + h + (2 * f + h))
+    llama = _cfg("Meta-Llama-3-8B")
+    llama["rope_parameters"] = {"rope_theta": 500000.0, "partial_rotary_factor": 0.5}
+    assert _read(llama).rotary_percent == 0.5
+
+
+def test_cli_refuses_a_moe_config_in_one_line(run_cli, tmp_path) -> None:
+    code, out, err = run_cli("simulate", "--model", str(HF / "Mixtral-8x7B-v0.1"), "--cluster", "dgx-h100:8")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: model: ") and "mixtral" in err
