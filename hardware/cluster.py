@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from stage_cosim.errors import UserError, require
-from stage_cosim.files import read_yaml
+from stage_cosim.files import local_files_allowed, read_yaml
 from stage_cosim.hardware.gpu import GPU, get_gpu
 from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
 
@@ -149,14 +149,17 @@ def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
 
 
 def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
-    """``preset``, ``preset:COUNT`` or a YAML file describing every field."""
+    """``preset``, ``preset:COUNT`` or a YAML file describing every field (where files are read:
+    a server's requests name presets only, and the name is never looked up on disk)."""
     path = Path(spec)
-    if spec.endswith((".yaml", ".yml")) or path.is_file():
+    if local_files_allowed() and (spec.endswith((".yaml", ".yml")) or path.is_file()):
         doc = read_yaml(path, "cluster")
         return _build(doc, spec, None if doc and isinstance(doc, dict) and "num_gpus" in doc else default_gpus)
     name, _, count = spec.partition(":")
     if name not in CLUSTER_PRESETS:
-        raise UserError("cluster", f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}; or a YAML file)")
+        how = "or a YAML file" if local_files_allowed() else \
+            "files are not read here: send the description's content"
+        raise UserError("cluster", f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}; {how})")
     n = default_gpus
     if count:
         try:
@@ -164,6 +167,14 @@ def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
         except ValueError:
             raise UserError("cluster", f"GPU count after ':' must be an integer, got {count!r}") from None
     return _build(dict(CLUSTER_PRESETS[name]), name, n or CLUSTER_PRESETS[name]["scale_up"]["gpus_per_domain"])
+
+
+def cluster_from(spec: "str | Mapping[str, Any]", default_gpus: int | None = None) -> Cluster:
+    """A cluster from a request: ``preset[:COUNT]``, a YAML path (see :func:`resolve_cluster`), or
+    the description itself as a mapping (its ``num_gpus``, else ``default_gpus``)."""
+    if isinstance(spec, Mapping):
+        return _build(dict(spec), "cluster", spec.get("num_gpus") or default_gpus)
+    return resolve_cluster(str(spec), default_gpus)
 
 
 def check_fits(cluster: Cluster, mesh) -> None:  # noqa: ANN001 (DeviceMesh; avoids an import cycle)

@@ -19,7 +19,7 @@ import numpy as np
 
 from stage_cosim.errors import UserError
 from stage_cosim.files import read_yaml
-from stage_cosim.hardware.cluster import Cluster, resolve_cluster
+from stage_cosim.hardware.cluster import Cluster, cluster_from
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective, workload_of
 from stage_cosim.search.optimize import OptimizeSettings, optimize
@@ -84,6 +84,10 @@ def _num(doc: dict, key: str, where: str) -> float:
     return float(v)
 
 
+SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode",
+                       "budget", "points", "inner_budget", "reuse_top", "candidates", "seed"})
+
+
 def load_spec(path: Path) -> ExploreSpec:
     return spec_from_dict(read_yaml(path, "spec"), str(path))
 
@@ -92,17 +96,15 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
     """An ExploreSpec from the content of an explore YAML file."""
     if not isinstance(doc, dict):
         raise UserError("spec", f"{where}: expected a mapping")
-    known = {"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode", "budget",
-             "points", "inner_budget", "reuse_top", "candidates", "seed"}
     for k in doc:
-        if k not in known:
-            raise UserError(k, f"is not an explore setting (settings: {', '.join(sorted(known))})")
+        if k not in SPEC_KEYS:
+            raise UserError(k, f"is not an explore setting (settings: {', '.join(sorted(SPEC_KEYS))})")
     for k in ("baseline", "global_batch", "seq_len", "variables"):
         if k not in doc:
             raise UserError(k, "is required in the explore spec")
     if "model" not in doc and "model_config" not in doc:
         raise UserError("model", "is required in the explore spec (a preset, a config.json, or model_config)")
-    baseline = resolve_cluster(str(doc["baseline"]))
+    baseline = cluster_from(doc["baseline"])     # a preset, a YAML file, or the description itself
     variables = []
     if not isinstance(doc["variables"], dict) or not doc["variables"]:
         raise UserError("variables", "must map field names to {min, max} or {values: [...]}")

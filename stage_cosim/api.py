@@ -60,12 +60,9 @@ def parallel_of(req: Mapping[str, Any]) -> ParallelConfig:
 
 
 def cluster_of(req: Mapping[str, Any], gpus: int):  # noqa: ANN201 (Cluster)
-    from stage_cosim.hardware.cluster import _build, resolve_cluster
+    from stage_cosim.hardware.cluster import cluster_from
 
-    spec = req.get("cluster") or "dgx-h100"
-    if isinstance(spec, Mapping):
-        return _build(dict(spec), "cluster", spec.get("num_gpus") or gpus)
-    return resolve_cluster(str(spec), gpus)
+    return cluster_from(req.get("cluster") or "dgx-h100", gpus)
 
 
 def check_request(req: Mapping[str, Any]) -> None:

@@ -1,18 +1,58 @@
-"""Reading users' files and writing ours, with the project's error and atomicity rules."""
+"""Reading users' files and writing ours, with the project's error and atomicity rules.
+
+A process that serves other people's requests (the gRPC bridge) must never open a file a request
+names: there a name is a preset or nothing. :func:`without_local_files` (for a block of code) and
+:func:`forbid_local_files` (for a whole process) switch the readers that take a user's path —
+the model, cluster and YAML readers — to presets only; they then refuse a name before touching the
+file system, so a request can neither read a file nor learn whether one exists.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
 from stage_cosim.errors import UserError
 
+_local_files = contextvars.ContextVar("stage_cosim_local_files", default=True)
+_process_reads_local_files = True
+
+
+def local_files_allowed() -> bool:
+    """Whether a user's path may be opened here (False inside a server's request handling)."""
+    return _process_reads_local_files and _local_files.get()
+
+
+@contextlib.contextmanager
+def without_local_files() -> Iterator[None]:
+    """Within the block (this thread or task), names are presets only: no file is opened."""
+    token = _local_files.set(False)
+    try:
+        yield
+    finally:
+        _local_files.reset(token)
+
+
+def forbid_local_files() -> None:
+    """For the rest of this process, names are presets only (a server's worker processes)."""
+    global _process_reads_local_files
+    _process_reads_local_files = False
+
+
+def refuse_local_file(parameter: str, name: str, instead: str = "send the content instead") -> None:
+    """Raise the one error for a name that is not a preset where files are not read."""
+    raise UserError(parameter, f"{name!r} is not a preset, and no file a request names is read here: {instead}")
+
 
 def read_yaml(path: Path, parameter: str) -> Any:
     """A YAML file's content; a missing or malformed file is a one-line error naming ``parameter``."""
+    if not local_files_allowed():
+        refuse_local_file(parameter, str(path))
     try:
         return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:

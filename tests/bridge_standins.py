@@ -59,3 +59,30 @@ def install() -> None:
 
     api.optimize = standin_optimize
     api.explore = standin_explore
+
+
+def audit_opens() -> None:
+    """Run in each worker process (instead of the stand-ins: the real searches run): record every
+    file or directory the process opens under ``$BRIDGE_TEST_BAIT`` in ``$BRIDGE_TEST_OPEN_LOG``."""
+    import os
+
+    bait = os.environ["BRIDGE_TEST_BAIT"]
+    log = os.open(os.environ["BRIDGE_TEST_OPEN_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    sys.addaudithook(opens_under(bait, lambda path: os.write(log, f"{os.getpid()} {path}\n".encode())))
+
+
+def opens_under(root: str, record: Callable[[str], Any]) -> Callable[[str, tuple], None]:
+    """An audit hook calling ``record(path)`` for every open, listdir or scandir below ``root``."""
+    import os
+
+    def hook(event: str, args: tuple) -> None:
+        if event not in ("open", "os.listdir", "os.scandir") or not args or isinstance(args[0], int):
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(args[0]))
+        except (TypeError, ValueError):
+            return
+        if path == root or path.startswith(root + os.sep):
+            record(path)
+
+    return hook

@@ -32,8 +32,9 @@ STANDINS = "bridge_standins:install"
 
 
 def config(**kw) -> ServerConfig:
-    limits = kw.pop("limits", Limits(workers=2, kill_grace_s=0.3))
-    return ServerConfig(port=0, heartbeat_s=0.2, worker_init=STANDINS, limits=limits, **kw)
+    kw.setdefault("limits", Limits(workers=2, kill_grace_s=0.3))
+    kw.setdefault("worker_init", STANDINS)
+    return ServerConfig(port=0, heartbeat_s=0.2, **kw)
 
 
 @pytest.fixture(scope="module")

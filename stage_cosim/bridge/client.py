@@ -30,6 +30,7 @@ from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2_grpc as pb_grpc
 from stage_cosim.bridge.status import detail_of
 from stage_cosim.bridge.uploads import CHUNK_BYTES
 from stage_cosim.errors import UserError
+from stage_cosim.files import read_yaml
 from stage_cosim.model.hf import read_hf_config
 
 T = TypeVar("T")
@@ -69,7 +70,7 @@ class JobFailed(Exception):
 # -- files the user names ---------------------------------------------------------------------------
 
 def localize(req: Mapping[str, Any]) -> dict[str, Any]:
-    """Replace local file names in a request by their content (``model``, ``cluster``).
+    """Replace local file names in a request by their content (``model``, ``cluster``, ``baseline``).
 
     The result means on the server what the names mean here: the model's and the cluster's names
     are filled in the way the local readers would (from the file's folder, from the path).
@@ -86,20 +87,14 @@ def localize(req: Mapping[str, Any]) -> dict[str, Any]:
                 cfg["_name_or_path"] = file.parent.name or "hf-model"
             out.pop("model")
             out["model_config"] = cfg
-    cluster = out.get("cluster")
-    if isinstance(cluster, str) and (cluster.endswith((".yaml", ".yml")) or Path(cluster).is_file()):
-        import yaml
-
-        try:
-            doc = yaml.safe_load(Path(cluster).read_text())
-        except FileNotFoundError:
-            raise UserError("cluster", f"{cluster}: no such file") from None
-        except (OSError, yaml.YAMLError) as exc:
-            raise UserError("cluster", f"{cluster}: not valid YAML ({exc.__class__.__name__})") from None
-        if not isinstance(doc, dict):
-            raise UserError("cluster", f"{cluster}: expected a mapping")
-        doc.setdefault("name", cluster)
-        out["cluster"] = doc
+    for key in ("cluster", "baseline"):       # a cluster file (an explore spec's baseline too)
+        value = out.get(key)
+        if isinstance(value, str) and (value.endswith((".yaml", ".yml")) or Path(value).is_file()):
+            doc = read_yaml(Path(value), key)
+            if not isinstance(doc, dict):
+                raise UserError(key, f"{value}: expected a mapping")
+            doc.setdefault("name", value)
+            out[key] = doc
     return out
 
 

@@ -29,13 +29,15 @@ class Reporter(Protocol):
     def should_stop(self) -> bool: ...
 
 
-def run(kind: str, req: dict[str, Any], options: Mapping[str, Any], out: Path, report: Reporter) -> Any:
+def run(kind: str, req: dict[str, Any], options: Mapping[str, Any], out: Path, report: Reporter,
+        server: Mapping[str, Any] | None = None) -> Any:
+    """``server``: the operator's process settings (``search_workers``, ``ray``), never a request's."""
     if kind == "simulate":
         return simulate(req, options, out)
     if kind == "synthesize":
         return synthesize(req, options, out, report)
     if kind in ("optimize", "explore"):
-        return search(kind, req, report)
+        return search(kind, req, report, server or {})
     raise UserError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
@@ -86,8 +88,14 @@ def synthesize(req: dict[str, Any], options: Mapping[str, Any], out: Path, repor
                      progress=lambda done, total: report.progress(done, total))
 
 
-def search(kind: str, req: dict[str, Any], report: Reporter) -> Any:
+def search(kind: str, req: dict[str, Any], report: Reporter, server: Mapping[str, Any]) -> Any:
     import stage_cosim.api as api
+
+    if kind == "optimize":      # the operator's processes: a request cannot name them (resolve.py)
+        if server.get("search_workers", 1) != 1:
+            req["workers"] = int(server["search_workers"])
+        if server.get("ray"):
+            req["ray"] = str(server["ray"])
 
     fn: Callable[..., Any] | None = getattr(api, kind, None)
     if fn is None:

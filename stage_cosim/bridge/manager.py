@@ -32,7 +32,7 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 from stage_cosim.bridge import jobs as J
 from stage_cosim.bridge.codec import dumps
 from stage_cosim.bridge.jobs import JobRecord
-from stage_cosim.bridge.process import WorkerDied, WorkerProcess
+from stage_cosim.bridge.process import WorkerDied, WorkerProcess, WorkerSettings
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.worker import ARTIFACT_INDEX, ARTIFACTS_DIR, RESULT_FILE
 
@@ -77,12 +77,13 @@ class Limits:
 
 class JobManager:
     def __init__(self, data_dir: Path, limits: Limits | None = None, worker_init: str | None = None,
-                 uploads_root: Path | None = None) -> None:
-        self.data = Path(data_dir)
+                 uploads_root: Path | None = None, worker: WorkerSettings | None = None) -> None:
+        self.data = Path(data_dir).resolve()        # workers change directory: every path absolute
         self.jobs_root = self.data / "jobs"
-        self.uploads_root = uploads_root or self.data / "uploads"
+        self.uploads_root = Path(uploads_root).resolve() if uploads_root else self.data / "uploads"
         self.limits = limits or Limits()
         self.worker_init = worker_init
+        self.worker_settings = worker or WorkerSettings()
         self.jobs: dict[str, JobRecord] = {}
         self.by_request_id: dict[str, str] = {}
         self.cache: dict[str, str] = {}                 # digest -> id of a job that succeeded
@@ -277,7 +278,7 @@ class JobManager:
                 await self._retire(worker)
 
     async def _start_worker(self) -> WorkerProcess:
-        worker = await WorkerProcess.start(self.worker_init)
+        worker = await WorkerProcess.start(self.worker_init, cwd=self.jobs_root)
         self._workers.add(worker)
         return worker
 
@@ -294,7 +295,7 @@ class JobManager:
         if options.get("traces_upload"):
             options["traces"] = str(self.uploads_root / options["traces_upload"])
         message = {"id": job.id, "kind": job.kind, "request": job.request, "options": options,
-                   "dir": str(self.job_dir(job))}
+                   "dir": str(self.job_dir(job)), "server": self.worker_settings.for_job()}
 
         def on_progress(msg: dict) -> None:
             detail = msg.get("detail")

@@ -12,11 +12,25 @@ import json
 import os
 import signal
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from stage_cosim.bridge.worker import END_MARK
 
 STREAM_LIMIT = 16 << 20          # longest protocol or log line read in one piece
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the server's operator decides for the processes that run jobs (``serve`` flags); a
+    request can never choose these."""
+
+    search_workers: int = 1          # processes of one optimize job's evaluation pool
+    ray: str | None = None           # Ray address optimize jobs evaluate on (None: no Ray)
+
+    def for_job(self) -> dict[str, Any]:
+        return {"search_workers": self.search_workers, "ray": self.ray}
 
 
 class WorkerDied(Exception):
@@ -32,17 +46,25 @@ class WorkerProcess:
         self._stderr_task = asyncio.create_task(self._read_stderr())
 
     @classmethod
-    async def start(cls, init: str | None = None, ready_timeout_s: float = 120.0) -> "WorkerProcess":
-        """Start a worker and wait until it has imported the library."""
+    async def start(cls, init: str | None = None, ready_timeout_s: float = 120.0, *,
+                    cwd: Path | None = None) -> "WorkerProcess":
+        """Start a worker and wait until it has imported the library.
+
+        ``cwd``: a directory the server owns. The worker never starts in the server's working
+        directory (whose files a request must not reach) and, from Python 3.11 on, with ``-P``: no
+        directory is put in front of the module path.
+        """
         env = dict(os.environ)
         # like multiprocessing's spawn: the child sees the modules the server sees
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        paths = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + env.get("PYTHONPATH", "").split(os.pathsep)))
         env["PYTHONUNBUFFERED"] = "1"
-        args = [sys.executable, "-m", "stage_cosim.bridge.worker"] + (["--init", init] if init else [])
+        isolate = ["-P"] if sys.version_info >= (3, 11) else []
+        args = [sys.executable, *isolate, "-m", "stage_cosim.bridge.worker"] + (["--init", init] if init else [])
         proc = await asyncio.create_subprocess_exec(
             *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, limit=STREAM_LIMIT)
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, limit=STREAM_LIMIT,
+            cwd=str(cwd) if cwd is not None else None)
         worker = cls(proc)
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), ready_timeout_s)  # type: ignore[union-attr]

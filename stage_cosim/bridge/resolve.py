@@ -5,8 +5,16 @@ hashing makes equal design points equal, however they were spelled: ``{}`` and `
 share a cache entry. It also catches bad input at submit, as INVALID_ARGUMENT naming the field,
 instead of as a failed job.
 
-The server reads no file a client names: ``model`` must be a preset (a config's content travels
-as ``model_config``) and ``cluster`` a preset (a description travels as a mapping).
+The server reads no file a client names. The fields the request vocabulary would resolve as a
+path — ``model``, ``cluster`` and an explore spec's ``baseline`` — must name a preset (their
+content travels as ``model_config``, ``cluster_description`` or a mapping), checked on the text
+alone, so neither a file's content nor its existence can leak; everything else is resolved with
+the readers switched to presets only (``stage_cosim.files.without_local_files``), and the
+worker processes run that way for good.
+
+Process-level resources are the operator's: a request that names the Ray address or the number
+of search processes is refused here, before anything starts (``serve --ray``,
+``--search-workers`` set them).
 """
 
 from __future__ import annotations
@@ -17,24 +25,43 @@ from typing import Any, Mapping
 from stage_cosim import __version__
 from stage_cosim.bridge.codec import dumps
 from stage_cosim.errors import UserError
+from stage_cosim.files import without_local_files
 
 NETWORK_MODELS = ("calibrated", "astra")
+BACKENDS = ("roofline", "astra-sim")
+# request keys that choose the server's processes, and the serve flags that set them instead
+SERVER_SETTINGS = {"ray": "--ray", "workers": "--search-workers"}
 
 
-def check_no_server_paths(req: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> None:
+def check_server_settings(req: Mapping[str, Any]) -> None:
+    for key, flag in SERVER_SETTINGS.items():
+        if key in req:
+            raise UserError(key, f"is chosen by the server's operator (serve {flag}), not by a request")
+
+
+def check_no_server_paths(req: Mapping[str, Any]) -> None:
+    """Refuse, on the text alone, every value that the vocabulary would resolve as a file."""
     from stage_cosim.hardware.cluster import CLUSTER_PRESETS
     from stage_cosim.model.presets import PRESETS
 
     model = req.get("model")
-    if model is not None and model not in PRESETS:
+    if model is not None and (not isinstance(model, str) or model not in PRESETS):
         raise UserError("model", f"unknown preset {model!r} (known: {', '.join(PRESETS)}); the server reads no "
                                  "files: send a Hugging Face config's content as model_config")
-    cluster = req.get("cluster")
-    if isinstance(cluster, str) and cluster.partition(":")[0] not in CLUSTER_PRESETS:
-        raise UserError("cluster", f"unknown preset {cluster.partition(':')[0]!r} (known: {', '.join(CLUSTER_PRESETS)}); "
-                                   "the server reads no files: send a description as cluster_description")
-    for key, value in (settings or {}).items():
-        if isinstance(value, str) and ("/" in value or value.endswith((".yaml", ".yml", ".json"))):
+    for key, content in (("cluster", "send a description as cluster_description"),
+                         ("baseline", "send the description itself as a mapping")):
+        value = req.get(key)
+        if value is None or isinstance(value, Mapping):
+            continue
+        if not isinstance(value, str):
+            raise UserError(key, f"must be a preset name or a description (a mapping), got {type(value).__name__}")
+        name, colon, count = value.partition(":")
+        if name not in CLUSTER_PRESETS or (colon and not count.isdigit()):
+            raise UserError(key, f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}, optionally "
+                                 f"with ':GPUS'); the server reads no files: {content}")
+    for key, value in req.items():
+        if key not in ("model", "cluster", "baseline") and isinstance(value, str) \
+                and ("/" in value or "\\" in value or value.endswith((".yaml", ".yml", ".json"))):
             raise UserError(key, "looks like a file name; the server reads no files: send the content")
 
 
@@ -42,12 +69,17 @@ def digest_of(value: Any) -> str:
     return hashlib.sha256(dumps(value).encode()).hexdigest()
 
 
-def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any],
-            settings: Mapping[str, Any] | None = None) -> str:
+def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any]) -> str:
     """Validate ``req`` for ``kind``; returns the digest of its resolved inputs (the cache key)."""
+    check_server_settings(req)
+    check_no_server_paths(req)
+    with without_local_files():
+        return _resolve(kind, req, options)
+
+
+def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any]) -> str:
     from stage_cosim import api
 
-    check_no_server_paths(req, settings)
     if kind in ("optimize", "explore"):
         model = api.model_of(req).to_dict()
         return digest_of({"v": __version__, "kind": kind, "model": model, "request": req})
@@ -61,6 +93,8 @@ def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any],
             raise UserError("network-model", f"must be one of {', '.join(NETWORK_MODELS)}, got {network!r}")
         # with an uploaded trace set the GPU count comes from its files; the description still counts
         gpus = 1 if options.get("traces") else parallel.world_size
-        resolved.update(cluster=api.cluster_of(req, gpus).to_dict(), network_model=network,
-                        backend=req.get("backend") or "roofline")
+        backend = req.get("backend") or "roofline"
+        if backend not in BACKENDS:
+            raise UserError("backend", f"must be {' or '.join(BACKENDS)}, got {backend!r}")
+        resolved.update(cluster=api.cluster_of(req, gpus).to_dict(), network_model=network, backend=backend)
     return digest_of(resolved)

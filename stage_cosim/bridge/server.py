@@ -35,6 +35,7 @@ from stage_cosim.bridge.codec import loads_object, request_from_design
 from stage_cosim.bridge.kinds import KINDS
 from stage_cosim.bridge.manager import Draining, JobManager, Limits, NotFound, QueueFull, RequestIdReused, WrongState
 from stage_cosim.bridge.paths import resolve_inside
+from stage_cosim.bridge.process import WorkerSettings
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2_grpc as pb_grpc
 from stage_cosim.bridge.resolve import resolve
@@ -59,6 +60,7 @@ class ServerConfig:
     heartbeat_s: float = 5.0
     drain_timeout_s: float = 30.0
     worker_init: str | None = None            # MODULE:FUNCTION run in each worker (tests)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)   # the operator's, never a request's
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -148,7 +150,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                 if key in req:
                     raise invalid(key, "is given both in the design and in settings_json")
             req.update(settings)
-        digest = resolve(kind, req, options, settings)
+        digest = resolve(kind, req, options)
         bare = pb.SubmitJobRequest()
         bare.CopyFrom(request)
         bare.request_id = ""
@@ -308,7 +310,7 @@ class BridgeServer:
         if cfg.data_dir is None:
             self._tmp = tempfile.mkdtemp(prefix="stage-cosim-bridge-")
         data = Path(cfg.data_dir or self._tmp)  # type: ignore[arg-type]
-        self.manager = JobManager(data, cfg.limits, cfg.worker_init)
+        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=cfg.worker)
         uploads = UploadStore(self.manager.uploads_root, cfg.max_upload_bytes)
         interceptors = [TokenAuth(cfg.token)] if cfg.token else []
         # so_reuseport 0: a port already taken is an error, not a silently shared port

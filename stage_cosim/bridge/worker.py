@@ -11,7 +11,7 @@ Python or from a child process — goes to stderr, which the server turns into l
 each job the worker writes ``END_MARK`` to stderr, so the server knows the job's log is complete
 before it records the job's end.
 
-    -> {"id", "kind", "request", "options", "dir"}
+    -> {"id", "kind", "request", "options", "dir", "server"}   (server: the operator's settings)
     <- {"type": "ready"} once; per job {"type": "progress", ...}* then
        {"type": "done", "ok": true, "result_size": N} or
        {"type": "done", "ok": false, "error": "...", "parameter": "..."|null}
@@ -116,8 +116,11 @@ def run_job(job: Mapping[str, Any], channel: Channel) -> dict[str, Any]:
     job_dir = Path(job["dir"])
     artifacts = job_dir / ARTIFACTS_DIR
     artifacts.mkdir(parents=True, exist_ok=True)
+    # whatever a relative name means to the code a job runs, it means inside the job's directory
+    os.chdir(job_dir)
     try:
-        result = kinds.run(job["kind"], dict(job["request"]), job.get("options") or {}, artifacts, channel)
+        result = kinds.run(job["kind"], dict(job["request"]), job.get("options") or {}, artifacts, channel,
+                           job.get("server") or {})
         text = json.dumps(result)
         tmp = artifacts / (RESULT_FILE + ".partial")
         tmp.write_text(text)
@@ -147,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the server decides when a job ends
+    from stage_cosim.files import forbid_local_files
+
+    forbid_local_files()        # requests name presets and uploaded content, never the server's files
     if "--init" in argv:
         module, _, func = argv[argv.index("--init") + 1].partition(":")
         getattr(importlib.import_module(module), func)()

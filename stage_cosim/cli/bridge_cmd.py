@@ -48,19 +48,25 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM, seconds running jobs get to finish before they are cancelled.")
 @click.option("--heartbeat", type=float, default=5.0, show_default=True, help="Seconds between heartbeats on watch streams.")
+@click.option("--search-workers", type=int, default=1, show_default=True,
+              help="Processes each optimize job evaluates with (requests cannot choose).")
+@click.option("--ray", "ray_address", default=None, metavar="auto|ADDRESS",
+              help="Optimize jobs evaluate on this Ray cluster (requests cannot choose; default: no Ray).")
 @click.option("--worker-init", default=None, hidden=True, help="MODULE:FUNCTION to run in each worker (tests).")
 def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_key: Path | None, workers: int,
           max_queue: int, job_timeout: float, max_job_timeout: float, max_upload_mib: int, data_dir: Path | None,
-          drain_timeout: float, heartbeat: float, worker_init: str | None) -> None:
+          drain_timeout: float, heartbeat: float, search_workers: int, ray_address: str | None,
+          worker_init: str | None) -> None:
     """Serve synthesis, simulation and search over gRPC (stagecosim.v1.Bridge)."""
     import asyncio
 
     from stage_cosim.bridge.manager import Limits
+    from stage_cosim.bridge.process import WorkerSettings
     from stage_cosim.bridge.server import ServerConfig, serve as run_server
 
     for name, value in (("workers", workers), ("max-queue", max_queue), ("job-timeout", job_timeout),
                         ("max-job-timeout", max_job_timeout), ("max-upload-mib", max_upload_mib),
-                        ("heartbeat", heartbeat)):
+                        ("heartbeat", heartbeat), ("search-workers", search_workers)):
         if value <= 0:
             raise UserError(name, f"must be positive, got {value}")
     if not 0 <= port <= 65535:
@@ -77,7 +83,8 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
                     max_timeout_s=max_job_timeout)
     config = ServerConfig(host=host, port=port, token=token or None, tls_cert=tls_cert, tls_key=tls_key,
                           data_dir=data_dir, limits=limits, max_upload_bytes=max_upload_mib << 20,
-                          heartbeat_s=heartbeat, drain_timeout_s=drain_timeout, worker_init=worker_init)
+                          heartbeat_s=heartbeat, drain_timeout_s=drain_timeout, worker_init=worker_init,
+                          worker=WorkerSettings(search_workers=search_workers, ray=ray_address or None))
 
     def announce(line: str) -> None:
         click.echo(line)
@@ -285,12 +292,17 @@ def remote_optimize(**kw: Any) -> None:
     """
     from stage_cosim.bridge.client import localize
     from stage_cosim.bridge.flags import MODEL_FLAGS, check_locally, model_request
+    from stage_cosim.bridge.resolve import SERVER_SETTINGS
 
     check_locally(kw, parallel=False)
     local = {"as_json", "plot", "quiet", "cluster", *MODEL_FLAGS, *CONNECTION_KEYS, *JOB_KEYS}
     req = {**model_request(kw), "cluster": kw["cluster"]}
     for param in optimize_cmd.optimize.params:
-        if param.name not in local and kw.get(param.name) is not None:
+        if _flag_key(param) in SERVER_SETTINGS:           # the server's processes are its operator's
+            if kw.get(param.name) != param.default:
+                raise UserError(max(param.opts, key=len).lstrip("-"), "is set by the server's operator "
+                                f"(serve {SERVER_SETTINGS[_flag_key(param)]}), not by a remote command")
+        elif param.name not in local and kw.get(param.name) is not None:
             req[_flag_key(param)] = kw[param.name]
     with _client(kw) as client:
         job = _submit(client, "optimize", localize(req), kw)

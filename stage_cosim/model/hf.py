@@ -287,6 +287,10 @@ _GENERAL_REFUSALS = (
 
 def read_hf_config(path: Path) -> tuple[Any, Path]:
     """The parsed config.json at ``path`` (a file or a model directory) and the file read."""
+    from stage_cosim.files import local_files_allowed, refuse_local_file
+
+    if not local_files_allowed():
+        refuse_local_file("model", str(path), "send a Hugging Face config's content as model_config")
     file = path / "config.json" if path.is_dir() else path
     try:
         return json.loads(file.read_text()), file

@@ -37,7 +37,17 @@ def get_preset(name: str) -> ModelConfig:
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """A preset name, or a path to a Hugging Face ``config.json`` (or a folder holding one)."""
+    """A preset name, or a path to a Hugging Face ``config.json`` (or a folder holding one).
+
+    Where files are not read (a server's requests), only a preset: the name is never looked up
+    on disk."""
+    from stage_cosim.files import local_files_allowed
+
+    if not local_files_allowed():
+        if spec in PRESETS:
+            return PRESETS[spec]
+        raise UserError("model", f"unknown preset {spec!r} (known: {', '.join(PRESETS)}); files are not read "
+                                 "here: send a Hugging Face config's content as model_config")
     path = Path(spec)
     if spec.endswith(".json") or path.is_dir() or path.is_file():
         from stage_cosim.model.hf import load_hf_config
