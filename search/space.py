@@ -17,6 +17,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
+from stage_cosim.parallel.config import MESH_AXES
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,12 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
 
 # -- feasibility -------------------------------------------------------------------------------
 
+def _sharded(point: dict[str, Any]) -> int:
+    """The product of the searched mesh degrees: every axis of the rank mesh but dp, which
+    takes the GPUs that are left."""
+    return math.prod(point.get(axis, 1) for axis in MESH_AXES if axis != "dp")
+
+
 def canonical(space: SearchSpace, point: dict[str, Any]) -> dict[str, Any]:
     """The same configuration written one way: choices that mean nothing in their context
     collapse (sequence parallelism without tp, virtual stages without pp, ZeRO without dp).
@@ -96,7 +103,7 @@ def canonical(space: SearchSpace, point: dict[str, Any]) -> dict[str, Any]:
         p["sp"] = False
     if p.get("pp", 1) == 1 and "vp" in p:
         p["vp"] = 1
-    sharded = p.get("tp", 1) * p.get("pp", 1) * p.get("cp", 1) * p.get("ep", 1)
+    sharded = _sharded(p)
     if "zero" in p and sharded and space.num_gpus % sharded == 0 and space.num_gpus // sharded == 1:
         p["zero"] = 0
     return p
@@ -107,7 +114,7 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
     m = space.model
     tp, pp, vp = point.get("tp", 1), point.get("pp", 1), point.get("vp", 1)
     mb = point.get("micro_batch", 1)
-    sharded = tp * pp * point.get("cp", 1) * point.get("ep", 1)
+    sharded = _sharded(point)
     if space.num_gpus % sharded:
         return None, "degrees do not divide the GPU count"
     dp = space.num_gpus // sharded

@@ -9,6 +9,7 @@ model ──► blocks (symbolic graph, forward + derived backward)
 from __future__ import annotations
 
 import gc
+import math
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import cached_property
@@ -16,16 +17,14 @@ from typing import Any, Iterator
 
 from stage_cosim.graph.dims import degree_symbol, model_values
 from stage_cosim.model.config import ModelConfig
+from stage_cosim.parallel.axes import BLOCK_AXES, GROUP, GROUP_KINDS, PIPELINE_AXIS, group_size
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.schedule.program import (
-    COLL, COMP, EMBEDDING_GROUP, PP_GROUP, RECV, SEND, ModelBlocks, RoleGraph, StageMemory, build_role,
-    stage_memory,
+    COLL, COMP, PP_GROUP, RECV, SEND, ModelBlocks, RoleGraph, StageMemory, build_role, stage_memory,
 )
 from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock, compiled_blocks
-from stage_cosim.sharding.propagate import BLOCK_AXES, ShardingPolicy
-
-GROUP_KINDS = ("tp", "dp", EMBEDDING_GROUP)   # communicator groups a collective can name
+from stage_cosim.sharding.propagate import ShardingPolicy
 
 
 class Workload:
@@ -65,50 +64,48 @@ class Workload:
         return self.mesh.world_size
 
     def role_of(self, rank: int) -> int:
-        return self.mesh.coord(rank, "pp")
+        return self.mesh.coord(rank, PIPELINE_AXIS)
 
     @cached_property
     def group_base(self) -> dict[str, int]:
-        """First communicator-group id of each kind (ids are 1-based; 0 means all ranks)."""
+        """First communicator-group id of each kind in use (ids are 1-based; 0 means all
+        ranks), kind by kind in :data:`~stage_cosim.parallel.axes.GROUP_KINDS` order."""
         base, nxt = {}, 1
         for kind in GROUP_KINDS:
-            if self._group_kind_used(kind):
-                base[kind] = nxt
-                nxt += self.world_size // self._group_size(kind) if kind != EMBEDDING_GROUP else \
-                    self.world_size // self.mesh.size["pp"]
+            if self._group_kind_used(kind.name):
+                base[kind.name] = nxt
+                nxt += self.world_size // math.prod(self.mesh.size[a] for a in kind.axes)
         return base
 
-    def _group_size(self, kind: str) -> int:
-        return 2 if kind == EMBEDDING_GROUP else self.mesh.size[kind]
+    @property
+    def group_kinds(self) -> list[str]:
+        """The communicator-group kinds this workload's collectives run on."""
+        return list(self.group_base)
 
     def _group_kind_used(self, kind: str) -> bool:
-        if kind == EMBEDDING_GROUP:
+        if GROUP[kind].endpoints:   # the tied-embedding group of the first and last stage
             return self.model.tied_embeddings and self.parallel.pp > 1
-        return self.mesh.size[kind] > 1
+        return group_size(kind, self.mesh.size) > 1
 
     def group_id(self, rank: int, kind: str) -> int:
-        axis = "pp" if kind == EMBEDDING_GROUP else kind
-        return self.group_base[kind] + self.mesh.group_index(rank, axis)
+        return self.group_base[kind] + self.mesh.group_index(rank, GROUP[kind].axes)
 
     def group_members(self, rank: int, kind: str) -> list[int]:
-        if kind == EMBEDDING_GROUP:
-            members = self.mesh.group_members(rank, "pp")
-            return [members[0], members[-1]]
-        return self.mesh.group_members(rank, kind)
+        g = GROUP[kind]
+        members = self.mesh.group_members(rank, g.axes)
+        return [members[0], members[-1]] if g.endpoints else members
 
     def communicator_groups(self) -> dict[str, list[int]]:
         """Every group id -> its ranks (the communicator-group file)."""
         out: dict[str, list[int]] = {}
-        for kind in GROUP_KINDS:
-            if kind not in self.group_base:
-                continue
-            axis = "pp" if kind == EMBEDDING_GROUP else kind
-            for i, members in enumerate(self.mesh.groups(axis)):
-                out[str(self.group_base[kind] + i)] = [members[0], members[-1]] if kind == EMBEDDING_GROUP else members
+        for kind, base in self.group_base.items():
+            g = GROUP[kind]
+            for i, members in enumerate(self.mesh.groups(g.axes)):
+                out[str(base + i)] = [members[0], members[-1]] if g.endpoints else members
         return out
 
     def peer(self, rank: int, delta: int) -> int:
-        return self.mesh.shift(rank, "pp", delta)
+        return self.mesh.shift(rank, PIPELINE_AXIS, delta)
 
     # -- summaries ----------------------------------------------------------------------------
 
@@ -150,7 +147,7 @@ class Workload:
         for role in self.roles:
             e, m, mm = role.compute_totals()
             executed, model, matmul = executed + e, model + m, matmul + mm
-        ranks = self.parallel.dp * self.parallel.tp
+        ranks = self.world_size // self.parallel.pp     # every rank of a stage runs its graph
         return matmul * ranks, executed * ranks, model * ranks
 
     def total_matmul_flops(self) -> int:
@@ -173,11 +170,12 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
     policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
                             grad_reduce_dtype=parallel.grad_reduce_dtype)
     embedding, layer, head = compiled_blocks(model.switches(), policy)
+    degrees = parallel.degrees()
 
     def costs(block: CompiledBlock, window: int | None = None) -> BlockCosts:
         values = model_values(padded, parallel.micro_batch, parallel.seq_len, window)
         for axis in BLOCK_AXES:
-            values[degree_symbol(axis)] = parallel.degrees()[axis]
+            values[degree_symbol(axis)] = degrees[axis]
         return block.evaluate(values)
 
     # One evaluation per distinct layer kind (global attention, each sliding window).
@@ -185,7 +183,7 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
     blocks = ModelBlocks((embedding, costs(embedding)),
                          tuple((layer, layer_costs[w]) for w in model.layer_windows()),
                          (head, costs(head)))
-    mesh = DeviceMesh.build(parallel.degrees(), parallel.axis_order)
+    mesh = DeviceMesh.build(degrees, parallel.axis_order)
     role_args = dict(pp=parallel.pp, vp=parallel.vp, schedule=parallel.schedule,
                      num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from stage_cosim.parallel.axes import category_of
 from stage_cosim.result import BREAKDOWN_KEYS
 
 EXPOSED_PRIORITY = ("tp", "pp", "embedding", "dp")
@@ -22,7 +23,8 @@ def intervals(types: Sequence[str], kinds: Sequence[str], start: Sequence[float]
     for i, t in enumerate(types):
         if t in NOT_CHARGED:
             continue
-        cat = "compute" if t == "COMP" else (kinds[i] if kinds[i] in EXPOSED_PRIORITY else "other")
+        cat = "compute" if t == "COMP" else category_of(kinds[i])
+        cat = cat if cat == "compute" or cat in EXPOSED_PRIORITY else "other"
         yield start[i], end[i], cat
 
 

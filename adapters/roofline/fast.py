@@ -26,6 +26,7 @@ from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.adapters.roofline.network import NetworkModel
+from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.result import BREAKDOWN_KEYS
 from stage_cosim.schedule.program import COLL, COMP, RoleGraph
 from stage_cosim.workload import Workload
@@ -68,7 +69,7 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
                         duration=list(waits) + [0.0] * (n - nw), kind=[""] * n, coll=[None] * n, nbytes=[0] * n,
                         peer=[-1] * n, tag=[0] * n, group=[None] * n, members=[None] * n,
                         streams=[f"wait{i}" for i in range(nw)])
-    members = {k: tuple(w.group_members(rank, k)) for k in ("tp", "dp") if k in w.group_base}
+    members = {k: tuple(w.group_members(rank, k)) for k in w.group_kinds}
     for j, item in enumerate(rows_or_nodes):
         i = nw + j
         if isinstance(item, tuple):
@@ -90,8 +91,8 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
             prog.kind[i] = group
             prog.coll[i] = coll.value
             prog.nbytes[i] = cbytes
-            prog.group[i] = (group, role.stage) if group != "embedding" else (group, w.group_id(rank, group))
-            prog.members[i] = members.get(group) or tuple(w.group_members(rank, group))
+            prog.group[i] = (group, w.group_id(rank, group)) if spans_stages(group) else (group, role.stage)
+            prog.members[i] = members[group]
             prog.streams.append(network.stream(typ, group))
     return prog
 
@@ -211,9 +212,9 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
             deps.append([j] + [len(tail) + d - role.step_end_start for d in n.deps if d >= role.step_end_start])
         prog = _program(f"stage{s}", reps[s], tail, deps, w, role, compute, network, durations, waits=waits)
         programs.append(prog)
-        for g in prog.group:
-            if g is not None:
-                participants[g] = 2 if g[0] == "embedding" else 1
+        for g, members in zip(prog.group, prog.members):
+            if g is not None:   # one agent per stage among the group's members
+                participants[g] = len({w.role_of(r) for r in members}) if spans_stages(g[0]) else 1
     rep = replay(programs, network, participants, w.role_of)
     finishes = []
     for s in range(pp):

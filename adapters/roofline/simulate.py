@@ -14,7 +14,8 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.result import RoleResult, SimResult
-from stage_cosim.schedule.program import COLL, COMP, EMBEDDING_GROUP, RECV, SEND
+from stage_cosim.parallel.axes import spans_stages
+from stage_cosim.schedule.program import COLL, COMP, RECV, SEND
 from stage_cosim.workload import Workload
 
 NETWORK_MODELS = ("calibrated", "astra")
@@ -64,11 +65,10 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
     programs = []
     for a, rank in enumerate(reps):
         role = w.role(w.role_of(rank))
-        members_of = {kind: tuple(w.group_members(rank, kind)) for kind in ("tp", "dp", EMBEDDING_GROUP)
-                      if kind in w.group_base}
+        members_of = {kind: tuple(w.group_members(rank, kind)) for kind in w.group_kinds}
         groups: dict[str, Hashable] = {}
         for kind, members in members_of.items():
-            if symmetric and kind != EMBEDDING_GROUP:
+            if symmetric and not spans_stages(kind):   # the agent stands for all its members
                 groups[kind] = (kind, a)
                 participants[groups[kind]] = 1
             else:

@@ -8,9 +8,10 @@ from typing import Any
 
 from stage_cosim.errors import positive_int, require
 from stage_cosim.model.config import ModelConfig
+from stage_cosim.parallel.axes import DENSE, MESHES
 
-MESH_AXES = ("dp", "tp", "pp")            # axes this version shards over (cp, ep: later)
-DEFAULT_AXIS_ORDER = ("tp", "dp", "pp")   # innermost first: tp groups fall inside a node
+MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given on
+DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 VOCAB_PAD = 128                           # Megatron pads the vocabulary to a multiple of 128 * tp
@@ -86,14 +87,15 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return math.prod(self.degrees().values())
 
     @property
     def virtual_stages(self) -> int:
         return self.pp * self.vp
 
     def degrees(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        """The degree of every mesh axis (each axis is a field of this config)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     def padded_vocab(self, vocab: int) -> int:
         multiple = VOCAB_PAD * self.tp

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from math import prod
 
 from stage_cosim.errors import require
 
@@ -55,24 +56,36 @@ class DeviceMesh:
         c = self.coord(rank, axis)
         return rank + (((c + delta) % self.size[axis]) - c) * self.stride[axis]
 
-    def group_index(self, rank: int, axis: str) -> int:
-        """Which of the groups along ``axis`` holds ``rank`` (0 … world/degree − 1), numbering
-        groups by the other coordinates in mesh order."""
-        below = rank % self.stride[axis]
-        above = rank // (self.stride[axis] * self.size[axis])
-        return below + above * self.stride[axis]
+    def group_index(self, rank: int, axes: str | tuple[str, ...]) -> int:
+        """Which of the groups along ``axes`` holds ``rank`` (0 … world/group size − 1),
+        numbering groups by the other coordinates in mesh order."""
+        axes = (axes,) if isinstance(axes, str) else axes
+        index, scale = 0, 1
+        for axis, n in self.degrees:
+            if axis not in axes:
+                index += self.coord(rank, axis) * scale
+                scale *= n
+        return index
 
-    def group_members(self, rank: int, axis: str) -> list[int]:
-        base = rank - self.coord(rank, axis) * self.stride[axis]
-        return [base + i * self.stride[axis] for i in range(self.size[axis])]
+    def group_members(self, rank: int, axes: str | tuple[str, ...]) -> list[int]:
+        """The ranks that share every coordinate of ``rank`` but those on ``axes`` (the
+        first of ``axes`` varying fastest)."""
+        axes = (axes,) if isinstance(axes, str) else axes
+        members = [rank - sum(self.coord(rank, a) * self.stride[a] for a in axes)]
+        for a in axes:
+            step = self.stride[a]
+            members = [m + i * step for i in range(self.size[a]) for m in members]
+        return members
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis``, in group-index order."""
-        n = self.world_size // self.size[axis]
-        stride, size = self.stride[axis], self.size[axis]
+    def groups(self, axes: str | tuple[str, ...]) -> list[list[int]]:
+        """Every group along ``axes``, in group-index order."""
+        axes = (axes,) if isinstance(axes, str) else axes
+        others = [(a, n) for a, n in self.degrees if a not in axes]
         out = []
-        for g in range(n):
-            below, above = g % stride, g // stride
-            base = below + above * stride * size
-            out.append([base + i * stride for i in range(size)])
+        for g in range(self.world_size // prod(self.size[a] for a in axes)):
+            base = 0
+            for a, n in others:
+                base += (g % n) * self.stride[a]
+                g //= n
+            out.append(self.group_members(base, axes))
         return out

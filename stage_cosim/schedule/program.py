@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from stage_cosim.parallel.axes import group_name, resolve_group
 from stage_cosim.schedule.pipeline import Pass, schedule_order
 from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock
 from stage_cosim.sharding.placement import Collective
@@ -206,11 +207,13 @@ class _Builder:
             self.last_compute = base + t.last_compute
         return base
 
-    def add_collective(self, name: str, deps: list[int], **kw) -> list[int]:
-        """A collective over a group of one rank is nothing: its dependents wait on its inputs."""
-        if self.degrees.get(kw["group"], 2) == 1:
+    def add_collective(self, name: str, deps: list[int], axes: tuple[str, ...], **kw) -> list[int]:
+        """A collective over the group spanning ``axes``; over a group of one rank it is
+        nothing (its dependents wait on its inputs)."""
+        group = resolve_group(axes, self.degrees)
+        if group is None:
             return sorted(set(deps + kw.get("ctrl", [])))
-        return [self.add(name, COLL, deps, **kw)]
+        return [self.add(name, COLL, deps, group=group, category=group, **kw)]
 
 
 # Markers in pass templates for dependencies that are only known when the pass is placed.
@@ -361,11 +364,11 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
                 rows.append((name, COMP, tuple(sorted(set(deps))), _ceil(sc.flops[i]), _ceil(sc.model_flops[i]),
                              _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label))
                 ids.append([len(rows) - 1])
-            elif degrees.get(st.axis or "", 2) == 1:
+            elif (group := resolve_group(st.axes, degrees)) is None:
                 ids.append(sorted(set(deps)))  # a collective over one rank is nothing
             else:
                 rows.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, False, st.collective,
-                             _ceil(sc.comm_bytes[i]), st.axis or "", st.category, st.phase, inst.label))
+                             _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label))
                 ids.append([len(rows) - 1])
             if st.prologue:
                 last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
@@ -455,7 +458,7 @@ def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatche
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = schedule_order(schedule, pp, stage, num_microbatches, vp)
     instances = [inst for c in range(vp) for inst in chunks[c]]
-    return _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
+    return _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
 
 
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
@@ -477,7 +480,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     gathered = zero in (1, 2) and overlap_param_gather
     # With the distributed optimizer's overlapped parameter gather, the updated parameters of
     # the previous step are all-gathered block by block ahead of each block's first forward.
-    param_ag = _param_gathers(b, chunks, tied_embeddings, degrees["dp"]) if gathered else {}
+    param_ag = _param_gathers(b, chunks, tied_embeddings, degrees) if gathered else {}
     first_fwd_done: set[int] = set()
     placed: list[PlacedPass] = []
     for p in order:
@@ -516,9 +519,9 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
 
     instances = [inst for c in range(vp) for inst in chunks[c]]
     step_end_start = len(b.nodes)
-    _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, dp=degrees["dp"],
+    _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, degrees=degrees,
               gather_after_update=not gathered)
-    memory = _memory(instances, order, chunks, zero=zero, dp=degrees["dp"], tied=tied_embeddings)
+    memory = _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
     return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start, b.deferred)
 
@@ -538,40 +541,48 @@ def _unique_weights(instances: list[_Instance], tied: bool):
             yield inst, j
 
 
-def _block_params(instances: list[_Instance], tied: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _replicas(degrees: dict[str, int], axes: tuple[str, ...]) -> int:
+    """How many ranks hold a replica of a weight (the size of its data-parallel group)."""
+    return math.prod(degrees[a] for a in axes)
+
+
+def _block_params(instances: list[_Instance], tied: bool) -> dict[tuple[str, tuple[str, ...]], float]:
+    """Parameters per rank of each block, by the data-parallel axes that replicate them."""
+    out: dict[tuple[str, tuple[str, ...]], float] = {}
     for inst, j in _unique_weights(instances, tied):
-        out[inst.label] = out.get(inst.label, 0.0) + inst.costs.weight_params[j]
+        key = (inst.label, inst.compiled.sharded.weight_syncs[j].replicas)
+        out[key] = out.get(key, 0.0) + inst.costs.weight_params[j]
     return out
 
 
-def _param_gathers(b: "_Builder", chunks: dict[int, list[_Instance]], tied: bool, dp: int) -> dict[str, list[int]]:
+def _param_gathers(b: "_Builder", chunks: dict[int, list[_Instance]], tied: bool,
+                   degrees: dict[str, int]) -> dict[str, list[int]]:
     """Step-start all-gathers of each block's updated parameter shard (ZeRO 1/2, overlapped)."""
     instances = [inst for c in sorted(chunks) for inst in chunks[c]]
     out: dict[str, list[int]] = {}
-    for label, params in _block_params(instances, tied).items():
+    for (label, axes), params in _block_params(instances, tied).items():
         if params > 0:
-            out[label] = b.add_collective(f"{label}.param_ag_dp", [], coll=Collective.ALL_GATHER,
-                                          comm_bytes=_ceil(params / dp * WEIGHT_BYTES), group="dp",
-                                          phase="step", block=label, category="dp")
+            group = resolve_group(axes, degrees) or group_name(axes)
+            out.setdefault(label, []).extend(b.add_collective(
+                f"{label}.param_ag_{group}", [], axes, coll=Collective.ALL_GATHER,
+                comm_bytes=_ceil(params / _replicas(degrees, axes) * WEIGHT_BYTES), phase="step", block=label))
     return out
 
 
 def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[int]], *, stage: int,
-              pp: int, zero: int, tied: bool, dp: int, gather_after_update: bool = True) -> None:
+              pp: int, zero: int, tied: bool, degrees: dict[str, int], gather_after_update: bool = True) -> None:
     """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers."""
     syncs: list[int] = []
-    per_block: dict[str, dict[tuple[str, Collective], float]] = {}
-    params_of: dict[str, float] = {}
+    per_block: dict[str, dict[tuple[tuple[str, ...], Collective], float]] = {}
+    params_of = _block_params(instances, tied)
     tied_bytes: dict[str, float] = {}
     for inst, j in _unique_weights(instances, tied):
         ws = inst.compiled.sharded.weight_syncs[j]
-        params_of[inst.label] = params_of.get(inst.label, 0.0) + inst.costs.weight_params[j]
         if tied and pp > 1 and ws.weight.name == "word_embedding":
             tied_bytes[inst.label] = inst.costs.weight_params[j] * GRAD_BYTES
         buckets = per_block.setdefault(inst.label, {})
-        for (axis, coll, _), nbytes in zip(ws.grad_collectives, inst.costs.weight_sync_bytes[j]):
-            buckets[(axis, coll)] = buckets.get((axis, coll), 0.0) + nbytes
+        for (axes, coll, _), nbytes in zip(ws.grad_collectives, inst.costs.weight_sync_bytes[j]):
+            buckets[(axes, coll)] = buckets.get((axes, coll), 0.0) + nbytes
     for inst in instances:
         deps = last_bwd.get(inst.label, [])
         if inst.label in tied_bytes:
@@ -582,46 +593,63 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
                         phase="step", block=inst.label, category=EMBEDDING_GROUP)
             deps = [nid]
             syncs.append(nid)
-        for (axis, coll), nbytes in per_block.get(inst.label, {}).items():
+        for (axes, coll), nbytes in per_block.get(inst.label, {}).items():
             if nbytes <= 0:
                 continue
-            syncs += b.add_collective(f"{inst.label}.grad_{coll.short.lower()}_{axis}", deps, coll=coll,
-                                      comm_bytes=_ceil(nbytes), group=axis, phase="step", block=inst.label,
-                                      category=axis)
+            group = resolve_group(axes, degrees) or group_name(axes)
+            syncs += b.add_collective(f"{inst.label}.grad_{coll.short.lower()}_{group}", deps, axes, coll=coll,
+                                      comm_bytes=_ceil(nbytes), phase="step", block=inst.label)
     last_compute = [b.last_compute] if b.last_compute is not None else []
     for inst in instances:
-        params = params_of.get(inst.label, 0.0)
-        if params <= 0:
+        groups = {axes: params for (label, axes), params in params_of.items() if label == inst.label}
+        if sum(groups.values()) <= 0:
             continue
-        local = params / dp if zero >= 1 else params
+        # ZeRO 1-3: each rank updates its shard of the block's parameters over each group.
+        local = {axes: params / _replicas(degrees, axes) if zero >= 1 else params for axes, params in groups.items()}
+        total = sum(local.values())
         # The optimizer runs after every gradient of the step is reduced (as frameworks do,
         # for gradient clipping), one kernel per block.
         # (and after the block's own gradients are complete: ZeRO-3 reduces them in the backward)
-        opt = b.add(f"{inst.label}.optimizer", COMP, syncs + last_compute + last_bwd.get(inst.label, []), flops=_ceil(local * ADAM_FLOPS_PER_PARAM),
-                    mem_bytes=_ceil(local * ADAM_BYTES_PER_PARAM), phase="step", block=inst.label,
-                    category="optimizer")
+        opt = b.add(f"{inst.label}.optimizer", COMP, syncs + last_compute + last_bwd.get(inst.label, []),
+                    flops=_ceil(total * ADAM_FLOPS_PER_PARAM), mem_bytes=_ceil(total * ADAM_BYTES_PER_PARAM),
+                    phase="step", block=inst.label, category="optimizer")
         last_compute = [opt]
         if zero in (1, 2) and gather_after_update:
-            b.add_collective(f"{inst.label}.param_ag_dp", [opt], coll=Collective.ALL_GATHER,
-                             comm_bytes=_ceil(local * WEIGHT_BYTES), group="dp", phase="step",
-                             block=inst.label, category="dp")
+            for axes, shard in local.items():
+                group = resolve_group(axes, degrees) or group_name(axes)
+                b.add_collective(f"{inst.label}.param_ag_{group}", [opt], axes, coll=Collective.ALL_GATHER,
+                                 comm_bytes=_ceil(shard * WEIGHT_BYTES), phase="step", block=inst.label)
 
 
 def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, list[_Instance]], *,
-            zero: int, dp: int, tied: bool) -> StageMemory:
+            zero: int, degrees: dict[str, int], tied: bool) -> StageMemory:
+    """Peak memory of a rank: model states (ZeRO divides each weight's over its own
+    data-parallel group), activations held under the schedule, workspace."""
     from stage_cosim.schedule.pipeline import peak_in_flight
 
-    layer_params = other_params = 0.0
+    layer_params: dict[tuple[str, ...], float] = {}
+    other_params: dict[tuple[str, ...], float] = {}
     for inst, j in _unique_weights(instances, tied):
-        if inst.kind == "layer":
-            layer_params += inst.costs.weight_params[j]
-        else:
-            other_params += inst.costs.weight_params[j]
-    params = layer_params + other_params
-    w_div = dp if zero >= 3 else 1
-    g_div = dp if zero >= 2 else 1
-    o_div = dp if zero >= 1 else 1
-    per_param = WEIGHT_BYTES / w_div + GRAD_BYTES / g_div + OPTIMIZER_BYTES / o_div
+        into = layer_params if inst.kind == "layer" else other_params
+        axes = inst.compiled.sharded.weight_syncs[j].replicas
+        into[axes] = into.get(axes, 0.0) + inst.costs.weight_params[j]
+
+    def divisor(dp: int, from_stage: int) -> int:
+        return dp if zero >= from_stage else 1
+
+    def total(params: dict[tuple[str, ...], float], nbytes: int, from_stage: int) -> float:
+        """Bytes of one kind of model state: ZeRO stage ``from_stage`` on shards it."""
+        return sum(n * nbytes / divisor(_replicas(degrees, axes), from_stage) for axes, n in params.items())
+
+    def states(params: dict[tuple[str, ...], float]) -> float:
+        out = 0.0
+        for axes, n in params.items():
+            dp = _replicas(degrees, axes)
+            out += n * (WEIGHT_BYTES / divisor(dp, 3) + GRAD_BYTES / divisor(dp, 2) + OPTIMIZER_BYTES / divisor(dp, 1))
+        return out
+
+    params = {axes: layer_params.get(axes, 0.0) + other_params.get(axes, 0.0)
+              for axes in dict.fromkeys([*layer_params, *other_params])}
     saved = {c: sum(i.costs.saved_bytes for i in insts) for c, insts in chunks.items()}
     activations = peak_in_flight(order, saved)
     workspace = max((i.costs.workspace_bytes for i in instances), default=0.0)
@@ -630,7 +658,7 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
         biggest = max((sum(i.costs.weight_params) for i in instances), default=0.0)
         workspace += 2 * biggest * WEIGHT_BYTES
     return StageMemory(
-        weights=_ceil(params * WEIGHT_BYTES / w_div), gradients=_ceil(params * GRAD_BYTES / g_div),
-        optimizer=_ceil(params * OPTIMIZER_BYTES / o_div), activations=_ceil(activations),
-        workspace=_ceil(workspace), states_layers=_ceil(layer_params * per_param),
-        states_embedding_head=_ceil(other_params * per_param))
+        weights=_ceil(total(params, WEIGHT_BYTES, 3)), gradients=_ceil(total(params, GRAD_BYTES, 2)),
+        optimizer=_ceil(total(params, OPTIMIZER_BYTES, 1)), activations=_ceil(activations),
+        workspace=_ceil(workspace), states_layers=_ceil(states(layer_params)),
+        states_embedding_head=_ceil(states(other_params)))

@@ -15,7 +15,8 @@ import sympy as sp
 from stage_cosim.graph.dims import B, D, F, G, H, P, Q, S, V, W, degree_symbol
 from stage_cosim.graph.transformer import build_blocks
 from stage_cosim.model.config import ArchSwitches
-from stage_cosim.sharding.propagate import BLOCK_AXES, ShardedBlock, ShardingPolicy, shard_block
+from stage_cosim.parallel.axes import BLOCK_AXES
+from stage_cosim.sharding.propagate import ShardedBlock, ShardingPolicy, shard_block
 
 SYMBOLS: tuple[sp.Symbol, ...] = (B, S, H, F, G, Q, D, V, P, W) + tuple(degree_symbol(a) for a in BLOCK_AXES)
 

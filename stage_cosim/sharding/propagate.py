@@ -1,13 +1,16 @@
 """Sharding propagation: a block's logical ops become one rank's steps, collectives inferred.
 
-For every op and every mesh axis that shards tensors inside a block, one label is chosen as
-the op's *sharded label* on that axis (Megatron's strategy, stated as rules):
+For every op and every mesh axis that shards tensors inside a block (the table
+:data:`~stage_cosim.parallel.axes.AXES`), one label is chosen as the op's *sharded label* on
+that axis (Megatron's strategy, stated as two rules):
 
-* batch axis (``dp``): the micro-batch label ``b`` whenever the op touches it;
-* tensor axis (``tp``): the label a weight operand (or weight-gradient result) is sharded on;
-  otherwise the residual-stream layout for ops that run in it (``s`` with sequence
+* a *label axis* shards its label whenever the op touches it (``dp``: the micro-batch ``b``);
+* the *tensor-parallel* rule (``tp``): the label a weight operand (or weight-gradient result) is
+  sharded on; otherwise the residual-stream layout for ops that run in it (``s`` with sequence
   parallelism, nothing without); otherwise whatever label an activation input is already
-  sharded on. An op that cannot run with that label sharded (a norm over ``h``) gets none.
+  sharded on.
+
+An op that cannot run with that label sharded (a norm over ``h``) gets none.
 
 Each operand must then be ``Shard(label)`` if it has the label and ``Replicate()`` if not, and
 the result is ``Shard(label)`` if it keeps the label and ``Partial()`` if the op summed it away.
@@ -15,6 +18,11 @@ Where an operand's current placement differs from the required one, the placemen
 (:func:`~stage_cosim.sharding.placement.collective_for`) is the collective. The backward pass is
 propagated by the same rules, so Megatron's conjugate collectives, the sequence-parallel
 re-gathers and the ZeRO-3 re-gathers are derived rather than listed.
+
+Weights are computed replicated over the *data-parallel* axes (those that hold weight
+replicas); their gradients leave the backward Partial there, and the once-per-step reduction
+runs over all of a mesh's data-parallel axes together, as one communicator group, which is
+also the group ZeRO shards over.
 """
 
 from __future__ import annotations
@@ -28,14 +36,14 @@ from stage_cosim.graph.autodiff import differentiate
 from stage_cosim.graph.cost import op_flops
 from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, degree_symbol
 from stage_cosim.graph.ir import Block, Op, Tensor
+from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, DENSE, data_parallel_axes, group_name
 from stage_cosim.sharding.placement import (
     PARTIAL, REPLICATE, Collective, Partial, Placement, Shard, collective_for,
 )
 
-TENSOR_AXIS = "tp"
-BATCH_AXIS = "dp"
-BLOCK_AXES = (TENSOR_AXIS, BATCH_AXIS)  # axes that shard tensors inside a block, in redistribution order
 RECOMPUTE_MODES = ("none", "selective", "full")
+# Whether each block axis holds weight replicas, in BLOCK_AXES order.
+_DATA_PARALLEL = tuple(AXIS[a].data_parallel for a in BLOCK_AXES)
 
 # Per-axis placements of one tensor, in BLOCK_AXES order.
 Placements = tuple[Placement, ...]
@@ -66,13 +74,13 @@ class Step:
     name: str
     phase: str                 # "fwd", "bwd" or "recompute"
     kind: str                  # "compute" or "collective"
-    category: str              # compute: the op kind; collective: the mesh axis
+    category: str              # compute: the op kind; collective: its group's name
     flops: sp.Expr
     model_flops: sp.Expr
     mem_bytes: sp.Expr         # bytes read plus written
     deps: tuple[int, ...]
     collective: Collective | None = None
-    axis: str | None = None
+    axes: tuple[str, ...] = ()  # collective: the mesh axes its group spans
     comm_bytes: sp.Expr = sp.Integer(0)
     matmul: bool = False       # counts toward the matmul FLOPs of the published formulas
     prologue: bool = False     # gathers the block's weights (ZeRO-3): may run a block ahead
@@ -85,7 +93,9 @@ class WeightSync:
 
     weight: Tensor
     params: sp.Expr                                       # elements held per rank before ZeRO
-    grad_collectives: tuple[tuple[str, Collective, sp.Expr], ...]   # (axis, collective, bytes)
+    # (the mesh axes of its group, collective, bytes), in order
+    grad_collectives: tuple[tuple[tuple[str, ...], Collective, sp.Expr], ...]
+    replicas: tuple[str, ...]                             # the data-parallel axes ZeRO shards over
 
 
 @dataclass
@@ -104,6 +114,26 @@ class ShardedBlock:
 
 def _degree(axis: str) -> sp.Symbol:
     return degree_symbol(axis)
+
+
+def compute_placement(w: Tensor) -> Placements:
+    """Where a weight is when an op reads it: sharded on its tensor-parallel label (or on a
+    label axis's label it has, other than over data-parallel axes), replicated elsewhere."""
+    out: list[Placement] = []
+    for axis in BLOCK_AXES:
+        rule = AXIS[axis]
+        if rule.shards is None:
+            out.append(Shard(w.tp_shard) if w.tp_shard else REPLICATE)
+        elif not rule.data_parallel and rule.shards in w.labels:
+            out.append(Shard(rule.shards))
+        else:
+            out.append(REPLICATE)
+    return tuple(out)
+
+
+def weight_replicas(w: Tensor) -> tuple[str, ...]:
+    """The data-parallel axes that hold replicas of ``w`` (its gradient and ZeRO group)."""
+    return data_parallel_axes(DENSE)
 
 
 def local_numel(t: Tensor, pl: Placements) -> sp.Expr:
@@ -131,26 +161,29 @@ class _Pass:
         self.memo: dict[tuple[int, Placements], Tensor] = {}
         self.weights = weights
         if policy.zero == 3 and weights:
-            # ZeRO-3 keeps parameters sharded over dp and gathers a whole block before each pass.
-            nbytes = sp.Add(*(local_bytes(w, self.stored(w)) for w in weights))
-            idx = self._collective(f"{phase_default}.zero3_gather", Collective.ALL_GATHER, BATCH_AXIS,
-                                   nbytes, deps=(), phase=phase_default)
-            self.steps[idx].prologue = True
+            # ZeRO-3 keeps parameters sharded over their data-parallel group and gathers a
+            # whole block (one gather per group) before each pass.
+            groups: dict[tuple[str, ...], list[Tensor]] = {}
             for w in weights:
-                self.placements[w] = self.compute_placement(w)
-                self.producers[w] = (idx,)
+                groups.setdefault(weight_replicas(w), []).append(w)
+            for axes, ws in groups.items():
+                nbytes = sp.Add(*(local_bytes(w, self.stored(w)) for w in ws))
+                name = f"{phase_default}.zero3_gather" if len(groups) == 1 else \
+                    f"{phase_default}.zero3_gather_{group_name(axes)}"
+                idx = self._collective(name, Collective.ALL_GATHER, axes, nbytes, deps=(), phase=phase_default)
+                self.steps[idx].prologue = True
+                for w in ws:
+                    self.placements[w] = compute_placement(w)
+                    self.producers[w] = (idx,)
 
     # -- placements --------------------------------------------------------------------------
 
     def stored(self, w: Tensor) -> Placements:
-        """Where a weight lives between uses."""
-        tp = Shard(w.tp_shard) if w.tp_shard else REPLICATE
-        dp = Shard(w.labels[0]) if self.policy.zero == 3 else REPLICATE
-        return (tp, dp)
-
-    @staticmethod
-    def compute_placement(w: Tensor) -> Placements:
-        return (Shard(w.tp_shard) if w.tp_shard else REPLICATE, REPLICATE)
+        """Where a weight lives between uses: as computed, and under ZeRO-3 also sharded (on
+        its first label) over the data-parallel axes."""
+        zero3 = self.policy.zero == 3
+        return tuple(Shard(w.labels[0]) if zero3 and dpar else p
+                     for p, dpar in zip(compute_placement(w), _DATA_PARALLEL))
 
     def placement(self, t: Tensor) -> Placements:
         if t not in self.placements:
@@ -162,11 +195,11 @@ class _Pass:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def _collective(self, name: str, coll: Collective, axis: str, nbytes: sp.Expr,
+    def _collective(self, name: str, coll: Collective, axes: tuple[str, ...], nbytes: sp.Expr,
                     deps: tuple[int, ...], phase: str) -> int:
         idx = len(self.steps)
-        self.steps.append(Step(idx, name, phase, "collective", axis, sp.Integer(0), sp.Integer(0),
-                               sp.Integer(0), deps, collective=coll, axis=axis, comm_bytes=nbytes))
+        self.steps.append(Step(idx, name, phase, "collective", group_name(axes), sp.Integer(0), sp.Integer(0),
+                               sp.Integer(0), deps, collective=coll, axes=axes, comm_bytes=nbytes))
         return idx
 
     def redistribute(self, t: Tensor, want: Placements, phase: str) -> Tensor:
@@ -177,7 +210,11 @@ class _Pass:
         if key in self.memo:
             return self.memo[key]
         cur, cur_pl, deps = t, have, self.producers.get(t, ())
-        for i, axis in enumerate(BLOCK_AXES):
+        # Reductions first (they shrink the data: a reduce-scatter before an all-to-all moves
+        # less), then the axes in table order.
+        order = sorted(range(len(BLOCK_AXES)), key=lambda i: not isinstance(have[i], Partial))
+        for i in order:
+            axis = BLOCK_AXES[i]
             if cur_pl[i] == want[i]:
                 continue
             coll = collective_for(cur_pl[i], want[i])
@@ -185,7 +222,7 @@ class _Pass:
             nxt = Tensor(f"{t.name}@{axis}:{want[i]!r}", t.labels, t.dtype, t.kind, t.tp_shard,
                          t.residual, t.grad_of)
             if coll is not None:
-                idx = self._collective(f"{t.name}.{coll.short.lower()}_{axis}", coll, axis,
+                idx = self._collective(f"{t.name}.{coll.short.lower()}_{axis}", coll, (axis,),
                                        local_bytes(cur, cur_pl), deps, phase)
                 deps = (idx,)
             self.placements[nxt] = new_pl
@@ -210,36 +247,38 @@ class _Pass:
         return [t.labels for t in op.outputs]
 
     def choose(self, op: Op) -> tuple[str | None, ...]:
+        """The op's sharded label on each block axis (None: not sharded on it)."""
         operands = self._operands(op)
         all_letters = set("".join(l for _, l in operands) + "".join(self._out_letters(op)))
         chosen: list[str | None] = []
         for i, axis in enumerate(BLOCK_AXES):
-            label: str | None = None
-            if axis == BATCH_AXIS:
-                label = "b" if "b" in all_letters else None
-            else:
-                for t, letters in operands:
-                    if t.kind == "weight" and t.tp_shard:
-                        label = letters[t.labels.index(t.tp_shard)]
-                        break
-                else:
-                    for out in op.outputs:
-                        if out.kind == "weight_grad" and out.tp_shard:
-                            label = out.tp_shard
-                            break
-                    else:
-                        if op.residual:
-                            label = "s" if self.policy.sp else None
-                        else:
-                            for t, letters in operands:
-                                p = self.placement(t)[i]
-                                if t.kind != "weight" and isinstance(p, Shard) and p.label in t.labels:
-                                    label = letters[t.labels.index(p.label)]
-                                    break
+            label = AXIS[axis].shards
+            if label is None:
+                label = self._tensor_parallel_label(op, operands, i)
+            elif label not in all_letters:
+                label = None
             if label is not None and label in op.unsharded:
                 label = None
             chosen.append(label)
         return tuple(chosen)
+
+    def _tensor_parallel_label(self, op: Op, operands: list[tuple[Tensor, str]], i: int) -> str | None:
+        """Megatron's tensor parallelism: a weight operand's (or weight-gradient result's)
+        shard label; else the residual-stream layout; else what an activation input is
+        already sharded on over this axis."""
+        for t, letters in operands:
+            if t.kind == "weight" and t.tp_shard:
+                return letters[t.labels.index(t.tp_shard)]
+        for out in op.outputs:
+            if out.kind == "weight_grad" and out.tp_shard:
+                return out.tp_shard
+        if op.residual:
+            return _residual_label(self.policy)
+        for t, letters in operands:
+            p = self.placement(t)[i]
+            if t.kind != "weight" and isinstance(p, Shard) and p.label in t.labels:
+                return letters[t.labels.index(p.label)]
+        return None
 
     # -- ops --------------------------------------------------------------------------------------
 
@@ -256,8 +295,8 @@ class _Pass:
             want = tuple(PARTIAL if keep else
                          Shard(t.labels[letters.index(l)]) if l is not None and l in letters else REPLICATE
                          for l, keep in zip(labels, partial))
-            if t.kind == "weight":
-                want = tuple(w if a == TENSOR_AXIS else REPLICATE for w, a in zip(want, BLOCK_AXES))
+            if t.kind == "weight":   # replicas over the data-parallel axes (ZeRO-3 gathered them)
+                want = tuple(REPLICATE if dpar else w for w, dpar in zip(want, _DATA_PARALLEL))
             lt = self.redistribute(t, want, phase)
             local_inputs.append(lt)
             deps.extend(self.producers.get(lt, ()))
@@ -300,10 +339,10 @@ class _Pass:
             # Vocabulary-parallel cross-entropy: the max, the sum of exponentials and the target
             # logit are reductions over the sharded vocabulary, one all-reduce of (b, s) each.
             loss = op.outputs[0]
-            for i, (axis, l) in enumerate(zip(BLOCK_AXES, labels)):
-                if axis == TENSOR_AXIS and l is not None and l not in loss.labels:
+            for axis, l in zip(BLOCK_AXES, labels):
+                if l is not None and l not in loss.labels:
                     for what in ("max", "sum_exp", "target_logit"):
-                        j = self._collective(f"{op.name}.{what}.ar_{axis}", Collective.ALL_REDUCE, axis,
+                        j = self._collective(f"{op.name}.{what}.ar_{axis}", Collective.ALL_REDUCE, (axis,),
                                              local_numel(loss, out_pls[0]) * DTYPE_BYTES["fp32"],
                                              last, phase)
                         last = (j,)
@@ -337,6 +376,23 @@ class _Pass:
                 out_pl.append(p)
             self.placements[out] = tuple(out_pl)
             self.producers[out] = tuple(sorted(set(deps)))
+
+
+def _residual_label(policy: ShardingPolicy) -> str | None:
+    """The label the residual stream is sharded on over the tensor-parallel axis."""
+    return "s" if policy.sp else None
+
+
+def input_placement(t: Tensor, policy: ShardingPolicy) -> Placements:
+    """Block inputs arrive in the residual-stream layout: a label axis shards its label, the
+    tensor-parallel axis the residual layout (token ids stay replicated over tp)."""
+    out: list[Placement] = []
+    for axis in BLOCK_AXES:
+        label = AXIS[axis].shards
+        if label is None:
+            label = _residual_label(policy) if t.residual else None
+        out.append(Shard(label) if label is not None and label in t.labels else REPLICATE)
+    return tuple(out)
 
 
 def _selective_region(block: Block) -> tuple[list[Op], set[int]]:
@@ -375,11 +431,7 @@ def _backward_order(block: Block, bwd_ops: list[Op], recompute: str) -> tuple[li
 def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     """The per-rank forward and backward programs of ``block`` under ``policy``."""
     backward = differentiate(block)
-    placements: dict[Tensor, Placements] = {}
-    for t in block.inputs:
-        # Block inputs arrive in the residual-stream layout (token ids replicated over tp).
-        tp = Shard("s") if (policy.sp and t.residual) else REPLICATE
-        placements[t] = (tp, Shard("b"))
+    placements: dict[Tensor, Placements] = {t: input_placement(t, policy) for t in block.inputs}
 
     fwd = _Pass(policy, "fwd", placements, block.weights)
     for op in block.ops:
@@ -419,34 +471,51 @@ def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: 
                   policy: ShardingPolicy, bwd: _Pass) -> list[WeightSync]:
     """Weight-gradient reductions, derived from placements like every other collective.
 
-    The optimizer wants each gradient where the weight lives over tp, and replicated (ZeRO 0)
-    or sharded (ZeRO 1-3) over dp. ZeRO-3 reduce-scatters over dp every micro-batch, at the end
-    of the block's backward; everything else accumulates locally and is reduced once per step.
+    The optimizer wants each gradient where the weight is computed over the model-parallel
+    axes, and replicated (ZeRO 0) or sharded (ZeRO 1-3) over the weight's data-parallel axes,
+    which change together: one collective over their group. ZeRO-3 reduce-scatters every
+    micro-batch, at the end of the block's backward; everything else accumulates locally and
+    is reduced once per step.
     """
     syncs: list[WeightSync] = []
-    per_microbatch = sp.Integer(0)
+    per_microbatch: dict[tuple[str, ...], sp.Expr] = {}
     for w in block.weights:
-        tp_target: Placement = Shard(w.tp_shard) if w.tp_shard else REPLICATE
-        dp_target: Placement = Shard(w.labels[0]) if policy.zero >= 1 else REPLICATE
-        params = local_numel(w, (tp_target, REPLICATE))
+        replicas = weight_replicas(w)
+        compute = compute_placement(w)
+        optimizer = tuple((Shard(w.labels[0]) if policy.zero >= 1 else REPLICATE) if dpar else p
+                          for p, dpar in zip(compute, _DATA_PARALLEL))
+        params = local_numel(w, compute)
         g = weight_grads.get(w)
-        colls: list[tuple[str, Collective, sp.Expr]] = []
+        colls: list[tuple[tuple[str, ...], Collective, sp.Expr]] = []
         if g is not None:
             g32 = Tensor(g.name, g.labels, policy.grad_reduce_dtype, g.kind)
             cur = placements[g]
-            for i, (axis, target) in enumerate(zip(BLOCK_AXES, (tp_target, dp_target))):
-                coll = collective_for(cur[i], target)
+            # Model-parallel axes one by one (a norm weight's gradient under sequence
+            # parallelism: an all-reduce over tp) ...
+            for i, axis in enumerate(BLOCK_AXES):
+                if _DATA_PARALLEL[i]:
+                    continue
+                coll = collective_for(cur[i], optimizer[i])
                 if coll is not None:
-                    if policy.zero == 3 and axis == BATCH_AXIS:
-                        per_microbatch += local_bytes(g32, cur)
+                    colls.append(((axis,), coll, local_bytes(g32, cur)))
+                cur = cur[:i] + (optimizer[i],) + cur[i + 1:]
+            # ... then the data-parallel axes together, over their group.
+            moving = [i for i, dpar in enumerate(_DATA_PARALLEL) if dpar and cur[i] != optimizer[i]]
+            if moving:
+                kinds = {collective_for(cur[i], optimizer[i]) for i in moving}
+                assert len(kinds) == 1, f"{w.name}: data-parallel axes change placement differently"
+                (coll,) = kinds
+                axes = tuple(BLOCK_AXES[i] for i in moving)
+                if coll is not None:
+                    if policy.zero == 3:
+                        per_microbatch[axes] = per_microbatch.get(axes, sp.Integer(0)) + local_bytes(g32, cur)
                     else:
-                        colls.append((axis, coll, local_bytes(g32, cur)))
-                cur = cur[:i] + (target,) + cur[i + 1:]
-        syncs.append(WeightSync(w, params, tuple(colls)))
-    if per_microbatch != 0:
+                        colls.append((axes, coll, local_bytes(g32, cur)))
+        syncs.append(WeightSync(w, params, tuple(colls), replicas))
+    for axes, nbytes in per_microbatch.items():
         deps = tuple(sorted({i for g in weight_grads.values() for i in bwd.producers.get(g, ())}))
-        bwd._collective(f"{block.name}.grad_rs_dp", Collective.REDUCE_SCATTER, BATCH_AXIS,
-                        per_microbatch, deps, "bwd")
+        bwd._collective(f"{block.name}.grad_rs_{group_name(axes)}", Collective.REDUCE_SCATTER, axes,
+                        nbytes, deps, "bwd")
     return syncs
 
 

@@ -1,0 +1,122 @@
+"""The mesh axes and communicator groups, as data.
+
+Every stage of the flow reads these tables instead of naming axes itself: sharding asks an
+axis which label it shards and whether it holds weight replicas, synthesis asks which
+communicator groups exist, the schedule which group reduces a weight's gradient, the simulator
+where a group's exposed time is charged. A new parallelism is a row here (and, if it needs
+one, its rule in :mod:`stage_cosim.sharding.propagate`), not a branch in every stage.
+
+One set of ranks can carry several named meshes over it, as Megatron-Core's MoE parallel
+folding does: the *dense* mesh that attention and dense MLPs run on, and (with experts) an
+*expert* mesh over the same ranks. An axis belongs to one mesh; the pipeline axis ``pp`` is
+shared by all of them and is not a block axis (it splits layers, not tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Mapping
+
+PIPELINE_AXIS = "pp"
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One mesh axis that shards the tensors inside a block."""
+
+    name: str
+    mesh: str
+    # The label this axis shards in every op that has it (``dp``: the batch ``b``). None: the
+    # tensor-parallel rule (the label a weight operand is sharded on, else the residual-stream
+    # layout, else whatever an activation input is sharded on).
+    shards: str | None
+    # The axis holds replicas of the weights (a data-parallel axis): weight gradients leave the
+    # backward Partial over it and are reduced, once per step, over the mesh's data-parallel
+    # axes together (one communicator group); ZeRO shards weights, gradients and optimizer
+    # states over that same group.
+    data_parallel: bool = False
+    meaning: str = ""
+
+
+# Block axes, mesh by mesh, in redistribution order: when a tensor changes placement on
+# several axes, reductions go first (they shrink the data), then the axes in this order.
+AXES: tuple[MeshAxis, ...] = (
+    MeshAxis("tp", "dense", shards=None, meaning="tensor parallelism (Megatron column/row-parallel layers)"),
+    MeshAxis("dp", "dense", shards="b", data_parallel=True, meaning="data parallelism over the batch"),
+)
+
+# The axes of each mesh, innermost first in the default rank mapping (tp groups are
+# consecutive ranks, inside a scale-up domain; pp outermost).
+MESHES: dict[str, tuple[str, ...]] = {
+    "dense": ("tp", "dp", PIPELINE_AXIS),
+}
+DENSE = "dense"
+
+AXIS: dict[str, MeshAxis] = {a.name: a for a in AXES}
+BLOCK_AXES: tuple[str, ...] = tuple(a.name for a in AXES)
+
+
+def mesh_axes(mesh: str) -> tuple[str, ...]:
+    """The block axes of ``mesh``, in redistribution order."""
+    return tuple(a.name for a in AXES if a.mesh == mesh)
+
+
+def data_parallel_axes(mesh: str) -> tuple[str, ...]:
+    """The axes over which ``mesh`` replicates weights (their product is its gradient group)."""
+    return tuple(a.name for a in AXES if a.mesh == mesh and a.data_parallel)
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """A kind of communicator group: its members vary along ``axes`` (the others fixed)."""
+
+    name: str
+    axes: tuple[str, ...]
+    # Where the simulator charges this group's exposed time (a breakdown category).
+    category: str
+    # Only the first and last member along the axes (the tied-embedding group of the first
+    # and last pipeline stage).
+    endpoints: bool = False
+
+
+# In group-id order (ids are numbered kind by kind, so existing kinds keep their ids).
+GROUP_KINDS: tuple[GroupKind, ...] = (
+    GroupKind("tp", ("tp",), "tp"),
+    GroupKind("dp", ("dp",), "dp"),
+    GroupKind("embedding", (PIPELINE_AXIS,), "embedding", endpoints=True),
+)
+GROUP: dict[str, GroupKind] = {g.name: g for g in GROUP_KINDS}
+_BY_AXES: dict[tuple[str, ...], str] = {g.axes: g.name for g in GROUP_KINDS if not g.endpoints}
+
+
+def group_name(axes: tuple[str, ...]) -> str:
+    """The name of the group spanning exactly ``axes`` (for node names)."""
+    try:
+        return _BY_AXES[tuple(axes)]
+    except KeyError:
+        raise ValueError(f"no communicator group spans the axes {axes}") from None
+
+
+def resolve_group(axes: tuple[str, ...], degrees: Mapping[str, int]) -> str | None:
+    """The communicator group a collective over ``axes`` runs on, given the degrees: axes of
+    degree 1 drop out (a group over dp and cp with cp = 1 is the dp group); None when nothing
+    is left (a collective over one rank is nothing)."""
+    live = tuple(a for a in axes if degrees.get(a, 1) > 1)
+    return group_name(live) if live else None
+
+
+def group_size(kind: str, degrees: Mapping[str, int]) -> int:
+    g = GROUP[kind]
+    return 2 if g.endpoints else prod(degrees[a] for a in g.axes)
+
+
+def spans_stages(kind: str) -> bool:
+    """Whether a group's members lie in several pipeline stages (else one stage holds them all)."""
+    return PIPELINE_AXIS in GROUP[kind].axes
+
+
+def category_of(kind: str) -> str:
+    """The breakdown category of a communication kind ("pp" for pipeline sends and receives)."""
+    g = GROUP.get(kind)
+    return g.category if g is not None else kind
