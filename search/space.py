@@ -60,6 +60,9 @@ class SearchSpace:
             yield dict(zip(self.names(), combo))
 
 
+MAX_MICRO_BATCH = 8          # the largest micro-batch the default space tries
+
+
 def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
                   allow_cross_domain_tp: bool = False, fixed: dict[str, Any] | None = None,
                   overrides: dict[str, Sequence[Any]] | None = None) -> SearchSpace:
@@ -70,7 +73,7 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
         "tp": powers_of_two(min(tp_limit, model.heads)),
         "pp": tuple(p for p in powers_of_two(min(n, model.layers)) if n % p == 0),
         "vp": (1, 2, 4),
-        "micro_batch": powers_of_two(min(8, global_batch)),
+        "micro_batch": powers_of_two(min(MAX_MICRO_BATCH, global_batch)),
         "sp": (False, True),
         "zero": (0, 1, 2, 3),
         "recompute": ("none", "selective", "full"),

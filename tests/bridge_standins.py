@@ -22,6 +22,13 @@ def standin_optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | 
     sleep = float(req.get("sleep", 0.0))
     if req.get("fail"):
         raise RuntimeError("stand-in search failed on purpose")
+    if req.get("allocate_mib"):       # more memory than a worker may have
+        held = bytearray(int(req["allocate_mib"]) << 20)
+        del held
+    if req.get("spin_s"):             # more CPU time than a job may use
+        end = time.process_time() + float(req["spin_s"])
+        while time.process_time() < end:
+            pass
     if req.get("spawn_child"):        # like a running ASTRA-sim binary: a process of its own
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"child pid {child.pid}", file=sys.stderr, flush=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from stage_cosim.bridge.documents import DocumentLimits, check_text, load_json, load_yaml
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.errors import UserError
 
 DESIGN_FIELDS = tuple(f.name for f in pb.Design.DESCRIPTOR.fields)
+_DOCUMENTS = ("model_config", "cluster_description")      # text fields holding a whole document
 _REPEATED = {f.name for f in pb.Design.DESCRIPTOR.fields if f.is_repeated}
 
 
@@ -24,14 +26,11 @@ def dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def loads_object(text: str, field: str) -> dict[str, Any]:
-    """Parse JSON text that must be an object; a UserError naming ``field`` otherwise."""
+def loads_object(text: str, field: str, limits: DocumentLimits | None = None) -> dict[str, Any]:
+    """Parse JSON text that must be an object, within ``limits``; a UserError naming ``field`` otherwise."""
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(field, f"is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    value = load_json(text, field, limits or DocumentLimits())
     if not isinstance(value, dict):
         raise UserError(field, "must be a JSON object")
     return value
@@ -60,8 +59,12 @@ def design_from_request(req: Mapping[str, Any]) -> pb.Design:
     return design
 
 
-def request_from_design(design: pb.Design) -> dict[str, Any]:
-    """The request mapping a ``Design`` stands for (server side): only the fields that are set."""
+def request_from_design(design: pb.Design, limits: DocumentLimits | None = None) -> dict[str, Any]:
+    """The request mapping a ``Design`` stands for (server side): only the fields that are set.
+
+    A field set to an empty string is refused like any other bad value (unset it for the
+    default); documents are parsed within ``limits``."""
+    limits = limits or DocumentLimits()
     req: dict[str, Any] = {}
     for name in DESIGN_FIELDS:
         if name in _REPEATED:
@@ -70,22 +73,22 @@ def request_from_design(design: pb.Design) -> dict[str, Any]:
                 req[name] = values
         elif design.HasField(name):
             req[name] = getattr(design, name)
+        for text in (req.get(name) if name in _REPEATED else [req.get(name)]) or ():
+            if isinstance(text, str):
+                check_text(text, name, limits, document=name in _DOCUMENTS)
+                if not text.strip():
+                    raise UserError(name, "is empty (leave the field unset for the default)")
     if "model_config" in req:
-        req["model_config"] = loads_object(req["model_config"], "model_config")
+        req["model_config"] = loads_object(req["model_config"], "model_config", limits)
     if "cluster_description" in req:
         if "cluster" in req:
             raise UserError("cluster", "give a preset or cluster_description, not both")
-        req["cluster"] = _load_cluster(req.pop("cluster_description"))
+        req["cluster"] = _load_cluster(req.pop("cluster_description"), limits)
     return req
 
 
-def _load_cluster(text: str) -> dict[str, Any]:
-    import yaml
-
-    try:
-        doc = yaml.safe_load(text)       # JSON is YAML
-    except yaml.YAMLError as exc:
-        raise UserError("cluster_description", f"is not valid JSON or YAML ({exc.__class__.__name__})") from None
+def _load_cluster(text: str, limits: DocumentLimits) -> dict[str, Any]:
+    doc = load_yaml(text, "cluster_description", limits)       # JSON is YAML
     if not isinstance(doc, dict):
         raise UserError("cluster_description", "must be a mapping")
     return doc

@@ -28,6 +28,18 @@ INLINE_RESULT_LIMIT = 1 << 20     # results above this travel only as the artifa
 MAX_LOG_EVENTS = 10_000
 MAX_LINE_CHARS = 4096
 EXCERPT_LINES = 40
+# Every field of a job record is bounded, so a job (and a page of jobs) always fits a message:
+# the request by the server's request limit, the result inline up to INLINE_RESULT_LIMIT, these:
+MAX_ERROR_CHARS = 2000
+MAX_PROGRESS_CHARS = 64 << 10
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, saying so."""
+    if len(text) <= limit:
+        return text
+    note = f"… ({len(text):,} characters)"
+    return text[:max(0, limit - len(note))] + note
 
 
 @dataclass
@@ -66,6 +78,8 @@ class JobRecord:
     def set_state(self, state: int, message: str = "") -> None:
         if self.final:
             return
+        self.error = clip(" ".join(self.error.split()), MAX_ERROR_CHARS)      # one line, bounded
+        message = clip(" ".join(message.split()), MAX_ERROR_CHARS)
         now = time.time()
         if state == RUNNING:
             self.started_at = now
@@ -77,6 +91,11 @@ class JobRecord:
         self._append(pb.JobEvent(state=pb.StateChange(state=state, message=message, job=snapshot)))
 
     def set_progress(self, done: int, total: int, detail_json: str = "", best_json: str = "") -> None:
+        # JSON cut short is no JSON: a detail over the limit is replaced by a note of its size
+        if len(detail_json) > MAX_PROGRESS_CHARS:
+            detail_json = f'{{"omitted_bytes": {len(detail_json)}}}'
+        if len(best_json) > MAX_PROGRESS_CHARS:
+            best_json = f'{{"omitted_bytes": {len(best_json)}}}'
         self.progress = pb.Progress(done=done, total=total, detail_json=detail_json,
                                     best_json=best_json or self.progress.best_json)
         self._append(pb.JobEvent(progress=self.progress))

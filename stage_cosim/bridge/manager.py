@@ -278,7 +278,8 @@ class JobManager:
                 await self._retire(worker)
 
     async def _start_worker(self) -> WorkerProcess:
-        worker = await WorkerProcess.start(self.worker_init, cwd=self.jobs_root)
+        worker = await WorkerProcess.start(self.worker_init, cwd=self.jobs_root,
+                                           memory_bytes=self.worker_settings.memory_bytes or 0)
         self._workers.add(worker)
         return worker
 
@@ -295,7 +296,8 @@ class JobManager:
         if options.get("traces_upload"):
             options["traces"] = str(self.uploads_root / options["traces_upload"])
         message = {"id": job.id, "kind": job.kind, "request": job.request, "options": options,
-                   "dir": str(self.job_dir(job)), "server": self.worker_settings.for_job()}
+                   "dir": str(self.job_dir(job)), "server": self.worker_settings.for_job(),
+                   "cpu_s": self.worker_settings.cpu_s or job.timeout_s}
 
         def on_progress(msg: dict) -> None:
             detail = msg.get("detail")
@@ -317,7 +319,7 @@ class JobManager:
                 await self._persist(job)
                 return False
             await self._record_answer(job, answer)
-            return True
+            return not answer.get("retire")
         # cancelled, or past the run-time limit: the job's whole process group goes
         await worker.kill(self.limits.kill_grace_s)
         run.cancel()

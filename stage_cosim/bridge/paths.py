@@ -2,7 +2,7 @@
 
 Clients name files when they upload a trace set and when they download artifacts. A name is a
 relative, '/'-separated path; it may not be absolute, contain '..', '.', empty parts, a
-backslash or control characters, and its resolved location — symlinks followed — must stay
+backslash, control characters or a part over 255 bytes, and its resolved location — symlinks followed — must stay
 inside the root. Checking the text first gives a clear error; checking the resolved path too
 catches a symlink planted inside the root that points out of it.
 """
@@ -16,6 +16,7 @@ from stage_cosim.errors import UserError
 
 MAX_PATH_CHARS = 1024
 MAX_DEPTH = 16
+MAX_PART_BYTES = 255               # a file name's limit on common file systems (NAME_MAX)
 
 
 def check_relative(name: str, field: str = "path") -> str:
@@ -35,6 +36,8 @@ def check_relative(name: str, field: str = "path") -> str:
         raise UserError(field, f"may not contain '.', '..' or empty parts, got {name!r}")
     if len(parts) > MAX_DEPTH:
         raise UserError(field, f"is nested deeper than {MAX_DEPTH} levels")
+    if any(len(p.encode("utf-8", "surrogatepass")) > MAX_PART_BYTES for p in parts):
+        raise UserError(field, f"has a file or folder name longer than {MAX_PART_BYTES} bytes")
     return name
 
 

@@ -28,9 +28,22 @@ class WorkerSettings:
 
     search_workers: int = 1          # processes of one optimize job's evaluation pool
     ray: str | None = None           # Ray address optimize jobs evaluate on (None: no Ray)
+    # address space of each worker process (RLIMIT_AS); None: default_memory_bytes(), 0: no limit
+    memory_bytes: int | None = None
+    cpu_s: float = 0.0               # CPU seconds per job (RLIMIT_CPU); 0: the job's run-time limit
 
     def for_job(self) -> dict[str, Any]:
         return {"search_workers": self.search_workers, "ray": self.ray}
+
+
+def default_memory_bytes(workers: int) -> int:
+    """A share of the machine's memory per worker, leaving one share to the server and the rest:
+    physical memory / (workers + 1), at least 2 GiB (a worker with its libraries takes ~0.2 GiB)."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        physical = 16 << 30
+    return max(2 << 30, physical // (max(1, workers) + 1))
 
 
 class WorkerDied(Exception):
@@ -47,7 +60,7 @@ class WorkerProcess:
 
     @classmethod
     async def start(cls, init: str | None = None, ready_timeout_s: float = 120.0, *,
-                    cwd: Path | None = None) -> "WorkerProcess":
+                    cwd: Path | None = None, memory_bytes: int = 0) -> "WorkerProcess":
         """Start a worker and wait until it has imported the library.
 
         ``cwd``: a directory the server owns. The worker never starts in the server's working
@@ -60,7 +73,9 @@ class WorkerProcess:
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + env.get("PYTHONPATH", "").split(os.pathsep)))
         env["PYTHONUNBUFFERED"] = "1"
         isolate = ["-P"] if sys.version_info >= (3, 11) else []
-        args = [sys.executable, *isolate, "-m", "stage_cosim.bridge.worker"] + (["--init", init] if init else [])
+        args = [sys.executable, *isolate, "-m", "stage_cosim.bridge.worker", "--parent", str(os.getpid())]
+        args += ["--memory-bytes", str(memory_bytes)] if memory_bytes else []
+        args += ["--init", init] if init else []
         proc = await asyncio.create_subprocess_exec(
             *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, limit=STREAM_LIMIT,
@@ -125,6 +140,8 @@ class WorkerProcess:
     def _died(self) -> str:
         code = self.proc.returncode
         if code is not None and code < 0:
+            if -code == signal.SIGXCPU:
+                return "cpu: the job used more than its CPU time (its process was stopped)"
             return f"the worker process was killed by signal {signal.Signals(-code).name}"
         return f"the worker process exited with status {code}"
 

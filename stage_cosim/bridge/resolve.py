@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from stage_cosim import __version__
 from stage_cosim.bridge.codec import dumps
+from stage_cosim.bridge.sizing import check_fits
 from stage_cosim.errors import UserError
 from stage_cosim.files import without_local_files
 
@@ -65,26 +66,52 @@ def check_no_server_paths(req: Mapping[str, Any]) -> None:
             raise UserError(key, "looks like a file name; the server reads no files: send the content")
 
 
+def _check_search_size(kind: str, req: Mapping[str, Any], model: Any, memory_bytes: int) -> None:
+    """A search is refused when even its smallest point cannot be simulated: all GPUs data-parallel
+    with the largest micro-batch (the fewest micro-batches), as many stages as layers or GPUs."""
+    import math
+
+    from stage_cosim.hardware.cluster import cluster_from
+    from stage_cosim.search.space import MAX_MICRO_BATCH
+
+    batch, where = req.get("global_batch"), req.get("cluster" if kind == "optimize" else "baseline")
+    if memory_bytes <= 0 or isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0 or where is None:
+        return                       # the search's own checks report what is missing or wrong
+    gpus = cluster_from(where).num_gpus
+    micro_batches = math.ceil(batch / (gpus * min(MAX_MICRO_BATCH, batch)))
+    check_fits(model.layers, min(model.layers, gpus), micro_batches, gpus, materialized=False,
+               limit_bytes=memory_bytes)
+
+
 def digest_of(value: Any) -> str:
     return hashlib.sha256(dumps(value).encode()).hexdigest()
 
 
-def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any]) -> str:
-    """Validate ``req`` for ``kind``; returns the digest of its resolved inputs (the cache key)."""
+def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_bytes: int = 0) -> str:
+    """Validate ``req`` for ``kind``; returns the digest of its resolved inputs (the cache key).
+
+    ``memory_bytes``: the per-job memory limit; a job that cannot be simulated within it is
+    refused (``sizing.py``)."""
     check_server_settings(req)
     check_no_server_paths(req)
     with without_local_files():
-        return _resolve(kind, req, options)
+        return _resolve(kind, req, options, memory_bytes)
 
 
-def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any]) -> str:
+def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_bytes: int) -> str:
     from stage_cosim import api
 
     if kind in ("optimize", "explore"):
-        model = api.model_of(req).to_dict()
-        return digest_of({"v": __version__, "kind": kind, "model": model, "request": req})
+        model = api.model_of(req)
+        _check_search_size(kind, req, model, memory_bytes)
+        return digest_of({"v": __version__, "kind": kind, "model": model.to_dict(), "request": req})
     api.check_request(req)
     model, parallel = api.model_of(req), api.parallel_of(req)
+    if not options.get("traces_upload"):          # an uploaded trace set is bounded by the upload limit
+        degrees = {"dp": parallel.dp, "tp": parallel.tp, "pp": parallel.pp}
+        check_fits(model.layers, parallel.pp, parallel.num_microbatches, parallel.world_size,
+                   materialized=kind == "synthesize" or bool(options.get("full") or options.get("timeline")),
+                   limit_bytes=memory_bytes, rank_field=max(degrees, key=degrees.get))  # type: ignore[arg-type]
     resolved: dict[str, Any] = {"v": __version__, "kind": kind, "model": model.to_dict(),
                                 "parallel": parallel.to_dict(), "options": dict(options)}
     if kind == "simulate":

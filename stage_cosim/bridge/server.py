@@ -14,8 +14,11 @@ carry ``authorization: Bearer <token>``; TLS with a certificate and key.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import hashlib
 import hmac
+import logging
 import shutil
 import signal
 import tempfile
@@ -32,10 +35,11 @@ from grpc_reflection.v1alpha import reflection
 from stage_cosim import __version__
 from stage_cosim.bridge import jobs as J
 from stage_cosim.bridge.codec import loads_object, request_from_design
+from stage_cosim.bridge.documents import DocumentLimits, check_request_size
 from stage_cosim.bridge.kinds import KINDS
 from stage_cosim.bridge.manager import Draining, JobManager, Limits, NotFound, QueueFull, RequestIdReused, WrongState
 from stage_cosim.bridge.paths import resolve_inside
-from stage_cosim.bridge.process import WorkerSettings
+from stage_cosim.bridge.process import WorkerSettings, default_memory_bytes
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2_grpc as pb_grpc
 from stage_cosim.bridge.resolve import resolve
@@ -44,6 +48,9 @@ from stage_cosim.bridge.uploads import CHUNK_BYTES, UploadStore
 from stage_cosim.errors import UserError
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Bridge"].full_name
+log = logging.getLogger("stage_cosim.bridge")
+RESOLVER_THREADS = 2
+MAX_PAGE_BYTES = 2 << 20          # a listing page stays well inside the 4 MiB default message limit
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
@@ -61,15 +68,59 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     worker_init: str | None = None            # MODULE:FUNCTION run in each worker (tests)
     worker: WorkerSettings = field(default_factory=WorkerSettings)   # the operator's, never a request's
+    documents: DocumentLimits = field(default_factory=DocumentLimits)  # what one request may carry
 
 
 # -- errors ----------------------------------------------------------------------------------------
+
+class Undecodable:
+    """What a request's bytes become when they are not the method's message (see RequestDecoding)."""
+
+    def __init__(self, message_type: str) -> None:
+        self.message_type = message_type
+
+    def refuse(self) -> RpcAbort:
+        return invalid("request", f"is not a valid {self.message_type} message")
+
+
+class RequestDecoding(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the Bridge method's message reach the method as Undecodable,
+    which it answers with INVALID_ARGUMENT (grpc itself would answer UNKNOWN or INTERNAL)."""
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        prefix = f"/{SERVICE}/"
+        if handler is None or not details.method.startswith(prefix) or handler.request_deserializer is None:
+            return handler
+        method = pb.DESCRIPTOR.services_by_name["Bridge"].methods_by_name.get(details.method[len(prefix):])
+        message_type = method.input_type.full_name if method is not None else "request"
+        deserialize = handler.request_deserializer
+
+        def tolerant(data: bytes) -> Any:
+            try:
+                return deserialize(data)
+            except Exception:  # noqa: BLE001 (any decoding failure is the client's bytes)
+                return Undecodable(message_type)
+
+        return handler._replace(request_deserializer=tolerant)
+
+
+async def _decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            raise request.refuse()
+        yield request
+
 
 def _guard(method: Callable) -> Callable:
     """Turn the bridge's exceptions into status codes with details (unary and client-streaming)."""
 
     async def wrapper(self: "BridgeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if isinstance(request, Undecodable):
+                raise request.refuse()
+            if hasattr(request, "__aiter__"):
+                request = _decoded(request)
             return await method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
@@ -82,6 +133,8 @@ def _guard(method: Callable) -> Callable:
 def _guard_stream(method: Callable) -> Callable:
     async def wrapper(self: "BridgeServicer", request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
         try:
+            if isinstance(request, Undecodable):
+                raise request.refuse()
             async for item in method(self, request, context):
                 yield item
         except Exception as exc:  # noqa: BLE001
@@ -108,7 +161,10 @@ def _as_abort(exc: Exception) -> RpcAbort:
         return RpcAbort(code.ALREADY_EXISTS, f"request_id: {exc}", "REQUEST_ID_REUSED", "request_id")
     if isinstance(exc, WrongState):
         return RpcAbort(code.FAILED_PRECONDITION, f"job_id: {exc}", "WRONG_STATE", "job_id")
-    return RpcAbort(code.INTERNAL, f"internal error: {exc.__class__.__name__}: {exc}", "INTERNAL")
+    # the details (paths, state) are for the operator's log, not for a client
+    log.error("internal error", exc_info=exc)
+    return RpcAbort(code.INTERNAL, f"internal error: {exc.__class__.__name__} (the server's log has the details)",
+                    "INTERNAL")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -125,16 +181,27 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self.manager = manager
         self.uploads = uploads
         self.config = config
+        # a few threads: a flood of large submits waits its turn instead of taking the process
+        self._resolver = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="bridge-resolve")
 
     @_guard
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         kind = request.WhichOneof("kind")
         if kind is None:
             raise invalid("kind", f"set one of {', '.join(KINDS)}")
+        # parsing and resolving take real time for large documents: never on the event loop
+        loop = asyncio.get_running_loop()
+        req, options, digest, fingerprint = await loop.run_in_executor(self._resolver, self._prepare, kind, request)
+        job = await self.manager.submit(kind, req, options, digest, fingerprint, request.request_id,
+                                        request.timeout_s, request.no_cache)
+        return job.to_proto()
+
+    def _prepare(self, kind: str, request: pb.SubmitJobRequest) -> tuple[dict[str, Any], dict[str, Any], str, str]:
+        """(request, options, digest, fingerprint) of a submit, checked within the limits (a thread)."""
+        limits = self.config.documents
         body = getattr(request, kind)
-        req = request_from_design(body.design)
+        req = request_from_design(body.design, limits)
         options: dict[str, Any] = {}
-        settings: dict[str, Any] = {}
         if kind == "simulate":
             if body.traces_upload:
                 self.uploads.path(body.traces_upload, "traces_upload")
@@ -145,19 +212,23 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             if options["format"] not in ("chakra", "json"):
                 raise invalid("format", f"must be chakra or json, got {body.format!r}")
         else:
-            settings = loads_object(body.settings_json, "settings_json")
-            for key in settings:
+            settings = loads_object(body.settings_json, "settings_json", limits)
+            for key, value in settings.items():
                 if key in req:
                     raise invalid(key, "is given both in the design and in settings_json")
+                if isinstance(value, str) and not value.strip():
+                    raise invalid(key, "is empty (leave the setting out for the default)")
             req.update(settings)
-        digest = resolve(kind, req, options)
+        check_request_size(req, limits)
+        digest = resolve(kind, req, options, self.manager.worker_settings.memory_bytes)
         bare = pb.SubmitJobRequest()
         bare.CopyFrom(request)
         bare.request_id = ""
         fingerprint = hashlib.sha256(bare.SerializeToString(deterministic=True)).hexdigest()
-        job = await self.manager.submit(kind, req, options, digest, fingerprint, request.request_id,
-                                        request.timeout_s, request.no_cache)
-        return job.to_proto()
+        return req, options, digest, fingerprint
+
+    def close(self) -> None:
+        self._resolver.shutdown(wait=False, cancel_futures=True)
 
     @_guard
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
@@ -165,13 +236,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
 
     @_guard
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
-        size = min(request.page_size or 100, 1000)
+        size = min(_page_size(request.page_size, 100), 1000)
         start = _page_start(request.page_token)
         jobs = sorted(self.manager.jobs.values(), key=lambda j: (j.created_at, j.id), reverse=True)
-        page = jobs[start:start + size]
-        more = start + size < len(jobs)
-        return pb.ListJobsResponse(jobs=[j.to_proto(with_result=False) for j in page],
-                                   next_page_token=str(start + size) if more else "")
+        page, token = _page(jobs, start, size, lambda j: j.to_proto(with_result=False))
+        return pb.ListJobsResponse(jobs=page, next_page_token=token)
 
     @_guard_stream
     async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
@@ -207,11 +276,9 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                             context: grpc.aio.ServicerContext) -> pb.ListArtifactsResponse:
         _, index = self._owner(request)
         files = [f for f in index if f["path"].startswith(request.prefix)]
-        size = min(request.page_size or 1000, 10_000)
-        start = _page_start(request.page_token)
-        more = start + size < len(files)
-        return pb.ListArtifactsResponse(files=[pb.FileSpec(**f) for f in files[start:start + size]],
-                                        next_page_token=str(start + size) if more else "")
+        size = min(_page_size(request.page_size, 1000), 10_000)
+        page, token = _page(files, _page_start(request.page_token), size, lambda f: pb.FileSpec(**f))
+        return pb.ListArtifactsResponse(files=page, next_page_token=token)
 
     @_guard_stream
     async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DownloadChunk]:
@@ -247,6 +314,27 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                              queued=m.queued, running=m.running, max_upload_bytes=self.uploads.max_bytes,
                              default_timeout_s=lim.default_timeout_s, max_timeout_s=lim.max_timeout_s,
                              draining=m.draining, jobs=len(m.jobs), cache_entries=len(m.cache))
+
+
+def _page(items: list, start: int, size: int, to_proto: Callable[[Any], Any]) -> tuple[list, str]:
+    """Up to ``size`` items from ``start`` as messages, and the next page's token ("" at the end).
+    A page also ends before it would outgrow a default client's message limit."""
+    page: list = []
+    used = 0
+    for item in items[start:start + size]:
+        proto = to_proto(item)
+        used += proto.ByteSize() + 8
+        if page and used > MAX_PAGE_BYTES:
+            break
+        page.append(proto)
+    end = start + len(page)
+    return page, str(end) if end < len(items) else ""
+
+
+def _page_size(size: int, default: int) -> int:
+    if size < 0:
+        raise invalid("page_size", f"must not be negative, got {size}")
+    return size or default
 
 
 def _page_start(token: str) -> int:
@@ -302,6 +390,7 @@ class BridgeServer:
         self.port = 0
         self._tmp: str | None = None
         self._server: grpc.aio.Server | None = None
+        self._servicer: BridgeServicer | None = None
         self.manager: JobManager | None = None
         self.health = health_aio.HealthServicer()
 
@@ -310,12 +399,18 @@ class BridgeServer:
         if cfg.data_dir is None:
             self._tmp = tempfile.mkdtemp(prefix="stage-cosim-bridge-")
         data = Path(cfg.data_dir or self._tmp)  # type: ignore[arg-type]
-        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=cfg.worker)
+        worker = cfg.worker
+        if worker.memory_bytes is None:
+            worker = dataclasses.replace(worker, memory_bytes=default_memory_bytes(cfg.limits.workers))
+        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=worker)
         uploads = UploadStore(self.manager.uploads_root, cfg.max_upload_bytes)
-        interceptors = [TokenAuth(cfg.token)] if cfg.token else []
+        uploads.clean()
+        interceptors: list[grpc.aio.ServerInterceptor] = [RequestDecoding()]
+        interceptors += [TokenAuth(cfg.token)] if cfg.token else []
         # so_reuseport 0: a port already taken is an error, not a silently shared port
         server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_BridgeServicer_to_server(BridgeServicer(self.manager, uploads, cfg), server)
+        self._servicer = BridgeServicer(self.manager, uploads, cfg)
+        pb_grpc.add_BridgeServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
@@ -346,6 +441,8 @@ class BridgeServer:
         timeout = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         await self.manager.drain(timeout)
         await self._server.stop(grace=2.0)
+        if self._servicer is not None:
+            self._servicer.close()
         await self.manager.close()
         self._server = None
         if self._tmp:
@@ -367,8 +464,12 @@ async def serve(config: ServerConfig, announce: Callable[[str], None] = print) -
     port = await server.start()
     host = config.host
     scheme = "tls" if config.tls_cert else "insecure"
+    manager = server.manager
+    assert manager is not None
+    memory = manager.worker_settings.memory_bytes
     announce(f"stage-cosim bridge {__version__} serving on {host}:{port} ({scheme}"
-             f"{', token required' if config.token else ''}; data in {server.manager.data})")  # type: ignore[union-attr]
+             f"{', token required' if config.token else ''}; data in {manager.data}; {manager.limits.workers} "
+             f"workers, {f'{memory >> 20:,} MiB' if memory else 'unlimited memory'} per job)")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,9 +12,11 @@ from __future__ import annotations
 import grpc
 from google.protobuf import any_pb2
 
+from stage_cosim.bridge.jobs import clip
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 
 DETAILS_KEY = "grpc-status-details-bin"
+MAX_MESSAGE_CHARS = 1000
 
 
 class RpcAbort(Exception):
@@ -22,6 +24,7 @@ class RpcAbort(Exception):
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str, field: str = "",
                  retry_after_s: float = 0.0) -> None:
+        message = clip(" ".join(message.split()), MAX_MESSAGE_CHARS)      # trailers are small
         super().__init__(message)
         self.code, self.message = code, message
         self.detail = pb.ErrorDetail(reason=reason, field=field, description=message, retry_after_s=retry_after_s)

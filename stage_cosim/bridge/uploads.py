@@ -41,6 +41,13 @@ class UploadStore:
         self.max_bytes = max_bytes
         self.max_files = max_files
 
+    def clean(self) -> int:
+        """Remove what uploads cut short by a crash left behind (at start, before serving)."""
+        left = [p for p in self.root.iterdir() if p.name.startswith((".incoming-", ".u-"))] if self.root.is_dir() else []
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        return len(left)
+
     def path(self, upload_id: str, field: str = "upload_id") -> Path:
         """The directory of a finished upload; INVALID_ARGUMENT or NOT_FOUND otherwise."""
         if not UPLOAD_ID.match(upload_id or ""):
@@ -75,6 +82,10 @@ class UploadStore:
             if not _HEX64.match(f.sha256):
                 raise invalid(f"files[{i}].sha256", "must be 64 lowercase hex digits")
             total += f.size
+        folders = {f.path.rsplit("/", k)[0] for f in header.files for k in range(1, f.path.count("/") + 1)}
+        for i, f in enumerate(header.files):
+            if f.path in folders:
+                raise invalid(f"files[{i}].path", f"{f.path!r} is both a file and a folder of other files")
         if total > self.max_bytes:
             raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"upload: {total} bytes exceed the server's limit of {self.max_bytes}", "TOO_LARGE", "files")

@@ -16,22 +16,31 @@ before it records the job's end.
        {"type": "done", "ok": true, "result_size": N} or
        {"type": "done", "ok": false, "error": "...", "parameter": "..."|null}
 
-Run as ``python -m stage_cosim.bridge.worker [--init MODULE:FUNCTION]``; ``--init`` is called
-once at start (the tests install stand-ins for the searches with it).
+Limits: the address space (``--memory-bytes``, RLIMIT_AS: an allocation past it raises
+MemoryError) for the worker's life, and the CPU seconds of each job (the job's ``cpu_s``,
+RLIMIT_CPU: SIGXCPU stops the job). A job stopped by either fails with a one-line error, and the
+worker is not used again. A worker never outlives its server (``die_with_parent``).
+
+Run as ``python -m stage_cosim.bridge.worker [--parent PID] [--memory-bytes N] [--init
+MODULE:FUNCTION]``; ``--init`` is called once at start (the tests install stand-ins for the
+searches with it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Mapping, TextIO
+from typing import Any, Iterator, Mapping, TextIO
 
 END_MARK = "\x1estage-cosim-bridge:end-of-job\x1e"
 RESULT_FILE = "result.json"
@@ -132,6 +141,15 @@ def run_job(job: Mapping[str, Any], channel: Channel) -> dict[str, Any]:
         return {"type": "done", "ok": False, "error": str(exc), "parameter": exc.parameter}
     except TraceFormatError as exc:
         return {"type": "done", "ok": False, "error": f"traces: {exc}", "parameter": "traces"}
+    except MemoryError:
+        # the address-space limit stopped an allocation: whatever the job held is suspect
+        limit = _limits.memory_bytes
+        rule = f"more than this server's {limit / (1 << 20):,.0f} MiB per job" if limit else "more than the machine had"
+        return {"type": "done", "ok": False, "error": f"memory: the job needed {rule}", "parameter": None,
+                "retire": True}
+    except CpuLimitExceeded as exc:
+        return {"type": "done", "ok": False, "error": f"cpu: the job used more than its {exc.seconds:,.0f} s of "
+                "CPU time", "parameter": None, "retire": True}
     except BaseException as exc:  # noqa: BLE001 (a job's failure is job data, whatever it is)
         traceback.print_exc(file=sys.stderr)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -141,34 +159,131 @@ def run_job(job: Mapping[str, Any], channel: Channel) -> dict[str, Any]:
         channel.flush()
 
 
+class CpuLimitExceeded(BaseException):
+    """Raised in the job's code when it has used its CPU seconds (SIGXCPU)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"CPU limit of {seconds:g} s")
+        self.seconds = seconds
+
+
+class _Limits:
+    """This worker's resource limits, and whether a job is running (signals act only then)."""
+
+    memory_bytes = 0
+    cpu_s = 0.0
+    in_job = False
+
+
+_limits = _Limits()
+
+
+def _on_sigxcpu(signum: int, frame: object) -> None:
+    if _limits.in_job:
+        raise CpuLimitExceeded(_limits.cpu_s)
+
+
+@contextlib.contextmanager
+def cpu_limit(seconds: float) -> Iterator[None]:
+    """Within the block, this process may use ``seconds`` more CPU seconds (RLIMIT_CPU: SIGXCPU)."""
+    import math
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if seconds > 0:
+        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        limit = math.ceil(used + seconds)
+        resource.setrlimit(resource.RLIMIT_CPU, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    _limits.cpu_s, _limits.in_job = seconds, True
+    try:
+        yield
+    finally:
+        _limits.in_job = False
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def limit_memory(max_bytes: int) -> None:
+    """Cap this process's address space: an allocation past it raises MemoryError."""
+    import resource
+
+    if max_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
+        _limits.memory_bytes = max_bytes
+
+
+def _kill_my_group(*_: object) -> None:
+    """The server is gone: end this worker and everything its job started, at once."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def die_with_parent(parent: int) -> None:
+    """Make sure this worker never outlives the server that started it.
+
+    Two ways, both ending the whole process group (the job's children too): on Linux the kernel
+    signals the worker when its parent dies (PR_SET_PDEATHSIG); everywhere, the server's end of
+    the job pipe closes when it dies, which the thread reading jobs sees (``read_jobs``).
+    """
+    signal.signal(signal.SIGHUP, _kill_my_group)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP), 0, 0, 0)   # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    if parent and os.getppid() != parent:        # the server died before the signal was armed
+        _kill_my_group()
+
+
+def read_jobs(stream: TextIO, jobs: "queue.Queue[str | None]") -> None:
+    """Hand the server's job lines to the main thread; at the end of input, finish: a server that
+    closes the pipe while a job runs has died (a live one kills the group itself)."""
+    for line in stream:
+        if line.strip():
+            jobs.put(line)
+    if _limits.in_job:
+        _kill_my_group()
+    jobs.put(None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m stage_cosim.bridge.worker")
+    ap.add_argument("--parent", type=int, default=0, help="the server's pid: die with it")
+    ap.add_argument("--memory-bytes", type=int, default=0, help="address-space limit (RLIMIT_AS)")
+    ap.add_argument("--init", default=None, help="MODULE:FUNCTION to call once at start")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     # the protocol keeps the real stdout; anything else printing to fd 1 lands on stderr
     proto = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    die_with_parent(args.parent)
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the server decides when a job ends
+    signal.signal(signal.SIGXCPU, _on_sigxcpu)
     from stage_cosim.files import forbid_local_files
 
     forbid_local_files()        # requests name presets and uploaded content, never the server's files
-    if "--init" in argv:
-        module, _, func = argv[argv.index("--init") + 1].partition(":")
+    if args.init:
+        module, _, func = args.init.partition(":")
         getattr(importlib.import_module(module), func)()
     # warm: the first job should not pay the imports (about 0.3 s)
     import stage_cosim.adapters.roofline.simulate  # noqa: F401
     import stage_cosim.api  # noqa: F401
     import stage_cosim.workload  # noqa: F401
 
+    limit_memory(args.memory_bytes)        # after the imports: they are not the job's
+    jobs: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=read_jobs, args=(sys.stdin, jobs), name="read-jobs", daemon=True).start()
     channel = Channel(proto)
     channel.send({"type": "ready", "pid": os.getpid()})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
+    while (line := jobs.get()) is not None:
         job = json.loads(line)
         channel.reset()
-        answer = run_job(job, channel)
+        with cpu_limit(float(job.get("cpu_s") or 0)):
+            answer = run_job(job, channel)
         sys.stderr.write(END_MARK + "\n")
         sys.stderr.flush()
         channel.send(answer)

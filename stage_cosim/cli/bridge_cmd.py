@@ -52,27 +52,39 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="Processes each optimize job evaluates with (requests cannot choose).")
 @click.option("--ray", "ray_address", default=None, metavar="auto|ADDRESS",
               help="Optimize jobs evaluate on this Ray cluster (requests cannot choose; default: no Ray).")
+@click.option("--max-job-memory-mib", type=int, default=None,
+              help="Address space of each job's process; larger jobs are refused at submit or fail "
+                   "[default: physical memory / (workers + 1), at least 2048; 0: no limit].")
+@click.option("--job-cpu-s", type=float, default=0.0,
+              help="CPU seconds a job may use [default 0: its run-time limit].")
+@click.option("--max-request-kib", type=int, default=256, show_default=True,
+              help="Largest document a request carries (model_config, cluster_description, settings_json) "
+                   "and largest request once parsed.")
 @click.option("--worker-init", default=None, hidden=True, help="MODULE:FUNCTION to run in each worker (tests).")
 def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_key: Path | None, workers: int,
           max_queue: int, job_timeout: float, max_job_timeout: float, max_upload_mib: int, data_dir: Path | None,
           drain_timeout: float, heartbeat: float, search_workers: int, ray_address: str | None,
-          worker_init: str | None) -> None:
+          max_job_memory_mib: int | None, job_cpu_s: float, max_request_kib: int, worker_init: str | None) -> None:
     """Serve synthesis, simulation and search over gRPC (stagecosim.v1.Bridge)."""
     import asyncio
 
+    from stage_cosim.bridge.documents import DocumentLimits
     from stage_cosim.bridge.manager import Limits
     from stage_cosim.bridge.process import WorkerSettings
     from stage_cosim.bridge.server import ServerConfig, serve as run_server
 
     for name, value in (("workers", workers), ("max-queue", max_queue), ("job-timeout", job_timeout),
                         ("max-job-timeout", max_job_timeout), ("max-upload-mib", max_upload_mib),
-                        ("heartbeat", heartbeat), ("search-workers", search_workers)):
+                        ("heartbeat", heartbeat), ("search-workers", search_workers),
+                        ("max-request-kib", max_request_kib)):
         if value <= 0:
             raise UserError(name, f"must be positive, got {value}")
     if not 0 <= port <= 65535:
         raise UserError("port", f"must be within 0..65535, got {port}")
-    if drain_timeout < 0:
-        raise UserError("drain-timeout", f"must not be negative, got {drain_timeout}")
+    for name, value in (("drain-timeout", drain_timeout), ("job-cpu-s", job_cpu_s),
+                        ("max-job-memory-mib", max_job_memory_mib or 0)):
+        if value < 0:
+            raise UserError(name, f"must not be negative, got {value}")
     if bool(tls_cert) != bool(tls_key):
         raise UserError("tls-key" if tls_cert else "tls-cert", "is required with the other TLS flag (give both)")
     if host not in LOOPBACK and not token:
@@ -84,7 +96,11 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
     config = ServerConfig(host=host, port=port, token=token or None, tls_cert=tls_cert, tls_key=tls_key,
                           data_dir=data_dir, limits=limits, max_upload_bytes=max_upload_mib << 20,
                           heartbeat_s=heartbeat, drain_timeout_s=drain_timeout, worker_init=worker_init,
-                          worker=WorkerSettings(search_workers=search_workers, ray=ray_address or None))
+                          worker=WorkerSettings(search_workers=search_workers, ray=ray_address or None,
+                                                memory_bytes=None if max_job_memory_mib is None else max_job_memory_mib << 20,
+                                                cpu_s=job_cpu_s),
+                          documents=DocumentLimits(max_bytes=max_request_kib << 10,
+                                                   max_request_bytes=max_request_kib << 10))
 
     def announce(line: str) -> None:
         click.echo(line)
