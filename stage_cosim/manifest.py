@@ -11,10 +11,7 @@ from stage_cosim.workload import Workload
 
 def build_manifest(w: Workload, *, fmt: str, prefix: str, groups_file: str, files: int,
                    bytes_written: int) -> dict[str, Any]:
-    groups = w.communicator_groups()
-    kinds: dict[str, int] = {}
-    for kind, base in w.group_base.items():
-        kinds[kind] = sum(1 for g in groups if int(g) >= base) - sum(kinds.values())
+    kinds = w.group_counts()
     return {
         "generator": f"stage-cosim {__version__}",
         "format": {"kind": fmt, "chakra_schema": SCHEMA_VERSION, "prefix": prefix,

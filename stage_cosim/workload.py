@@ -74,8 +74,11 @@ class Workload:
         for kind in GROUP_KINDS:
             if self._group_kind_used(kind.name):
                 base[kind.name] = nxt
-                nxt += self.world_size // math.prod(self.mesh.size[a] for a in kind.axes)
+                nxt += self._group_count(kind.name)
         return base
+
+    def _group_count(self, kind: str) -> int:
+        return self.world_size // math.prod(self.mesh.size[a] for a in GROUP[kind].axes)
 
     @property
     def group_kinds(self) -> list[str]:
@@ -103,6 +106,11 @@ class Workload:
             for i, members in enumerate(self.mesh.groups(g.axes)):
                 out[str(base + i)] = [members[0], members[-1]] if g.endpoints else members
         return out
+
+    def group_counts(self) -> dict[str, int]:
+        """How many communicator groups of each kind, in id order (ids are consecutive from 1,
+        kind by kind)."""
+        return {kind: self._group_count(kind) for kind in self.group_base}
 
     def peer(self, rank: int, delta: int) -> int:
         return self.mesh.shift(rank, PIPELINE_AXIS, delta)

@@ -31,7 +31,7 @@ from stage_cosim.adapters.roofline.astra_model import (ALL_GATHER, ALL_REDUCE, A
                                                        reduction_cost, simulate_astra)
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.network import NetworkDim
-from stage_cosim.trace.chakra import TraceNode, read_comm_groups, read_trace_dir
+from stage_cosim.trace.chakra import TraceNode, read_comm_groups, read_trace_dir, write_trace_file
 
 SPEC = Path(os.environ.get("ASTRA_REFERENCE_DIR", "/work/shared/spec"))
 CSV_PATH = SPEC / "astra-sim-reference.csv"
@@ -213,6 +213,36 @@ def test_reference_row(row: dict[str, str], cases_dir: Path) -> None:
         got["gpu_time_rank0_ns"] = result.gpu_time_ns[0]
         expected["gpu_time_rank0_ns"] = int(row["gpu_time_rank0_ns"])
     assert got == expected
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_reference_row_through_the_command_line(row: dict[str, str], cases_dir: Path, tmp_path: Path,
+                                                run_cli) -> None:
+    """``stage-cosim astra-sim replay`` with the binary's own flags on the case's own files (the
+    64- and 128-rank cases' traces, which the tarball leaves out, are rebuilt and written first)."""
+    case = cases_dir / row["case_id"]
+    workload = case / "wl" / "et"
+    if not (case / "wl").is_dir():
+        (tmp_path / "wl").mkdir()
+        for r, nodes in build_workload(row).items():
+            write_trace_file(tmp_path / "wl" / f"et.{r}.et", nodes)
+        workload = tmp_path / "wl" / "et"
+    args = ["astra-sim", "replay", f"--workload-configuration={workload}", f"--system-configuration={case / 'sys.json'}",
+            f"--network-configuration={case / 'net.yml'}", "--remote-memory-configuration", str(case / "mem.json")]
+    if (case / "groups.json").exists():
+        args.append(f"--comm-group-configuration={case / 'groups.json'}")
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    lines = {int(m[1]): (int(m[2]), int(m[3])) for m in _FINISHED.finditer(out)}
+    assert sorted(lines) == list(range(int(row["n_ranks"])))
+    finished = [t for t, _ in lines.values()]
+    got = {"finished_max_ns": max(finished), "finished_min_ns": min(finished), "finished_rank0_ns": lines[0][0],
+           "exposed_comm_rank0_ns": lines[0][1]}
+    assert got == {k: int(row[k]) for k in RESULT_COLUMNS}
+    stats = {(int(m[1]), m[2]): int(m[3]) for m in re.finditer(r"sys\[(\d+)\], (GPU|Comm) time: (\d+)", out)}
+    for column, key in (("comm_time_rank0_ns", "Comm"), ("gpu_time_rank0_ns", "GPU")):
+        if row[column]:
+            assert stats[(0, key)] == int(row[column])
 
 
 _FINISHED = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")

@@ -27,20 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
+from stage_cosim.adapters.astra_sim.layout import (  # noqa: F401 (part of this module's interface)
+    BINARY_ENV, COMPUTE_MODES, DEFAULT_BINARY, RUN_SH, TRACE_DIR, TRACE_PREFIX, command,
+)
 from stage_cosim.adapters.roofline.astra_model import COLLECTIVES, AstraSystem
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
-from stage_cosim.schedule.program import COLL, COMP, RoleGraph
+from stage_cosim.schedule.program import COMP, RoleGraph, op_kind
 from stage_cosim.trace.writer import GROUPS_FILE, atomic_directory, write_traces
 from stage_cosim.workload import Workload
-
-COMPUTE_MODES = ("replay", "roofline")
-TRACE_DIR = "traces"
-TRACE_PREFIX = "workload"
-BINARY_ENV = "ASTRA_SIM_BIN"
-DEFAULT_BINARY = "AstraSim_Analytical_Congestion_Unaware"
-
 
 @dataclass(frozen=True)
 class AstraSettings:
@@ -89,7 +85,7 @@ def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
         for n in role.nodes:
             if n.type != COMP:
                 continue
-            exact_ns += compute.duration_s(n.flops, n.mem_bytes, n.matmul, n.category.startswith("attention")) * 1e9
+            exact_ns += compute.duration_of(n.flops, n.mem_bytes, op_kind(n.category, n.matmul)) * 1e9
             target = round(exact_ns / 1000)
             out[n.id] = max(0, target - written_us)
             written_us += out[n.id]
@@ -97,30 +93,6 @@ def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
         return out
 
     return durations
-
-
-RUN_SH = """#!/bin/sh
-# Run this ASTRA-sim workload: ./run.sh [/path/to/{default}] (or set {env}).
-# Written by stage-cosim; every path is relative to this directory, so it can be copied anywhere.
-set -e
-cd "$(dirname "$0")"
-BIN="${{1:-${{{env}:-{default}}}}}"
-mkdir -p log
-exec "$BIN" \\
-  --workload-configuration={traces}/{prefix} \\
-  --system-configuration=system.json \\
-  --network-configuration=network.yml \\
-  --remote-memory-configuration=memory.json \\
-  --comm-group-configuration={groups} \\
-  --logging-folder=log
-"""
-
-
-def command(binary: str) -> list[str]:
-    """The simulator command line for a run directory (run from inside it)."""
-    return [binary, f"--workload-configuration={TRACE_DIR}/{TRACE_PREFIX}", "--system-configuration=system.json",
-            "--network-configuration=network.yml", "--remote-memory-configuration=memory.json",
-            f"--comm-group-configuration={GROUPS_FILE}", "--logging-folder=log"]
 
 
 def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
@@ -132,7 +104,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
     check_fits(cluster, w.mesh)
     dims = cluster.network_dims()
     system = system_for(cluster, mode, settings)
-    _check_limits(w, system)
+    check_runs(w, cluster, system)
     compute = ComputeModel(cluster.gpu)
     with atomic_directory(out, force) as d:
         (d / TRACE_DIR).mkdir()
@@ -155,6 +127,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
             "model": w.model.to_dict(),
             "parallel": w.parallel.to_dict(),
             "mesh": {"order": list(w.mesh.order), "degrees": dict(w.mesh.degrees)},
+            "communicator_groups": w.group_counts(),
             "cluster": cluster.to_dict(),
             "stages": [{"stage": s, "peak_memory_bytes": w.memory(s).to_dict()} for s in range(w.parallel.pp)],
             "model_flops_per_step": w.total_model_flops(),
@@ -164,13 +137,19 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
     return manifest
 
 
-def _check_limits(w: Workload, system: AstraSystem) -> None:
-    """Refuse what the simulator would hang or abort on (astra-sim-cost-model.md §9)."""
+def check_runs(w: Workload, cluster: Cluster, system: AstraSystem) -> None:
+    """Refuse what the simulator would hang or abort on (astra-sim-cost-model.md §9) — messages
+    of zero bytes, an all-gather smaller than the split count, implementations that cannot run
+    a collective — and the deadlocks of its one-communication-operation-at-a-time rule, by
+    replaying the export (one rank per pipeline stage where exact) before writing it."""
+    from stage_cosim.adapters.roofline.astra import deadlock_message, replay_workload
+    from stage_cosim.adapters.roofline.astra_replay import Deadlock
+
     for role in w.roles:
         for n in role.nodes:
-            if n.type == COLL and n.coll.value == "ALL_GATHER" and n.comm_bytes < system.preferred_dataset_splits:
-                raise UserError("preferred-dataset-splits",
-                                f"an all-gather of {n.comm_bytes} B ({n.name}) is smaller than the split count "
-                                f"{system.preferred_dataset_splits}: the simulator would loop forever")
             if n.type != COMP and n.comm_bytes <= 0:
                 raise UserError("traces", f"{n.name} moves 0 bytes: the simulator asserts on empty messages")
+    try:
+        replay_workload(w, cluster, system)
+    except Deadlock as d:
+        raise UserError("traces", f"ASTRA-sim would never finish this export: {deadlock_message(d)}") from None

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from stage_cosim.adapters.astra_sim.export import BINARY_ENV, DEFAULT_BINARY, command
+from stage_cosim.adapters.astra_sim.layout import BINARY_ENV, DEFAULT_BINARY, command
 from stage_cosim.adapters.astra_sim.parse import AstraOutput, parse_output
 
 EXCERPT_LINES = 12

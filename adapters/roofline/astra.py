@@ -1,98 +1,431 @@
 """The ``astra`` network model: ASTRA-sim's congestion-unaware analytical backend, exactly.
 
-It plugs ASTRA-sim's collective and message costs (:mod:`astra_model`, which reproduces the
-reference runs to the nanosecond) into our event-driven engine, with ASTRA-sim's execution
-rule of one communication operation at a time per rank (collectives and sends share one slot;
-a posted receive occupies none). Times are whole nanoseconds, as the simulator counts them.
+Everything here runs :mod:`astra_replay` (ASTRA-sim's workload layer) with
+:class:`~astra_model.CollectiveModel` (its system and network layers, which reproduce the
+reference runs to the nanosecond):
 
-:func:`simulate_run_dir` reads an exported ASTRA-sim run directory back from disk (system.json,
-network.yml, the traces and their groups) and predicts what the simulator will print.
+* :func:`replay_trace_set` — any trace set, under a system and a network (what the binary
+  prints, rank by rank); :func:`replay_files` reads the binary's own input files for it, and
+  :func:`simulate_run_dir` an exported run directory;
+* :func:`replay_workload` — a synthesized workload as the exporter would write it, without
+  writing it (the ``--network-model astra`` of ``simulate``, and the export's own check);
+* :func:`input_problems` — what the binary would abort or hang on, as a list of problems.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from stage_cosim.adapters.roofline.astra_model import (
-    AstraRunResult, AstraSystem, Network, collective_finish_times, compute_duration_ns,
+    COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, replay_ns, roofline_ns,
 )
-from stage_cosim.adapters.roofline.engine import replay
-from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.adapters.roofline.astra_replay import (
+    ALL, K_COLL, K_RECV, K_SEND, Agent, Classes, Deadlock, Outcome, Program, _Asymmetric, choose_representatives,
+    durations_ns, expand, make_agent, program_of, replay, symmetric as is_symmetric, target_of,
+)
+from stage_cosim.errors import UserError
 from stage_cosim.hardware.network import NetworkDim
+from stage_cosim.trace.traceset import COLL, RECV, SEND, TraceSet
+from stage_cosim.trace.validate import Problem, validate
+
+# A nominal machine for checking traces whose system and network are not given: every
+# collective as one ring over its group, one chunk; one switch joining every rank.
+NOMINAL_IMPLEMENTATIONS = {c: ("ring",) for c in COLLECTIVE_BY_CODE.values()}
+
+
+def nominal(n_ranks: int) -> tuple[AstraSystem, list[NetworkDim]]:
+    return (AstraSystem(preferred_dataset_splits=1, implementations=NOMINAL_IMPLEMENTATIONS),
+            [NetworkDim("Switch", max(1, n_ranks), 100.0, 1000.0)])
 
 
 @dataclass
-class AstraNetwork:
-    dims: Sequence[NetworkDim]
-    system: AstraSystem
-    name: str = "astra"
-    tree_counters: dict = field(default_factory=dict)
+class Replayed:
+    """A replay's agents (one per simulated rank), their outcome, and which agent stands for
+    each rank."""
 
-    def __post_init__(self) -> None:
-        self.net = Network(list(self.dims))
-        self.everyone = tuple(range(self.net.n_ranks))
+    agents: list[Agent]
+    outcome: Outcome
+    agent_of_rank: Callable[[int], int]
+    n_ranks: int
 
-    @classmethod
-    def for_cluster(cls, cluster: Cluster, settings=None) -> "AstraNetwork":  # noqa: ANN001
-        from stage_cosim.adapters.astra_sim.export import AstraSettings, system_for
+    @property
+    def symmetric(self) -> bool:
+        return len(self.agents) < self.n_ranks
 
-        return cls(cluster.network_dims(), system_for(cluster, "replay", settings or AstraSettings()))
+    def result(self) -> AstraRunResult:
+        return expand(self.outcome, self.agents, self.agent_of_rank, self.n_ranks)
 
-    def stream(self, node_type: str, kind: str) -> str | None:
-        return None if node_type == "RECV" else "comm"
 
-    def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float],
-                   involved: Sequence[bool] | None = None) -> list[float]:
-        group = None if tuple(sorted(members)) == self.everyone else list(members)
-        start_ns = {r: int(round(t * 1e9)) for r, t in zip(members, starts)}
-        finish = collective_finish_times(self.net, self.system, coll, nbytes, start_ns, involved, group,
-                                         self.tree_counters)
-        return [finish[r] * 1e-9 for r in members]
+# -- any trace set -------------------------------------------------------------------------------
 
-    def p2p(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
-        d = self.net.delay(src, dst, nbytes) * 1e-9
-        return d, d
+def _members_of(groups: Mapping[str, Sequence[int]] | None, n: int) -> Callable[[object], Sequence[int]]:
+    everyone = tuple(range(n))
+    groups = groups or {}
+
+    def members_of(g: object) -> Sequence[int]:
+        return everyone if g == ALL else groups.get(str(g), ())
+
+    return members_of
+
+
+_HOLE_KIND = {COLL: K_COLL, SEND: K_SEND, RECV: K_RECV}
+
+
+def trace_classes(ts: TraceSet, members_of: Callable[[object], Sequence[int]]) -> tuple[Classes, dict[int, int]]:
+    """The trace set's classes for the symmetry check, and each class's representative."""
+    kinds = [[_HOLE_KIND[t.types[i]] for i in t.holes] for t in ts.classes]
+    reps: dict[int, int] = {}
+
+    def targets(r: int) -> Iterable[tuple[int, object]]:
+        c = ts.class_of[r]
+        try:
+            seen = set(zip(kinds[c], ts.values_of(r)))
+        except TypeError:              # an unhashable attribute value: take every rank apart
+            return [(K_SEND, -1)]
+        return {(k, target_of(v, k)) for k, v in seen}
+
+    def pairs(r: int) -> Iterable[tuple[int, object, object]]:
+        c = ts.class_of[r]
+        try:
+            seen = set(zip(kinds[c], ts.values_of(reps[c]), ts.values_of(r)))
+        except TypeError:
+            return [(K_SEND, -1, -2)]   # never equivalent
+        return [(k, target_of(a, k), target_of(b, k)) for k, a, b in seen]
+
+    cl = Classes(ts.class_of, len(ts.class_of), pairs, targets)
+    reps.update(choose_representatives(cl, members_of))
+    return cl, reps
+
+
+def replay_trace_set(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim], *,
+                     symmetric: bool = True, record: bool = False,
+                     durations: Sequence[Sequence[int]] | None = None) -> Replayed:
+    """Replay a (checked) trace set as the binary would; one rank per class where exact.
+    ``durations`` (per class, per node in file order, ns) replaces the simulator's own compute
+    times."""
+    net = Network(list(dims))
+    n = net.n_ranks
+    programs = [program_of(t, durations[c] if durations is not None else durations_ns(t, system))
+                for c, t in enumerate(ts.classes)]
+    members_of = _members_of(ts.groups, n)
+    if symmetric and len(ts.classes) < n:
+        cl, reps = trace_classes(ts, members_of)
+        if is_symmetric(cl, reps, members_of, net):
+            order = sorted(reps)
+            index = {c: a for a, c in enumerate(order)}
+            agents = [make_agent(reps[c], programs[c], ts.values_of(reps[c])) for c in order]
+            class_of = ts.class_of
+            try:
+                out = replay(agents, members_of, lambda r: index[class_of[r]], CollectiveModel(net, system), net,
+                             check_symmetry=True, record=record)
+                return Replayed(agents, out, lambda r: index[class_of[r]], n)
+            except _Asymmetric:
+                pass
+    agents = [make_agent(r, programs[ts.class_of[r]], ts.values_of(r)) for r in range(n)]
+    out = replay(agents, members_of, lambda r: r, CollectiveModel(net, system), net, record=record)
+    return Replayed(agents, out, lambda r: r, n)
+
+
+def input_problems(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim], limit: int = 20) -> list[Problem]:
+    """What the binary aborts or hangs on under this system and network, beyond the trace
+    checks of :func:`~stage_cosim.trace.validate.validate`: the rank count, node kinds it cannot
+    run here, endpoint-delay 0, roofline inputs, and every distinct collective's phases (missing
+    implementation lists, implementations that cannot run it, zero-byte messages, an all-gather
+    smaller than the split count)."""
+    net = Network(list(dims))
+    n = net.n_ranks
+    out: list[Problem] = []
+    ranks = ts.ranks
+    if ranks != list(range(n)):
+        out.append(Problem(None, None, f"the network has {n} ranks but the traces are for ranks "
+                                       f"{ranks[0]}..{ranks[-1]} ({len(ranks)} files); the simulator needs one "
+                                       f"trace per network rank"))
+        return out
+    first_rank = {}
+    for r in ranks:
+        first_rank.setdefault(ts.class_of[r], r)
+    for c, table in enumerate(ts.classes):
+        if c not in first_rank:
+            continue
+        r0 = first_rank[c]
+        for i, t in enumerate(table.types):
+            if t in (2, 3):
+                out.append(Problem(r0, table.ids[i], "MEM_LOAD / MEM_STORE nodes: the simulator aborts on them "
+                                                     "without remote memory, and its remote-memory models are not "
+                                                     "reproduced here"))
+                break
+        try:
+            durations_ns(table, system)
+        except UserError as exc:
+            out.append(Problem(r0, None, f"{exc.parameter}: {exc.rule}"))
+    model = CollectiveModel(net, system)
+    members_of = _members_of(ts.groups, n)
+    seen: set[tuple] = set()
+    for r in ranks:
+        c = ts.class_of[r]
+        table = ts.classes[c]
+        for i, value in zip(table.holes, ts.values_of(r)):
+            if table.types[i] != COLL:
+                continue
+            ctype = table.int_attr(i, "comm_type")
+            size = table.int_attr(i, "comm_size")
+            if ctype not in COLLECTIVE_BY_CODE or size is None:
+                continue
+            g = target_of(value, K_COLL)
+            inv = table.attrs[i].get("involved_dim")
+            key = (ctype, size, g, tuple(inv[1]) if inv and isinstance(inv[1], list) else None)
+            if key in seen:
+                continue
+            seen.add(key)
+            members = members_of(g)
+            try:
+                model.plan(COLLECTIVE_BY_CODE[ctype], size, None if g == ALL else tuple(members), key[3])
+            except UserError as exc:
+                out.append(Problem(r, table.ids[i], f"{exc.parameter}: {exc.rule}"))
+                if len(out) >= limit:
+                    return out
+    return out
+
+
+def check(ts: TraceSet, system: AstraSystem | None, dims: Sequence[NetworkDim] | None,
+          limit: int = 1000) -> list[Problem]:
+    """Everything wrong with a trace set for the simulator: the trace checks, then (if those
+    pass) the system- and network-dependent ones and a replay that finds the deadlocks of its
+    one-operation-at-a-time rule. Without a system and network a nominal one is used for the
+    replay (a deadlock can depend on timing: check with the files you will run)."""
+    problems = validate(ts, limit)
+    if problems:
+        return problems
+    given = system is not None and dims is not None
+    if not given:
+        system, dims = nominal(len(ts.class_of))
+    assert system is not None and dims is not None
+    problems = input_problems(ts, system, dims)
+    if problems:
+        return problems if given else []
+    try:
+        replay_trace_set(ts, system, dims)
+    except Deadlock as d:
+        where = "" if given else " (under a nominal network: give the system and network files to check the ones you will run)"
+        return [Problem(None, None, deadlock_message(d) + where)]
+    return []
+
+
+def deadlock_message(d: Deadlock, shown: int = 4) -> str:
+    more = f"; … {len(d.stuck) - shown} more" if len(d.stuck) > shown else ""
+    return ("deadlock under ASTRA-sim's rules (one communication operation at a time per rank, issued "
+            f"in id order): {'; '.join(d.stuck[:shown])}{more}")
+
+
+def replay_checked(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim], parameter: str, *,
+                   symmetric: bool = True, record: bool = False,
+                   durations: Sequence[Sequence[int]] | None = None) -> Replayed:
+    """Check, then replay; anything the binary would abort or hang on is one UserError."""
+    problems = validate(ts, 20) or input_problems(ts, system, dims)
+    if problems:
+        extra = f" ({len(problems)}{'+' if len(problems) >= 20 else ''} problems in all)" if len(problems) > 1 else ""
+        raise UserError(parameter, f"{problems[0]}{extra}")
+    try:
+        return replay_trace_set(ts, system, dims, symmetric=symmetric, record=record, durations=durations)
+    except Deadlock as d:
+        raise UserError(parameter, deadlock_message(d)) from None
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+def replay_files(workload: str, system_file: Path, network_file: Path, memory_file: Path | None,
+                 groups_file: Path | None, *, symmetric: bool = True) -> tuple[Replayed, int]:
+    """The binary's inputs, by its own flags: (the replay, the number of ranks)."""
+    from stage_cosim.adapters.astra_sim.config_files import read_memory_json, read_network_yml, read_system_json
+    from stage_cosim.trace.traceset import read_prefix
+
+    system = read_system_json(system_file)
+    dims = read_network_yml(network_file)
+    if memory_file is not None:
+        read_memory_json(memory_file)
+    n = Network(dims).n_ranks
+    ts = read_prefix(workload, range(n), groups_file)
+    rep = replay_checked(ts, system, dims, "workload-configuration", symmetric=symmetric)
+    return rep, n
 
 
 def simulate_run_dir(run_dir: Path) -> AstraRunResult:
     """What ASTRA-sim's congestion-unaware binary will print for an exported run directory,
     computed from the files alone."""
-    from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
-    from stage_cosim.adapters.astra_sim.export import TRACE_DIR
-    from stage_cosim.trace.validate import load_trace_set
+    from stage_cosim.adapters.astra_sim.export import TRACE_DIR, TRACE_PREFIX
     from stage_cosim.trace.writer import GROUPS_FILE
 
-    system = read_system_json(run_dir / "system.json")
-    dims = read_network_yml(run_dir / "network.yml")
-    ranks, groups = load_trace_set(run_dir / TRACE_DIR, run_dir / GROUPS_FILE)
-    return simulate_trace_set(ranks, groups or {}, system, dims)
+    groups = run_dir / GROUPS_FILE
+    rep, _ = replay_files(str(run_dir / TRACE_DIR / TRACE_PREFIX), run_dir / "system.json", run_dir / "network.yml",
+                          None, groups if groups.exists() else None)
+    return rep.result()
 
 
-def simulate_trace_set(ranks: dict, groups: dict, system: AstraSystem, dims: Sequence[NetworkDim]) -> AstraRunResult:
-    """Our engine with ASTRA-sim's rules: compute by replay or roofline as system.json says."""
-    from stage_cosim.adapters.roofline.simulate import programs_from_traces
+# -- a synthesized workload -------------------------------------------------------------------------
 
-    programs, participants = programs_from_traces(ranks, groups, None)
-    for prog, rank in zip(programs, sorted(ranks)):
-        nodes = sorted(ranks[rank], key=lambda n: n.id)
-        for i, node in enumerate(nodes):
-            if prog.types[i] == "COMP":
-                prog.duration[i] = compute_duration_ns(node, system) * 1e-9
-    network = AstraNetwork(dims, system)
-    rep = replay(programs, network, participants, lambda r: r)
-    finished = {p.rank: int(round(f * 1e9)) for p, f in zip(programs, rep.finish)}
-    gpu = {p.rank: int(round(sum(d for d, t in zip(p.duration, p.types) if t == "COMP") * 1e9)) for p in programs}
-    exposed = {r: finished[r] - gpu[r] for r in finished}
-    comm = {}
-    for a, p in enumerate(programs):
-        spans = sorted((rep.start[a][i], rep.end[a][i]) for i, t in enumerate(p.types) if t != "COMP")
-        total, end = 0.0, float("-inf")
-        for s, e in spans:
-            if e <= end:
-                continue
-            total += e - max(s, end)
-            end = e
-        comm[p.rank] = int(round(total * 1e9))
-    return AstraRunResult(finished, exposed, gpu, comm)
+class _StageOf(Mapping[int, int]):
+    """rank -> pipeline stage, without a dict of every rank."""
+
+    def __init__(self, w) -> None:  # noqa: ANN001
+        self.w = w
+
+    def __getitem__(self, r: int) -> int:
+        if not 0 <= r < self.w.world_size:
+            raise KeyError(r)
+        return self.w.role_of(r)
+
+    def get(self, r: int, default=None):  # noqa: ANN001, ANN201
+        return self.w.role_of(r) if 0 <= r < self.w.world_size else default
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(range(self.w.world_size))
+
+    def __len__(self) -> int:
+        return self.w.world_size
+
+
+def role_program(role, dur: Sequence[int]) -> tuple[Program, list[tuple[str, object]]]:  # noqa: ANN001
+    """A role graph as a replay program, and each hole's symbolic target: ("pg", group kind)
+    or ("peer", pipeline shift)."""
+    from stage_cosim.schedule.program import COLL as R_COLL, COMP as R_COMP, SEND as R_SEND
+
+    nodes = role.nodes
+    n = len(nodes)
+    children: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    kind, coll, size, tag, names, cats, holes, syms = [], [], [], [], [], [], [], []
+    for i, node in enumerate(nodes):
+        ds = set(node.deps) | set(node.ctrl) if node.ctrl else set(node.deps)
+        indeg[i] = len(ds)
+        for d in ds:
+            children[d].append(i)
+        t = node.type
+        if t == R_COMP:
+            kind.append(0)
+            coll.append(None)
+            cats.append("compute")
+        else:
+            holes.append(i)
+            if t == R_COLL:
+                kind.append(K_COLL)
+                coll.append(node.coll.value)
+                cats.append(node.group)
+                syms.append(("pg", node.group))
+            else:
+                kind.append(K_SEND if t == R_SEND else K_RECV)
+                coll.append(None)
+                cats.append("pp")
+                syms.append(("peer", node.peer))
+        size.append(node.comm_bytes)
+        tag.append(node.tag)
+        names.append(node.name)
+    for ch in children:
+        ch.sort()
+    prog = Program(ids=list(range(n)), kind=kind, dur=list(dur), children=children, indeg=indeg, coll=coll,
+                   size=size, tag=tag, involved=[None] * n, hole_index=holes, names=names, categories=cats)
+    return prog, syms
+
+
+def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: ANN001
+    """Per role, each node's compute time in ns exactly as the export writes it for the binary:
+    whole microseconds with the rounding error carried (replay), or the binary's roofline."""
+    from stage_cosim.adapters.astra_sim.export import replay_durations
+    from stage_cosim.adapters.roofline.compute import ComputeModel
+    from stage_cosim.schedule.program import COMP as R_COMP
+
+    if system.roofline_enabled:
+        def roofline(role) -> list[int]:  # noqa: ANN001
+            return [roofline_ns(max(1, n.flops), max(1, n.mem_bytes), system) if n.type == R_COMP else 0
+                    for n in role.nodes]
+        return roofline
+    micros = replay_durations(ComputeModel(cluster.gpu))
+
+    def replayed(role) -> list[int]:  # noqa: ANN001
+        us = micros(role)
+        return [replay_ns(us[i]) if n.type == R_COMP else 0 for i, n in enumerate(role.nodes)]
+    return replayed
+
+
+def replay_workload(w, cluster, system: AstraSystem, *, symmetric: bool = True,  # noqa: ANN001
+                    record: bool = False) -> Replayed:
+    """What the binary prints for the workload's export under ``system`` (one rank per pipeline
+    stage when that is exact), without writing anything."""
+    dims = cluster.network_dims()
+    net = Network(list(dims))
+    n = w.world_size
+    durations = workload_durations(w, cluster, system)
+    built = [role_program(role, durations(role)) for role in w.roles]
+    groups = w.communicator_groups()
+    members_of = _members_of(groups, n)
+
+    def resolve(rank: int, sym: tuple[str, object]) -> object:
+        kind, key = sym
+        return str(w.group_id(rank, str(key))) if kind == "pg" else w.peer(rank, int(key))  # type: ignore[arg-type]
+
+    def values_of(rank: int) -> list[object]:
+        _, syms = built[w.role_of(rank)]
+        return [resolve(rank, s) for s in syms]
+
+    def agent(rank: int) -> Agent:
+        prog, _ = built[w.role_of(rank)]
+        target: list[object] = [None] * len(prog)
+        for k, t in zip(prog.hole_index, values_of(rank)):
+            target[k] = t
+        return Agent(rank, prog, target)
+
+    distinct = [sorted({(K_COLL if s[0] == "pg" else K_SEND, s) for s in syms}) for _, syms in built]
+    reps = {s: w.mesh.rank(pp=s) for s in range(w.parallel.pp)}
+    stage_of = _StageOf(w)
+
+    def targets(r: int) -> Iterable[tuple[int, object]]:
+        return [(k, resolve(r, s)) for k, s in distinct[w.role_of(r)]]
+
+    def pairs(r: int) -> Iterable[tuple[int, object, object]]:
+        s0 = w.role_of(r)
+        return [(k, resolve(reps[s0], s), resolve(r, s)) for k, s in distinct[s0]]
+
+    if symmetric and w.parallel.pp < n:
+        cl = Classes(stage_of, n, pairs, targets)
+        if is_symmetric(cl, reps, members_of, net):
+            agents = [agent(reps[s]) for s in range(w.parallel.pp)]
+            try:
+                out = replay(agents, members_of, w.role_of, CollectiveModel(net, system), net, check_symmetry=True,
+                             record=record)
+                return Replayed(agents, out, w.role_of, n)
+            except _Asymmetric:
+                pass
+    agents = [agent(r) for r in range(n)]
+    out = replay(agents, members_of, lambda r: r, CollectiveModel(net, system), net, record=record)
+    return Replayed(agents, out, lambda r: r, n)
+
+
+# -- the engine's view, for breakdowns and timelines -------------------------------------------------
+
+_TYPE_NAMES = ("COMP", "COLL", "SEND", "RECV", "COLL")
+
+
+def engine_view(done: Replayed):  # noqa: ANN201 (list[AgentProgram], Replay)
+    """The replay as the event engine's programs and times (seconds), so that breakdowns and
+    timelines read it like any other replay. Needs a replay run with ``record=True``."""
+    from stage_cosim.adapters.roofline.engine import AgentProgram, Replay
+
+    out = done.outcome
+    assert out.start is not None and out.end is not None, "replay with record=True"
+    programs = []
+    for a, ag in enumerate(done.agents):
+        p = ag.prog
+        n = len(p)
+        types = [_TYPE_NAMES[k] for k in p.kind]
+        cats = p.categories or ["compute" if k == 0 else f"pg:{t}" if k == K_COLL else "pp"
+                                for k, t in zip(p.kind, ag.target)]
+        programs.append(AgentProgram(
+            name=f"rank{ag.rank}", rank=ag.rank, ids=list(p.ids), types=types, deps=[[] for _ in range(n)],
+            duration=[d * 1e-9 for d in p.dur], kind=["" if k == 0 else c for k, c in zip(p.kind, cats)],
+            coll=list(p.coll), nbytes=list(p.size), peer=[t if isinstance(t, int) else -1 for t in ag.target],
+            tag=list(p.tag), group=[t if k == K_COLL else None for k, t in zip(p.kind, ag.target)],
+            members=[None] * n, streams=["compute" if k == 0 else None if k == K_RECV else "comm" for k in p.kind]))
+    rep = Replay([[t * 1e-9 for t in s] for s in out.start], [[t * 1e-9 for t in e] for e in out.end],
+                 [f * 1e-9 for f in out.finish])
+    return programs, rep

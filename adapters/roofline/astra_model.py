@@ -37,6 +37,9 @@ ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = ("ALL_REDUCE", "ALL_GATHER"
 COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 # Chakra CollectiveCommType codes of the collectives ASTRA-sim simulates.
 COLLECTIVE_BY_CODE = {0: ALL_REDUCE, 2: ALL_GATHER, 6: ALL_TO_ALL, 7: REDUCE_SCATTER}
+# A BROADCAST is not simulated as a collective: it holds the rank's communication slot for its
+# duration_micros (0 gives 1 ns), on each rank alone.
+BROADCAST_CODE = 5
 IMPLEMENTATIONS = ("ring", "direct", "halvingDoubling", "doubleBinaryTree", "oneRing",
                    "oneDirect", "oneHalvingDoubling")
 SCHEDULING_POLICIES = ("LIFO", "FIFO")
@@ -107,8 +110,8 @@ class AstraSystem:
         because the real simulator then never completes the collective."""
         impls = self.implementations.get(collective)
         if not impls:
-            raise UserError(_impl_key(collective), "missing: the simulator never completes a "
-                                                   "collective without its implementation list")
+            raise UserError(_impl_key(collective), "missing: the simulator aborts on a collective "
+                                                   "without its implementation list")
         return impls
 
 
@@ -198,15 +201,15 @@ def chunking(collective: str, size: int, splits: int, n_ranks: int) -> tuple[int
     """§3: (bytes per chunk, number of chunks) of one collective of ``size`` bytes.
 
     C = floor(size / S); for every collective but ALL_GATHER a chunk is at least one byte per
-    rank (C = N, size = S * N when N > C). Every chunk carries C bytes.
+    rank (C = N, size = S * N when N > C), so even a collective of 0 bytes runs (the simulator
+    times it as S * N bytes). Every chunk carries C bytes.
     """
-    require(size > 0, "comm_size", f"must be positive (the simulator asserts on empty messages), "
-                                   f"got {size}")
+    require(size >= 0, "comm_size", f"must not be negative, got {size}")
     chunk = size // splits
     if collective != ALL_GATHER and n_ranks > chunk:
         chunk, size = n_ranks, splits * n_ranks
-    require(chunk > 0, "comm_size", f"an ALL_GATHER of {size} B is smaller than "
-                                    f"preferred-dataset-splits {splits} (the simulator never ends)")
+    require(chunk > 0, "preferred-dataset-splits", f"an ALL_GATHER of {size} B is smaller than the split "
+                                                   f"count {splits}: the simulator would loop forever")
     return chunk, -(-size // chunk)
 
 
@@ -248,10 +251,7 @@ def _halving_doubling_blocks(kind: str, n: int, chunk: int,
                              red: Callable[[int], int]) -> list[_Block]:
     """§5 halvingDoubling: L = log2 n exchange steps (2L for ALL_REDUCE); reductions before
     steps 2..L of the reduce-scatter half."""
-    levels = n.bit_length() - 1
-    require(n == 1 << levels, "halvingDoubling", f"needs a power-of-two rank count, got {n}")
-    require(kind != ALL_TO_ALL, "all-to-all-implementation",
-            "halvingDoubling does not implement ALL_TO_ALL")
+    levels = n.bit_length() - 1      # n is a power of two and kind not ALL_TO_ALL (check_phase)
 
     def step(offset: int, size: int, reduce: int) -> _Block:
         return _Block(tuple(_partner(i, offset) for i in range(n)), size, reduce)
@@ -491,6 +491,33 @@ def phase_sizes(phases: Sequence[Phase], chunk: int) -> list[int]:
     return sizes
 
 
+def check_phase(phase: Phase, n: int, size: int) -> None:
+    """§5, §9: refuse a phase the simulator cannot run on a ring of ``n`` positions holding
+    ``size`` bytes per rank: an algorithm that does not implement the collective or the rank
+    count, or a step that would send a zero-byte message (the simulator asserts)."""
+    if n < 2:
+        return
+    algo, kind = phase.algorithm, phase.kind
+    if algo == "ring" or algo == "direct":
+        smallest = size if kind == ALL_GATHER else size // n
+    elif algo == "halvingDoubling":
+        levels = n.bit_length() - 1
+        require(n == 1 << levels, "halvingDoubling", f"needs a power-of-two rank count, got {n} "
+                                                     "(the simulator never finishes)")
+        require(kind != ALL_TO_ALL, "all-to-all-implementation",
+                "halvingDoubling does not implement ALL_TO_ALL (the simulator exits)")
+        smallest = size if kind == ALL_GATHER else size >> levels
+    elif algo == "doubleBinaryTree":
+        require(kind == ALL_REDUCE, _impl_key(kind),
+                f"doubleBinaryTree is reproduced for ALL_REDUCE only, not {kind}")
+        require(n & (n - 1) == 0, "doubleBinaryTree", f"needs a power-of-two rank count, got {n} "
+                                                      "(the simulator never finishes)")
+        smallest = size
+    else:
+        raise UserError("implementation", f"unknown implementation {algo!r}")
+    _require_message(smallest)
+
+
 def phase_finish_times(phase: Phase, ring: Sequence[int], starts: Sequence[int], size: int,
                        tree: int, system: AstraSystem, net: Network) -> list[int]:
     """§5: when each position of ``ring`` ends ``phase`` for one chunk holding ``size`` bytes
@@ -501,6 +528,7 @@ def phase_finish_times(phase: Phase, ring: Sequence[int], starts: Sequence[int],
     n = len(ring)
     if n < 2:
         return list(starts)
+    check_phase(phase, n, size)
     E = phase.endpoint
 
     def red(m: int) -> int:
@@ -513,18 +541,11 @@ def phase_finish_times(phase: Phase, ring: Sequence[int], starts: Sequence[int],
         return _run_blocks(ring, starts, _halving_doubling_blocks(kind, n, size, red), E, net)
     if algo == "direct":
         m = size if kind == ALL_GATHER else size // n
-        _require_message(m)
         if kind == ALL_REDUCE:
             extra = red(m) if phase.group and n > 2 else 0
             return _direct_all_reduce(ring, starts, m, red(m), E, net, extra)
         return _direct_one_round(ring, starts, m, red(m) if kind == REDUCE_SCATTER else 0, E, net)
-    if algo == "doubleBinaryTree":
-        require(kind == ALL_REDUCE, "implementation",
-                f"doubleBinaryTree only implements ALL_REDUCE, not {kind}")
-        require(n & (n - 1) == 0, "doubleBinaryTree", f"needs a power-of-two rank count, got {n}")
-        _require_message(size)
-        return _double_binary_tree(ring, starts, size, red(size), E, net, tree % 2)
-    raise UserError("implementation", f"unknown implementation {algo!r}")
+    return _double_binary_tree(ring, starts, size, red(size), E, net, tree % 2)
 
 
 # -- §6: chunks through the phases, per-rank queues ---------------------------------------------
@@ -547,25 +568,118 @@ def collective_finish_times(network: Sequence[NetworkDim] | Network, system: Ast
     to successive calls to carry that count, as the workload replay does.
     """
     net = network if isinstance(network, Network) else Network(network)
-    phases = plan_phases(collective, system, net, involved_dims, group)
-    members = sorted(starts)
-    expected = sorted(group) if group is not None else list(range(net.n_ranks))
-    require(members == expected, "collective", "start times must be given for exactly the "
-                                               "participating ranks")
-    if system.endpoint_delay_ns == 0 and phases and not phases[0].group:
-        raise UserError("endpoint-delay", "0 makes the simulator abort (assertion)")
-    if not phases:
-        return dict(starts)
-    chunk, n_chunks = chunking(collective, size, system.preferred_dataset_splits, net.n_ranks)
-    counters = tree_counters if tree_counters is not None else {}
-    first_tree = []
-    for ph in phases:
-        key = ("group", ph.rings) if ph.group else ("dim", ph.queue)
-        first_tree.append(counters.get(key, 0))
-        if ph.algorithm == "doubleBinaryTree":
-            counters[key] = counters.get(key, 0) + n_chunks
-    return _schedule(phases, phase_sizes(phases, chunk), n_chunks, dict(starts), system, net,
-                     first_tree)
+    members = tuple(group) if group is not None else tuple(range(net.n_ranks))
+    require(sorted(starts) == sorted(members), "collective",
+            "start times must be given for exactly the participating ranks")
+    model = CollectiveModel(net, system, tree_counters)
+    ends = model.finish_times(collective, size, None if group is None else members,
+                              [starts[r] for r in members], involved_dims)
+    return dict(zip(members, ends))
+
+
+class CollectiveModel:
+    """Collectives on one network and system, memoised for replays that run millions of them.
+
+    A collective's finish times relative to its earliest start depend only on the collective, its
+    size, the shape of its group on the network (which dimension separates each pair of members
+    and by how many hops, so every pair delay), the members' relative start times, and which
+    doubleBinaryTree tree each phase begins with. Replays issue the same few collectives over and
+    over, on groups of the same shape, mostly with all members starting together: each distinct
+    case is computed once (§3 - §6) and looked up afterwards.
+    """
+
+    def __init__(self, net: Network, system: AstraSystem,
+                 tree_counters: MutableMapping[object, int] | None = None) -> None:
+        self.net = net
+        self.system = system
+        self.tree_counters = tree_counters if tree_counters is not None else {}
+        self._plans: dict[tuple, tuple] = {}
+        self._results: dict[tuple, tuple[int, ...]] = {}
+        self._shapes: dict[tuple[int, ...], tuple] = {}
+        self.evaluated = 0          # cases actually computed (the rest were looked up)
+
+    def _normalized(self, members: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """None for a group of every rank: it runs as a global collective (§4)."""
+        if members is not None and len(members) == self.net.n_ranks and sorted(members) == list(range(self.net.n_ranks)):
+            return None
+        return members
+
+    def plan(self, collective: str, size: int, members: tuple[int, ...] | None,
+             involved: Sequence[bool] | None = None) -> tuple:
+        """(phases, bytes per phase, chunks, counter key per phase, shape) of one collective,
+        checked against everything the simulator cannot run (§3, §5, §9)."""
+        members = self._normalized(members)
+        inv = tuple(involved) if involved is not None and members is None else None
+        key = (collective, size, members, inv)
+        found = self._plans.get(key)
+        if found is not None:
+            return found
+        phases = plan_phases(collective, self.system, self.net, inv, members)
+        if self.system.endpoint_delay_ns == 0 and phases and not phases[0].group:
+            raise UserError("endpoint-delay", "0 makes the simulator abort (assertion)")
+        if phases:
+            chunk, n_chunks = chunking(collective, size, self.system.preferred_dataset_splits,
+                                       self.net.n_ranks)
+            sizes = phase_sizes(phases, chunk)
+            for ph, m in zip(phases, sizes):
+                check_phase(ph, len(ph.rings[0]), m)
+        else:
+            sizes, n_chunks = [], 0
+        counter_keys = tuple((("group", ph.rings) if ph.group else ("dim", ph.queue))
+                             if ph.algorithm == "doubleBinaryTree" else None for ph in phases)
+        shape = ("all", inv) if members is None else ("group", self.shape(members))
+        found = self._plans[key] = (phases, sizes, n_chunks, counter_keys, shape)
+        return found
+
+    def shape(self, members: tuple[int, ...]) -> tuple:
+        """What the pair delays of a group depend on: per member and network dimension, the
+        coordinate relabelled by first appearance (Switch, FullyConnected: only equality
+        matters) or shifted by the first member's (Ring: distances matter). Groups of equal
+        shape have equal delays between the members at equal positions."""
+        found = self._shapes.get(members)
+        if found is None:
+            rows = []
+            labels: list[dict[int, int]] = [{} for _ in self.net.dims]
+            first = self.net.coords[members[0]]
+            for r in members:
+                row = []
+                for d, (dim, x) in enumerate(zip(self.net.dims, self.net.coords[r])):
+                    if dim.topology == "Ring":
+                        row.append((x - first[d]) % dim.npus)
+                    else:
+                        row.append(labels[d].setdefault(x, len(labels[d])))
+                rows.append(tuple(row))
+            found = self._shapes[members] = tuple(rows)
+        return found
+
+    def finish_times(self, collective: str, size: int, members: tuple[int, ...] | None,
+                     starts: Sequence[int], involved: Sequence[bool] | None = None) -> list[int]:
+        """Each member's finish time (members in the given order; None: every rank, in rank
+        order), given each member's issue time."""
+        if members is not None and self._normalized(members) is None and list(members) != sorted(members):
+            by_rank = dict(zip(members, starts))
+            ends = self.finish_times(collective, size, None, [by_rank[r] for r in range(self.net.n_ranks)],
+                                     involved)
+            return [ends[r] for r in members]
+        phases, sizes, n_chunks, counter_keys, shape = self.plan(collective, size, members, involved)
+        if not phases:
+            return list(starts)
+        counters = self.tree_counters
+        first_tree = [counters.get(k, 0) if k is not None else 0 for k in counter_keys]
+        for k in counter_keys:
+            if k is not None:
+                counters[k] = counters.get(k, 0) + n_chunks
+        t0 = min(starts)
+        rel = None if t0 == max(starts) else tuple(s - t0 for s in starts)
+        key = (collective, size, shape, rel, tuple(t % 2 for t in first_tree))
+        offsets = self._results.get(key)
+        if offsets is None:
+            self.evaluated += 1
+            order = members if members is not None else tuple(range(self.net.n_ranks))
+            ends = _schedule(phases, sizes, n_chunks, {r: s for r, s in zip(order, starts)}, self.system,
+                             self.net, first_tree)
+            offsets = self._results[key] = tuple(ends[r] - t0 for r in order)
+        return [t0 + o for o in offsets]
 
 
 def _schedule(phases: list[Phase], sizes: list[int], n_chunks: int, starts: dict[int, int],
@@ -668,11 +782,21 @@ def compute_duration_ns(node: TraceNode, system: AstraSystem) -> int:
     floor(num_ops / min(local-mem-bw * 1e9 * num_ops / tensor_size, peak-perf * 1e12) * 1e9).
     Host (is_cpu_op) nodes are always replayed."""
     if not system.roofline_enabled or node.attrs.get("is_cpu_op") is True:
-        return node.duration_micros * 1000 if node.duration_micros else 1
-    num_ops, tensor_size = _int_attr(node, "num_ops", 0), _int_attr(node, "tensor_size", 0)
-    require(tensor_size > 0, f"node {node.id} tensor_size",
+        return replay_ns(node.duration_micros)
+    return roofline_ns(_int_attr(node, "num_ops", 0), _int_attr(node, "tensor_size", 0), system, node.id)
+
+
+def replay_ns(duration_micros: int) -> int:
+    """A replayed compute node's time: whole microseconds, and 1 ns for 0 (§7)."""
+    return duration_micros * 1000 if duration_micros else 1
+
+
+def roofline_ns(num_ops: int, tensor_size: int, system: AstraSystem, node_id: int | None = None) -> int:
+    """The simulator's roofline time of a compute node (roofline-enabled 1)."""
+    where = f"node {node_id} " if node_id is not None else ""
+    require(tensor_size > 0, f"{where}tensor_size",
             "roofline compute needs tensor_size > 0 (the simulator skips the node and stalls)")
-    require(num_ops > 0, f"node {node.id} num_ops", "roofline compute needs num_ops > 0")
+    require(num_ops > 0, f"{where}num_ops", "roofline compute needs num_ops > 0")
     require(system.local_mem_bw_GBps is not None and system.peak_perf_TFLOPS is not None,
             "roofline-enabled", "needs local-mem-bw and peak-perf")
     perf = min(system.local_mem_bw_GBps * 1e9 * (float(num_ops) / float(tensor_size)),
@@ -695,27 +819,10 @@ def simulate_astra(ranks: Mapping[int, Sequence[TraceNode]], groups: Mapping[str
     order; compute needs the rank's one compute slot, collectives and sends its one
     communication slot, receives no slot. Sends finish at issue + D; receives at
     max(posted, arrival); a collective starts on each rank when that rank issues it and couples
-    the ranks of its group.
+    the ranks of its group. Inputs the simulator would abort or hang on are a UserError.
     """
-    from stage_cosim.adapters.roofline.astra import simulate_trace_set
-    from stage_cosim.trace.validate import validate_trace_set
+    from stage_cosim.adapters.roofline.astra import replay_checked
+    from stage_cosim.trace.traceset import from_nodes
 
-    n = math.prod(d.npus for d in network)
-    missing = [r for r in range(n) if r not in ranks]
-    require(not missing, "trace", f"the network has {n} ranks but ranks {missing[:5]} have no "
-                                  f"trace (the simulator aborts)")
-    for rank, nodes in ranks.items():
-        for node in nodes:
-            require(node.type in (COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE),
-                    f"rank {rank} node {node.id}", f"node type {node.type_name} is not simulated here")
-            if node.type == COMM_COLL_NODE:
-                code = _int_attr(node, "comm_type")
-                require(code in COLLECTIVE_BY_CODE, f"rank {rank} node {node.id} comm_type",
-                        f"collective {code} is not simulated by ASTRA-sim")
-                system.implementation_list(COLLECTIVE_BY_CODE[code])
-    problems = [p for p in validate_trace_set({r: ranks[r] for r in range(n)}, dict(groups), limit=20)
-                if "mismatch" in p.message or "matching receive" in p.message or "send carries" in p.message]
-    if problems:
-        raise UserError("trace", f"collective or message differs between ranks: {problems[0]} "
-                                 "(the simulator deadlocks)")
-    return simulate_trace_set({r: ranks[r] for r in range(n)}, dict(groups), system, list(network))
+    ts = from_nodes({r: list(ns) for r, ns in ranks.items()}, {str(k): list(v) for k, v in groups.items()})
+    return replay_checked(ts, system, network, "traces").result()

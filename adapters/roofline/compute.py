@@ -31,3 +31,7 @@ class ComputeModel:
         t_flops = flops / rate if flops > 0 else 0.0
         t_mem = nbytes / (g.hbm_GBps * 1e9 * g.memory_efficiency)
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
+
+    def duration_of(self, flops: float, nbytes: float, op_kind: str) -> float:
+        """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector)."""
+        return self.duration_s(flops, nbytes, op_kind == "matmul", op_kind == "attention")

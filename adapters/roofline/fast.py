@@ -28,11 +28,10 @@ from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Re
 from stage_cosim.adapters.roofline.network import NetworkModel
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.result import BREAKDOWN_KEYS
-from stage_cosim.schedule.program import COLL, COMP, RoleGraph
+from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, RoleGraph
 from stage_cosim.workload import Workload
 
-WAIT = "WAIT"
-ATTENTION_KINDS = ("attention", "attention_grad")   # fused attention kernels   # a placeholder node that only lets time pass, on a stream of its own
+WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own
 
 
 @dataclass

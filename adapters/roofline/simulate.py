@@ -8,27 +8,30 @@ from typing import Hashable
 from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
-from stage_cosim.adapters.roofline.fast import ATTENTION_KINDS
 from stage_cosim.adapters.roofline.network import CalibratedNetwork, NetworkModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
-from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.result import RoleResult, SimResult
 from stage_cosim.parallel.axes import spans_stages
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND
+from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP
 from stage_cosim.workload import Workload
 
 NETWORK_MODELS = ("calibrated", "astra")
 
 
 def make_network(name: str, cluster: Cluster) -> NetworkModel:
+    """The network model the event-driven engine runs with (the ``astra`` model runs ASTRA-sim's
+    own replay instead: :mod:`stage_cosim.adapters.roofline.astra`)."""
     if name == "calibrated":
         return CalibratedNetwork(cluster)
-    if name == "astra":
-        from stage_cosim.adapters.roofline.astra import AstraNetwork
-
-        return AstraNetwork.for_cluster(cluster)
     raise UserError("network-model", f"must be one of {', '.join(NETWORK_MODELS)}, got {name!r}")
+
+
+def astra_system(cluster: Cluster, settings=None, compute: str = "replay"):  # noqa: ANN001, ANN201
+    """The system.json the exporter writes for ``cluster`` with these settings."""
+    from stage_cosim.adapters.astra_sim.export import AstraSettings, system_for
+
+    return system_for(cluster, compute, settings or AstraSettings())
 
 
 # -- programs from a synthesized workload ------------------------------------------------------
@@ -110,8 +113,8 @@ def breakdown(prog: AgentProgram, rep: Replay, a: int, step: float, pipelined: b
 # -- the backend -------------------------------------------------------------------------------
 
 def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
-             symmetric: bool = True, exact: bool | None = None
-             ) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
+             symmetric: bool = True, exact: bool | None = None, astra_settings=None,  # noqa: ANN001
+             compute_mode: str = "replay") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     """Simulate one training step.
 
     ``symmetric``: one rank per pipeline stage stands for all its ranks. ``exact``: replay
@@ -119,12 +122,17 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     communication slot per rank couples passes, and full per-rank replays); otherwise each
     pass template is simulated once and the pipeline is replayed pass by pass (fast path).
     Replay and programs are returned for exact runs (timelines), None otherwise.
+
+    The ``astra`` model predicts what ASTRA-sim prints for this workload's export with the
+    same ``astra_settings`` (every system.json field) and ``compute_mode``, to the nanosecond.
     """
     check_fits(cluster, w.mesh)
+    if network_model == "astra":
+        return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode)
     compute = ComputeModel(cluster.gpu)
     network = make_network(network_model, cluster)
     if exact is None:
-        exact = network_model != "calibrated" or not symmetric
+        exact = not symmetric
     par = w.parallel
     rep = programs = None
     if exact:
@@ -145,6 +153,44 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
         finish_of = dict(enumerate(finishes))
         bd_of = dict(enumerate(totals))
         step = max(finishes)
+    return _result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step), rep, programs
+
+
+def _simulate_astra(w: Workload, cluster: Cluster, symmetric: bool, settings, compute_mode: str  # noqa: ANN001
+                    ) -> tuple[SimResult, Replay, list[AgentProgram]]:
+    from stage_cosim.adapters.roofline.astra import engine_view, replay_workload
+    from stage_cosim.adapters.roofline.astra_replay import Deadlock
+
+    from stage_cosim.adapters.roofline.astra import deadlock_message
+
+    system = astra_system(cluster, settings, compute_mode)
+    try:
+        done = replay_workload(w, cluster, system, symmetric=symmetric, record=True)
+    except Deadlock as d:
+        raise UserError("workload", deadlock_message(d)) from None
+    programs, rep = engine_view(done)
+    step = max(rep.finish)
+    finish_of: dict[int, float] = {}
+    bd_of: dict[int, dict[str, float]] = {}
+    for a, prog in enumerate(programs):
+        stage = w.role_of(prog.rank)
+        if stage not in bd_of:
+            finish_of[stage] = rep.finish[a]
+            bd_of[stage] = breakdown(prog, rep, a, step, w.parallel.pp > 1)
+    result = _result(w, cluster, "astra", done.symmetric, True, finish_of, bd_of, step)
+    result.config["astra_sim"] = {"compute": compute_mode, "system": _system_doc(system)}
+    return result, rep, programs
+
+
+def _system_doc(system) -> dict:  # noqa: ANN001
+    from stage_cosim.adapters.astra_sim.config_files import system_json_dict
+
+    return system_json_dict(system)
+
+
+def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool,
+            finish_of: dict[int, float], bd_of: dict[int, dict[str, float]], step: float) -> SimResult:
+    par = w.parallel
     roles = []
     for stage in sorted(finish_of):
         mem = w.memory(stage)
@@ -166,105 +212,13 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
                        hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
                        memory_capacity_bytes=gpu.memory_bytes, fits_in_memory=peak_mem <= gpu.memory_bytes,
                        breakdown=critical.breakdown, config=config, roles=roles)
-    return result, rep, programs
+    return result
 
 
 # -- any directory of Chakra traces ------------------------------------------------------------
 
-def programs_from_traces(ranks: dict, groups: dict[str, list[int]], compute: ComputeModel | None
-                         ) -> tuple[list[AgentProgram], dict[Hashable, int]]:
-    """Agent programs of a trace set (one agent per rank). Compute nodes take their time from
-    ``num_ops``/``tensor_size`` through ``compute`` (or ``duration_micros`` when those are
-    absent, when the node is a CPU op, or when ``compute`` is None)."""
-    world = len(ranks)
-    everyone = tuple(range(world))
-    participants: dict[Hashable, int] = {}
-    programs = []
-    for rank in range(world):
-        nodes = sorted(ranks[rank], key=lambda n: n.id)
-        index = {n.id: i for i, n in enumerate(nodes)}
-        n = len(nodes)
-        prog = AgentProgram(name=f"rank{rank}", rank=rank, ids=[x.id for x in nodes], types=[], deps=[],
-                            duration=[0.0] * n, kind=[""] * n, coll=[None] * n, nbytes=[0] * n, peer=[-1] * n,
-                            tag=[0] * n, group=[None] * n, members=[None] * n)
-        for i, node in enumerate(nodes):
-            t = {4: COMP, 5: SEND, 6: RECV, 7: COLL}.get(node.type)
-            if t is None:
-                raise UserError("traces", f"rank {rank} node {node.id}: node type {node.type_name} cannot be simulated")
-            prog.types.append(t)
-            prog.deps.append([index[d] for d in list(node.data_deps) + list(node.ctrl_deps) if d in index])
-            if t == COMP:
-                ops, size = node.int_attr("num_ops"), node.int_attr("tensor_size")
-                if compute is not None and ops is not None and size and not node.attrs.get("is_cpu_op"):
-                    prog.duration[i] = compute.duration_s(ops, size, True)
-                else:
-                    prog.duration[i] = max(node.duration_micros, 0) * 1e-6
-                continue
-            prog.nbytes[i] = node.int_attr("comm_size", 0) or 0
-            if t == COLL:
-                pg = str(node.attrs.get("pg_name", "") or "0")
-                members = everyone if pg == "0" else tuple(groups.get(pg, ()))
-                if not members:
-                    raise UserError("traces", f"rank {rank} node {node.id}: communicator group {pg} is not defined")
-                from stage_cosim.trace.chakra import COLLECTIVE_NAMES
+def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", **kw):  # noqa: ANN003, ANN201
+    """Simulate a trace directory written by any generator (see :mod:`traces`)."""
+    from stage_cosim.adapters.roofline.traces import simulate_traces as run
 
-                prog.kind[i] = f"pg:{pg}"
-                prog.coll[i] = COLLECTIVE_NAMES.get(node.int_attr("comm_type", -1), "UNKNOWN")
-                prog.group[i] = ("pg", pg)
-                prog.members[i] = members
-                if isinstance(node.attrs.get("involved_dim"), list):
-                    prog.involved[i] = tuple(bool(x) for x in node.attrs["involved_dim"])
-                participants[("pg", pg)] = len(members)
-            else:
-                prog.kind[i] = "pp"
-                prog.tag[i] = node.int_attr("comm_tag", 0) or 0
-                prog.peer[i] = node.int_attr("comm_dst" if t == SEND else "comm_src", -1)
-        programs.append(prog)
-    return programs, participants
-
-
-def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated"
-                    ) -> tuple[SimResult, Replay, list[AgentProgram]]:
-    """Simulate a trace directory written by any generator (validated first)."""
-    import json
-
-    from stage_cosim.trace.validate import load_trace_set, validate_trace_set
-
-    ranks, groups = load_trace_set(directory)
-    problems = validate_trace_set(ranks, groups, limit=5)
-    if problems:
-        raise UserError("traces", f"{directory} is not a valid trace set: {problems[0]} "
-                                  f"(run 'stage-cosim validate {directory}')")
-    if len(ranks) != cluster.num_gpus:
-        raise UserError("cluster", f"has {cluster.num_gpus} GPUs but the traces have {len(ranks)} ranks")
-    compute = ComputeModel(cluster.gpu)
-    network = make_network(network_model, cluster)
-    programs, participants = programs_from_traces(ranks, groups or {}, compute)
-    rep = replay(programs, network, participants, lambda r: r)
-    step = max(rep.finish)
-    manifest_path = directory / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    par = manifest.get("parallel", {})
-    tokens = par.get("global_batch", 0) * par.get("seq_len", 0)
-    peak = cluster.gpu.bf16_tflops * 1e12 * cluster.num_gpus
-    model_flops = manifest.get("totals", {}).get("model_flops", 0)
-    executed = sum(n.int_attr("num_ops", 0) or 0 for nodes in ranks.values() for n in nodes if n.type == 4)
-    role_mem = {r["stage"]: r["peak_memory_bytes"] for r in manifest.get("roles", [])}
-    mesh_doc = manifest.get("mesh")
-    mesh = DeviceMesh(tuple(mesh_doc["degrees"].items()), tuple(mesh_doc["order"])) if mesh_doc else None
-    roles = []
-    for a, prog in enumerate(programs):
-        bd = breakdown(prog, rep, a, step, bool(par.get("pp", 1) > 1))
-        mem = role_mem.get(mesh.coord(a, "pp"), {}) if mesh is not None else {}
-        roles.append(RoleResult(a, rep.finish[a], bd["compute"], bd, int(mem.get("total", 0)), mem))
-    critical = max(roles, key=lambda r: r.finish_s)
-    peak_mem = max((r.peak_memory_bytes for r in roles), default=0)
-    config = {"traces": str(directory), "cluster": cluster.to_dict(), "num_gpus": cluster.num_gpus,
-              "network_model": network_model, "symmetric": False, "model": manifest.get("model"),
-              "parallel": par or None, "model_flops_per_step": model_flops, "executed_flops_per_step": executed}
-    result = SimResult(step_time_s=step, tokens_per_s=tokens / step if tokens else 0.0,
-                       mfu=model_flops / (step * peak), hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
-                       memory_capacity_bytes=cluster.gpu.memory_bytes,
-                       fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
-                       config=config, roles=roles)
-    return result, rep, programs
+    return run(directory, cluster, network_model, **kw)

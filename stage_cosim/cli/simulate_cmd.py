@@ -48,7 +48,10 @@ def print_summary(r: SimResult) -> None:
 @click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True,
               help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")
 @click.option("--traces", type=click.Path(path_type=Path), default=None,
-              help="Simulate this directory of Chakra traces (any generator) instead of synthesizing.")
+              help="Simulate these Chakra traces (any generator; a trace directory or an export's run "
+                   "directory) instead of synthesizing.")
+@click.option("--comm-groups", type=click.Path(path_type=Path), default=None,
+              help="--traces: the communicator-group file (default: comm_groups.json beside the traces or above).")
 @click.option("--full", is_flag=True, help="Replay every rank instead of one rank per pipeline stage.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--timeline", type=click.Path(path_type=Path), default=None,
@@ -61,9 +64,9 @@ def print_summary(r: SimResult) -> None:
               help="astra-sim backend: keep the run directory here.")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="astra-sim backend: seconds.")
 @with_astra_options
-def simulate(cluster: str, network_model: str, traces: Path | None, full: bool, as_json: bool,
-             timeline: Path | None, backend: str, astra_bin: str | None, keep: Path | None, timeout: float,
-             compute_mode: str, **kw) -> None:
+def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups: Path | None, full: bool,
+             as_json: bool, timeline: Path | None, backend: str, astra_bin: str | None, keep: Path | None,
+             timeout: float, compute_mode: str, **kw) -> None:
     """Simulate one training step with the built-in analytical simulator (or ASTRA-sim)."""
     from stage_cosim.adapters.roofline.simulate import simulate as run, simulate_traces
     from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
@@ -84,18 +87,19 @@ def simulate(cluster: str, network_model: str, traces: Path | None, full: bool, 
         click.echo(json.dumps(result.to_dict(), indent=1)) if as_json else print_summary(result)
         return
     if traces is not None:
-        from stage_cosim.trace.validate import load_trace_set  # noqa: F401 (errors surface as UserError)
+        from stage_cosim.trace.traceset import locate
 
-        if not traces.is_dir():
-            raise UserError("traces", f"{traces} is not a directory")
-        n = len([p for p in traces.iterdir() if p.suffix in (".et", ".json") and p.stem.rsplit(".", 1)[-1].isdigit()])
-        result, rep, programs = simulate_traces(traces, resolve_cluster(cluster, n), network_model)
+        n = len(locate(traces, comm_groups).files)
+        result, rep, programs = simulate_traces(traces, resolve_cluster(cluster, n), network_model,
+                                                comm_groups=comm_groups, astra_settings=settings,
+                                                compute_mode=compute_mode, symmetric=not full)
         names = None
     else:
         workload = synthesize(model, parallel)
         # a timeline needs every node's times: replay node by node then
         result, rep, programs = run(workload, resolve_cluster(cluster, parallel.world_size), network_model,
-                                    symmetric=not full, exact=True if timeline is not None else None)
+                                    symmetric=not full, exact=True if timeline is not None else None,
+                                    astra_settings=settings, compute_mode=compute_mode)
         names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
     if timeline is not None:
         labels = names or [[f"node{i}" for i in p.ids] for p in programs]

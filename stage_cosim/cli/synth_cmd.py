@@ -11,9 +11,8 @@ import click
 from tqdm import tqdm
 
 from stage_cosim.cli.options import model_options, parallel_options, resolve_model_options, resolve_parallel_options
-from stage_cosim.manifest import build_manifest
-from stage_cosim.trace.writer import FORMATS, GROUPS_FILE, MANIFEST_FILE, TRACE_PREFIX, atomic_directory, write_traces
-from stage_cosim.workload import synthesize
+
+FORMATS = ("chakra", "json")        # stage_cosim.trace.writer.FORMATS (imported lazily: it pulls in synthesis)
 
 GiB = 1 << 30
 
@@ -28,6 +27,10 @@ GiB = 1 << 30
 @click.option("--quiet", is_flag=True, help="No progress bar or summary.")
 def synth(out: Path, fmt: str, force: bool, quiet: bool, **kw) -> None:
     """Synthesize one training step as per-rank execution traces."""
+    from stage_cosim.manifest import build_manifest
+    from stage_cosim.trace.writer import GROUPS_FILE, MANIFEST_FILE, TRACE_PREFIX, atomic_directory, write_traces
+    from stage_cosim.workload import synthesize
+
     model = resolve_model_options(kw)
     parallel = resolve_parallel_options(kw)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""``stage-cosim validate DIR``: check a trace set for what would hang or abort ASTRA-sim."""
+"""``stage-cosim validate PATH``: check a trace set for what would hang or abort ASTRA-sim."""
 
 from __future__ import annotations
 
@@ -6,22 +6,47 @@ from pathlib import Path
 
 import click
 
-from stage_cosim.trace.validate import load_trace_set, validate_trace_set
-
 
 @click.command()
-@click.argument("directory", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--comm-groups", type=click.Path(path_type=Path), default=None,
+              help="The communicator-group file (default: comm_groups.json beside the traces or above).")
+@click.option("--system-configuration", "system_file", type=click.Path(path_type=Path), default=None,
+              help="ASTRA-sim's system.json to check against (default: the run directory's).")
+@click.option("--network-configuration", "network_file", type=click.Path(path_type=Path), default=None,
+              help="ASTRA-sim's network.yml to check against (default: the run directory's).")
 @click.option("--limit", type=int, default=1000, show_default=True, help="Stop after this many problems.")
-def validate(directory: Path, limit: int) -> int:
+def validate(path: Path, comm_groups: Path | None, system_file: Path | None, network_file: Path | None,
+             limit: int) -> int:
     """Check every rank's trace: ids, dependencies, cycles, types, attributes, collective order
-    per communicator group, and send/receive matching. Exit status 1 if anything is wrong."""
-    ranks, groups = load_trace_set(directory)
-    problems = validate_trace_set(ranks, groups, limit=limit)
-    nodes = sum(len(n) for n in ranks.values())
+    per communicator group, and send/receive matching; then, under ASTRA-sim's system and
+    network files (an export's own, or the ones given; else a nominal network), every
+    collective's phases and a replay for deadlocks of its one-operation-at-a-time rule.
+    PATH is a trace directory or an exported run directory. Exit status 1 if anything is
+    wrong."""
+    from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
+    from stage_cosim.adapters.roofline.astra import check
+    from stage_cosim.errors import UserError
+    from stage_cosim.trace.traceset import locate, read
+
+    located = locate(path, comm_groups)
+    if (system_file is None) != (network_file is None) and located.run_dir is None:
+        raise UserError("system-configuration" if system_file is None else "network-configuration",
+                        "give both the system and the network file (or neither)")
+    run_dir = located.run_dir
+    system_file = system_file or (run_dir / "system.json" if run_dir else None)
+    network_file = network_file or (run_dir / "network.yml" if run_dir and (run_dir / "network.yml").exists() else None)
+    system = read_system_json(system_file) if system_file and network_file else None
+    dims = read_network_yml(network_file) if system_file and network_file else None
+    ts = read(located)
+    problems = check(ts, system, dims, limit)
     for p in problems:
         click.echo(str(p))
     if problems:
-        click.echo(f"{len(problems)}{'+' if len(problems) >= limit else ''} problem(s) in {len(ranks)} ranks", err=True)
+        click.echo(f"{len(problems)}{'+' if len(problems) >= limit else ''} problem(s) in {len(ts.class_of)} ranks",
+                   err=True)
         return 1
-    click.echo(f"ok: {len(ranks)} ranks, {nodes} nodes, {len(groups or {})} communicator groups")
+    against = f"{system_file} and {network_file}" if system is not None else "a nominal network"
+    click.echo(f"ok: {len(ts.class_of)} ranks ({len(ts.classes)} distinct traces), {ts.node_count()} nodes, "
+               f"{len(ts.groups or {})} communicator groups; no deadlock under {against}")
     return 0

@@ -11,11 +11,14 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from stage_cosim.parallel.axes import group_name, resolve_group
 from stage_cosim.schedule.pipeline import Pass, schedule_order
-from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock
 from stage_cosim.sharding.placement import Collective
+
+if TYPE_CHECKING:          # the compiled blocks (sympy) are only handed through here
+    from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock
 
 COMP, COLL, SEND, RECV = "COMP", "COLL", "SEND", "RECV"
 
@@ -27,6 +30,18 @@ ADAM_FLOPS_PER_PARAM = 12
 
 EMBEDDING_GROUP = "embedding"   # first and last pipeline stage, for tied embeddings
 PP_GROUP = "pp"
+
+# What a compute node runs on, for the GPU model: tensor-core GEMMs, fused (flash) attention
+# kernels, or everything else at the vector rate. Written into traces as the ``op_kind``
+# attribute, so that a simulator reading the traces back times each kernel as we do.
+OP_KINDS = ("matmul", "attention", "vector")
+ATTENTION_KINDS = ("attention", "attention_grad")   # categories of the fused attention kernels
+
+
+def op_kind(category: str, matmul: bool) -> str:
+    if category in ATTENTION_KINDS:
+        return "attention"
+    return "matmul" if matmul else "vector"
 
 
 class Node:
@@ -483,6 +498,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     param_ag = _param_gathers(b, chunks, tied_embeddings, degrees) if gathered else {}
     first_fwd_done: set[int] = set()
     placed: list[PlacedPass] = []
+    sends: list[int] = []
     for p in order:
         vs = p.chunk * pp + stage
         common = dict(micro_batch=p.micro_batch, chunk=p.chunk, phase=p.phase, category="pp", group=PP_GROUP,
@@ -514,13 +530,15 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
         if p.phase == "bwd" and vs > 0:
             send = b.add(f"send_bwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=-1,
                          tag=_tag(p.micro_batch, vs - 1, nv, 1), **common)
+        if send >= 0:
+            sends.append(send)
         placed.append(PlacedPass(p, (p.chunk, p.phase), base, entry[0] if entry else -1, send, bool(params)))
         prev_sinks = [base + i for i in t.sinks] or prev_sinks
 
     instances = [inst for c in range(vp) for inst in chunks[c]]
     step_end_start = len(b.nodes)
     _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, degrees=degrees,
-              gather_after_update=not gathered)
+              gather_after_update=not gathered, flush=prev_sinks + sends)
     memory = _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
     return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start, b.deferred)
@@ -570,8 +588,14 @@ def _param_gathers(b: "_Builder", chunks: dict[int, list[_Instance]], tied: bool
 
 
 def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[int]], *, stage: int,
-              pp: int, zero: int, tied: bool, degrees: dict[str, int], gather_after_update: bool = True) -> None:
-    """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers."""
+              pp: int, zero: int, tied: bool, degrees: dict[str, int], gather_after_update: bool = True,
+              flush: list[int] | None = None) -> None:
+    """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers.
+
+    ``flush`` are the nodes that end the stage's pipeline schedule (the last pass's sinks and
+    every pipeline send): the tied-embedding gradient all-reduce waits for them, as Megatron
+    reduces the embedding group's gradients only after the schedule has drained.
+    """
     syncs: list[int] = []
     per_block: dict[str, dict[tuple[tuple[str, ...], Collective], float]] = {}
     params_of = _block_params(instances, tied)
@@ -587,8 +611,12 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
         deps = last_bwd.get(inst.label, [])
         if inst.label in tied_bytes:
             # Tied embeddings on two stages: sum the two copies' gradients first (Megatron's
-            # embedding group), then reduce over dp like any other gradient.
-            nid = b.add(f"{inst.label}.tied_grad_ar", COLL, deps, coll=Collective.ALL_REDUCE,
+            # embedding group), then reduce over dp like any other gradient. The group spans the
+            # first and the last stage, so it starts only when this stage's schedule is done:
+            # issued earlier on the last stage, it would hold that rank's communication (one
+            # operation at a time in ASTRA-sim) while the first stage still waits for its last
+            # backward send, and the pipeline would never drain.
+            nid = b.add(f"{inst.label}.tied_grad_ar", COLL, deps + list(flush or []), coll=Collective.ALL_REDUCE,
                         comm_bytes=_ceil(tied_bytes[inst.label]), group=EMBEDDING_GROUP,
                         phase="step", block=inst.label, category=EMBEDDING_GROUP)
             deps = [nid]

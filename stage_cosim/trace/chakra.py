@@ -169,13 +169,25 @@ def iter_framed(data: bytes) -> Iterator[bytes]:
         pos += size
 
 
+def kind_of(value: object) -> str:
+    """The AttributeProto field a value without a recorded kind goes in (integers as uint64)."""
+    if isinstance(value, bool):
+        return "bool_val"
+    if isinstance(value, int):
+        return "uint64_val"
+    if isinstance(value, float):
+        return "double_val"
+    if isinstance(value, list):
+        return "bool_list" if all(isinstance(x, bool) for x in value) else "int64_list"
+    return "string_val"
+
+
 def node_message(node: TraceNode) -> pb.Node:
     """A TraceNode back into its protobuf message (attributes in the fields they were read from)."""
     msg = pb.Node(id=node.id, name=node.name, type=node.type, data_deps=node.data_deps, ctrl_deps=node.ctrl_deps,
                   duration_micros=node.duration_micros)
     for name, value in node.attrs.items():
-        kind = node.attr_kinds.get(name) or ("bool_val" if isinstance(value, bool) else
-                                             "uint64_val" if isinstance(value, int) else "string_val")
+        kind = node.attr_kinds.get(name) or kind_of(value)
         if kind.endswith("_list"):
             a = pb.AttributeProto(name=name)
             getattr(a, kind).values.extend(value)  # type: ignore[arg-type]

@@ -1,24 +1,30 @@
-"""Check a trace set (ours or another generator's) for what would make ASTRA-sim hang or abort."""
+"""Check a trace set (ours or another generator's) for what would make ASTRA-sim hang or abort.
+
+The checks here need only the traces: node types, attributes and their integer fields,
+dependencies, cycles, communicator groups, the order of collectives in every group, and the
+pairing of sends with receives. What also depends on ASTRA-sim's system and network files
+(message sizes per phase, implementations, the deadlocks of its one-operation-at-a-time rule)
+is checked by :mod:`stage_cosim.adapters.roofline.astra_replay` on top of these.
+
+A class of ranks with identical traces (:mod:`stage_cosim.trace.traceset`) is checked once; a
+problem in it is reported for its first rank, with the number of ranks sharing it.
+"""
 
 from __future__ import annotations
 
 import heapq
-import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
-from stage_cosim.trace.chakra import (
-    COLLECTIVE_NAMES, INT_FIELDS, TraceFormatError, TraceNode, read_comm_groups,
-    read_trace_file, trace_files,
-)
+from stage_cosim.trace import traceset as ts_mod
+from stage_cosim.trace.chakra import COLLECTIVE_NAMES, INT_FIELDS, NODE_TYPE_NAMES, TraceNode
+from stage_cosim.trace.traceset import COLL, COMP, RECV, SEND, NodeTable, TraceSet
 
-COMP, SEND, RECV, COLL = 4, 5, 6, 7
 SUPPORTED_COLLECTIVES = {0: "ALL_REDUCE", 2: "ALL_GATHER", 6: "ALL_TO_ALL", 7: "REDUCE_SCATTER"}
-JSON_NAME = re.compile(r"^(?P<prefix>.+)\.(?P<rank>\d+)\.json$")
-_TYPE_CODES = {"INVALID_NODE": 0, "METADATA_NODE": 1, "MEM_LOAD_NODE": 2, "MEM_STORE_NODE": 3,
-               "COMP_NODE": 4, "COMM_SEND_NODE": 5, "COMM_RECV_NODE": 6, "COMM_COLL_NODE": 7}
+BROADCAST = 5           # not simulated as a collective: its duration is replayed, rank by rank
+ALL_GATHER = 2
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class Problem:
     rank: int | None
     node: int | None
     message: str
+    others: int = 0          # further ranks with the same trace, hence the same problem
 
     def __str__(self) -> str:
         where = []
@@ -33,164 +40,208 @@ class Problem:
             where.append(f"rank {self.rank}")
         if self.node is not None:
             where.append(f"node {self.node}")
-        return f"{' '.join(where) or 'trace set'}: {self.message}"
-
-
-def _read_json_rank(path: Path) -> list[TraceNode]:
-    doc = json.loads(path.read_text())
-    nodes = []
-    for d in doc["nodes"]:
-        attrs = dict(d.get("attrs", {}))
-        kinds = {k: ("bool_val" if isinstance(v, bool) else "uint64_val" if isinstance(v, int)
-                     else "string_val" if isinstance(v, str) else "double_val") for k, v in attrs.items()}
-        nodes.append(TraceNode(d["id"], d.get("name", ""), _TYPE_CODES.get(d["type"], 0),
-                               list(d.get("data_deps", [])), list(d.get("ctrl_deps", [])),
-                               d.get("duration_micros", 0), attrs, kinds))
-    return nodes
+        also = f" (also in {self.others} other rank{'s' if self.others > 1 else ''} with the same trace)" \
+            if self.others else ""
+        return f"{' '.join(where) or 'trace set'}: {self.message}{also}"
 
 
 def load_trace_set(directory: Path, groups_file: Path | None = None
                    ) -> tuple[dict[int, list[TraceNode]], dict[str, list[int]] | None]:
-    """Every rank's nodes (Chakra ``.et`` or our ``.json``) and the communicator groups
-    (``groups_file``, else ``comm_groups.json`` beside the traces if there is one)."""
-    if not directory.is_dir():
-        raise TraceFormatError(f"{directory}: not a directory")
-    try:
-        files = trace_files(directory)
-        ranks = {r: read_trace_file(p)[1] for r, p in sorted(files.items())}
-    except TraceFormatError:
-        jsons = {int(m["rank"]): p for p in directory.iterdir() if (m := JSON_NAME.match(p.name))}
-        if not jsons:
-            raise
-        try:
-            ranks = {r: _read_json_rank(p) for r, p in sorted(jsons.items())}
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise TraceFormatError(f"{directory}: unreadable JSON trace ({exc})") from None
-    groups_path = groups_file or directory / "comm_groups.json"
-    groups = read_comm_groups(groups_path) if groups_path.exists() else None
-    return ranks, groups
+    """Every rank's nodes and the communicator groups of a trace directory (see
+    :func:`stage_cosim.trace.traceset.locate` for where the group file is looked for)."""
+    t = ts_mod.read(ts_mod.locate(directory, groups_file))
+    return {r: t.nodes(r) for r in t.ranks}, t.groups
 
 
-def _issue_order(nodes: list[TraceNode]) -> tuple[list[TraceNode], bool]:
-    """Nodes in the order the simulator would issue them when every node takes the same time
-    (ready nodes by id), and whether the graph has a cycle."""
-    by_id = {n.id: n for n in nodes}
-    indeg = {n.id: 0 for n in nodes}
-    children: dict[int, list[int]] = defaultdict(list)
-    for n in nodes:
-        for d in set(n.data_deps) | set(n.ctrl_deps):
-            if d in by_id:
-                indeg[n.id] += 1
-                children[d].append(n.id)
-    ready = [i for i, k in indeg.items() if k == 0]
+def issue_order(t: NodeTable) -> tuple[list[int], bool]:
+    """Positions in the order the simulator would issue them when every node takes the same
+    time (ready nodes by id), and whether the graph has a cycle."""
+    pos = {nid: i for i, nid in enumerate(t.ids)}
+    indeg = [0] * len(t)
+    children: list[list[int]] = [[] for _ in range(len(t))]
+    for i in range(len(t)):
+        for d in set(t.data_deps[i]) | set(t.ctrl_deps[i]):
+            j = pos.get(d)
+            if j is not None:
+                indeg[i] += 1
+                children[j].append(i)
+    ready = [(t.ids[i], i) for i in range(len(t)) if indeg[i] == 0]
     heapq.heapify(ready)
     out = []
     while ready:
-        i = heapq.heappop(ready)
-        out.append(by_id[i])
+        _, i = heapq.heappop(ready)
+        out.append(i)
         for c in children[i]:
             indeg[c] -= 1
             if indeg[c] == 0:
-                heapq.heappush(ready, c)
-    return out, len(out) != len(by_id)
+                heapq.heappush(ready, (t.ids[c], c))
+    return out, len(out) != len(t)
 
 
-def _check_int(n: TraceNode, rank: int, name: str, problems: list[Problem], *, required: bool,
-               positive: bool = False) -> int | None:
-    if name not in n.attrs:
+def _int_attr(t: NodeTable, i: int, name: str, found: list[str], *, required: bool,
+              positive: bool = False) -> int | None:
+    a = t.attrs[i].get(name)
+    if a is None:
         if required:
-            problems.append(Problem(rank, n.id, f"{n.type_name} lacks attribute {name}"))
+            found.append(f"{NODE_TYPE_NAMES.get(t.types[i], t.types[i])} lacks attribute {name}")
         return None
-    if n.attr_kinds.get(name) not in INT_FIELDS:
-        problems.append(Problem(rank, n.id, f"attribute {name} must be an integer field, is {n.attr_kinds.get(name)}"))
+    if a[0] not in INT_FIELDS:
+        found.append(f"attribute {name} must be an integer field, is {a[0] or 'unset'}")
         return None
-    v = int(n.attrs[name])  # type: ignore[arg-type]
+    v = int(a[1])  # type: ignore[arg-type]
     if positive and v <= 0:
-        problems.append(Problem(rank, n.id, f"attribute {name} must be positive, is {v}"))
+        found.append(f"attribute {name} must be positive, is {v}")
     return v
+
+
+def _class_problems(t: NodeTable) -> list[tuple[int | None, str]]:
+    """(node id or None, message) of everything wrong with one class's graph."""
+    out: list[tuple[int | None, str]] = []
+    seen: set[int] = set()
+    for nid in t.ids:
+        if nid in seen:
+            out.append((nid, "duplicate node id (the simulator keeps only the last)"))
+        seen.add(nid)
+    for i, nid in enumerate(t.ids):
+        msgs: list[str] = []
+        for d in list(t.data_deps[i]) + list(t.ctrl_deps[i]):
+            if d not in seen:
+                msgs.append(f"depends on node {d}, which is not in this rank's file")
+        typ = t.types[i]
+        if typ in (0, 1):
+            msgs.append(f"node type {NODE_TYPE_NAMES.get(typ, typ)} is not runnable (unset types stall, METADATA aborts)")
+        elif typ == COMP:
+            size = _int_attr(t, i, "tensor_size", msgs, required=False)
+            _int_attr(t, i, "num_ops", msgs, required=False)
+            if size == 0:
+                msgs.append("tensor_size 0 makes the simulator skip the node and stall its dependents")
+        elif typ == COLL:
+            # A collective of 0 bytes runs (every chunk has at least a byte per rank) except an
+            # all-gather, whose chunks are then empty.
+            ctype = _int_attr(t, i, "comm_type", msgs, required=True)
+            size = _int_attr(t, i, "comm_size", msgs, required=True)
+            if ctype is not None and ctype not in SUPPORTED_COLLECTIVES and ctype != BROADCAST:
+                msgs.append(f"collective {COLLECTIVE_NAMES.get(ctype, ctype)} is not simulated "
+                            "(the simulator aborts)")
+            if size is not None and size < 0:
+                msgs.append(f"attribute comm_size must not be negative, is {size}")
+            if ctype == ALL_GATHER and size == 0:
+                msgs.append("an ALL_GATHER of 0 B never completes (its chunks are empty)")
+        elif typ in (SEND, RECV):
+            _int_attr(t, i, "comm_tag", msgs, required=True)
+            size = _int_attr(t, i, "comm_size", msgs, required=True)
+            if size is not None and size <= 0:
+                msgs.append(f"a message of {size} B (the simulator asserts on empty messages)")
+        out += [(nid, m) for m in msgs]
+    _, cyclic = issue_order(t)
+    if cyclic:
+        out.append((None, "dependency cycle (the simulator drops such nodes silently)"))
+    return out
 
 
 def _show(x: tuple[int, int, int] | None) -> str:
     return "nothing" if x is None else f"{COLLECTIVE_NAMES.get(x[0], x[0])} of {x[1]} B"
 
 
-def validate_trace_set(ranks: dict[int, list[TraceNode]], groups: dict[str, list[int]] | None,
-                       limit: int = 1000) -> list[Problem]:
+def validate(t: TraceSet, limit: int = 1000) -> list[Problem]:
     """Every problem found (at most ``limit``), each with rank and node id."""
     problems: list[Problem] = []
+    ranks = t.ranks
     world = len(ranks)
-    if sorted(ranks) != list(range(world)):
+    if ranks != list(range(world)):
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))[:5]
         problems.append(Problem(None, None, f"ranks are not 0..{world - 1}; missing e.g. {missing}"))
-    groups = groups or {}
+    groups = t.groups or {}
+    member_sets = {gid: set(m) for gid, m in groups.items()}
     for gid, members in groups.items():
-        if len(set(members)) != len(members) or any(not 0 <= m < world for m in members):
+        if len(member_sets[gid]) != len(members) or any(not 0 <= m < world for m in members):
             problems.append(Problem(None, None, f"group {gid} has repeated or out-of-range ranks {members[:8]}"))
-    # (group id, rank) -> [(type, size, node id)] in issue order
-    coll_seq: dict[str, dict[int, list[tuple[int, int, int]]]] = defaultdict(dict)
-    sends: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)   # (src, dst, tag) -> [(size, id)]
-    recvs: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
-    for rank, nodes in sorted(ranks.items()):
-        seen: set[int] = set()
-        for n in nodes:
-            if n.id in seen:
-                problems.append(Problem(rank, n.id, "duplicate node id (the simulator keeps only the last)"))
-            seen.add(n.id)
-        for n in nodes:
-            for d in list(n.data_deps) + list(n.ctrl_deps):
-                if d not in seen:
-                    problems.append(Problem(rank, n.id, f"depends on node {d}, which is not in this rank's file"))
-            if n.type in (0, 1):
-                problems.append(Problem(rank, n.id, f"node type {n.type_name} is not runnable "
-                                                    "(unset types stall, METADATA aborts)"))
-            elif n.type == COMP:
-                ts = _check_int(n, rank, "tensor_size", problems, required=False)
-                _check_int(n, rank, "num_ops", problems, required=False)
-                if ts == 0:
-                    problems.append(Problem(rank, n.id, "tensor_size 0 makes the simulator skip the node and stall its dependents"))
-            elif n.type == COLL:
-                ctype = _check_int(n, rank, "comm_type", problems, required=True)
-                size = _check_int(n, rank, "comm_size", problems, required=True, positive=True)
-                if ctype is not None and ctype not in SUPPORTED_COLLECTIVES:
-                    problems.append(Problem(rank, n.id, f"collective {COLLECTIVE_NAMES.get(ctype, ctype)} is not simulated"))
-                pg = n.attrs.get("pg_name", "")
-                if "pg_name" in n.attrs and n.attr_kinds.get("pg_name") != "string_val":
-                    problems.append(Problem(rank, n.id, "attribute pg_name must be a string"))
-                    continue
-                pg = str(pg or "0")
-                if pg != "0":
-                    if pg not in groups:
-                        problems.append(Problem(rank, n.id, f"communicator group {pg} is not in the group file"))
-                        continue
-                    if rank not in groups[pg]:
-                        problems.append(Problem(rank, n.id, f"rank is not a member of its group {pg}"))
-            elif n.type in (SEND, RECV):
-                peer_attr = "comm_dst" if n.type == SEND else "comm_src"
-                peer = _check_int(n, rank, peer_attr, problems, required=True)
-                tag = _check_int(n, rank, "comm_tag", problems, required=True)
-                size = _check_int(n, rank, "comm_size", problems, required=True, positive=True)
-                if peer is not None and not 0 <= peer < world:
-                    problems.append(Problem(rank, n.id, f"{peer_attr} {peer} is not a rank"))
-                elif peer is not None and tag is not None and size is not None:
-                    key = (rank, peer, tag) if n.type == SEND else (peer, rank, tag)
-                    (sends if n.type == SEND else recvs)[key].append((size, n.id))
-        order, cyclic = _issue_order(nodes)
-        if cyclic:
-            problems.append(Problem(rank, None, "dependency cycle (the simulator drops such nodes silently)"))
-        for n in order:
-            if n.type == COLL and n.attr_kinds.get("pg_name", "string_val") == "string_val":
-                pg = str(n.attrs.get("pg_name", "") or "0")
-                ctype, size = n.int_attr("comm_type"), n.int_attr("comm_size")
-                if ctype is not None and size is not None:
-                    coll_seq[pg].setdefault(rank, []).append((ctype, size, n.id))
+    members_of: dict[int, list[int]] = defaultdict(list)
+    for r in ranks:
+        members_of[t.class_of[r]].append(r)
+    # class by class: the graph itself, and what each hole needs from a rank's value
+    hole_info: dict[int, list[tuple[int, int, int | None, int | None, int | None]]] = {}
+    coll_order: dict[int, list[int]] = {}
+    for c, table in enumerate(t.classes):
+        if c not in members_of:
+            continue
+        first, others = members_of[c][0], len(members_of[c]) - 1
+        problems += [Problem(first, nid, msg, others) for nid, msg in _class_problems(table)]
+        info = []
+        for k, i in enumerate(table.holes):
+            info.append((k, table.types[i], table.int_attr(i, "comm_type"), table.int_attr(i, "comm_size"),
+                         table.int_attr(i, "comm_tag")))
+        hole_info[c] = info
+        order, _ = issue_order(table)
+        rank_of_hole = {i: k for k, i in enumerate(table.holes)}
+        coll_order[c] = [rank_of_hole[i] for i in order if table.types[i] == COLL and i in rank_of_hole
+                         and table.int_attr(i, "comm_type") != BROADCAST]     # a broadcast couples no one
         if len(problems) >= limit:
             return problems[:limit]
+    # rank by rank: its groups and peers
+    coll_seq: dict[str, dict[int, list[tuple[int, int, int]]]] = defaultdict(dict)
+    sends: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    recvs: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    for rank in ranks:
+        c = t.class_of[rank]
+        table = t.classes[c]
+        values = t.values_of(rank)
+        pgs: list[str | None] = [None] * len(values)
+        for (k, typ, ctype, size, tag), value in zip(hole_info[c], values):
+            nid = table.ids[table.holes[k]]
+            if typ == COLL:
+                if value is None:
+                    pg = "0"
+                elif value[0] != "string_val":
+                    problems.append(Problem(rank, nid, "attribute pg_name must be a string"))
+                    continue
+                else:
+                    pg = str(value[1] or "0")
+                if pg != "0":
+                    if pg not in groups:
+                        problems.append(Problem(rank, nid, f"communicator group {pg} is not in the group file"))
+                        continue
+                    if rank not in member_sets[pg]:
+                        problems.append(Problem(rank, nid, f"rank is not a member of its group {pg}"))
+                pgs[k] = pg
+            else:
+                name = "comm_dst" if typ == SEND else "comm_src"
+                if value is None:
+                    problems.append(Problem(rank, nid, f"{NODE_TYPE_NAMES[typ]} lacks attribute {name}"))
+                    continue
+                if value[0] not in INT_FIELDS:
+                    problems.append(Problem(rank, nid, f"attribute {name} must be an integer field, is {value[0]}"))
+                    continue
+                peer = int(value[1])  # type: ignore[arg-type]
+                if not 0 <= peer < world:
+                    problems.append(Problem(rank, nid, f"{name} {peer} is not a rank"))
+                elif tag is not None and size is not None:
+                    if typ == SEND:
+                        sends[(rank, peer, tag)].append((size, nid))
+                    else:
+                        recvs[(peer, rank, tag)].append((size, nid))
+        for k in coll_order[c]:
+            pg = pgs[k]
+            _, _, ctype, size, _ = hole_info[c][k]
+            if pg is not None and ctype is not None and size is not None:
+                coll_seq[pg].setdefault(rank, []).append((ctype, size, table.ids[table.holes[k]]))
+        if len(problems) >= limit:
+            return problems[:limit]
+    problems += _sequence_problems(coll_seq, groups, world)
+    problems += _p2p_problems(sends, recvs)
+    return problems[:limit]
+
+
+def _sequence_problems(coll_seq: Mapping[str, dict[int, list[tuple[int, int, int]]]],
+                       groups: Mapping[str, list[int]], world: int) -> list[Problem]:
+    """Every member of a group must issue the same collectives in the same order."""
+    out = []
     for pg, per_rank in coll_seq.items():
         members = list(range(world)) if pg == "0" else groups.get(pg, [])
         if not members:
             continue
         # Compare every member with the sequence most members issue (the first member's on a tie).
-        signature = {m: tuple((t, s) for t, s, _ in per_rank.get(m, [])) for m in members}
+        signature = {m: tuple((c, s) for c, s, _ in per_rank.get(m, [])) for m in members}
         counts: dict[tuple, int] = defaultdict(int)
         for sig in signature.values():
             counts[sig] += 1
@@ -205,18 +256,31 @@ def validate_trace_set(ranks: dict[int, list[TraceNode]], groups: dict[str, list
                 a = seq[i] if i < len(seq) else None
                 b = ref[i] if i < len(ref) else None
                 if a is None or b is None or a[:2] != b[:2]:
-                    problems.append(Problem(m, a[2] if a else None,
-                                            f"collective #{i} in group {pg} is {_show(a)}, but rank "
-                                            f"{ref_rank} issues {_show(b)} (mismatch deadlocks)"))
+                    out.append(Problem(m, a[2] if a else None,
+                                       f"collective #{i} in group {pg} differs between ranks: this rank "
+                                       f"issues {_show(a)}, rank {ref_rank} {_show(b)} (the mismatch deadlocks)"))
                     break
+    return out
+
+
+def _p2p_problems(sends: Mapping[tuple[int, int, int], list[tuple[int, int]]],
+                  recvs: Mapping[tuple[int, int, int], list[tuple[int, int]]]) -> list[Problem]:
+    out = []
     for key in sorted(set(sends) | set(recvs)):
         s, r = sorted(sends.get(key, [])), sorted(recvs.get(key, []))
         src, dst, tag = key
         if len(s) != len(r):
             rank, node = (src, s[0][1]) if len(s) > len(r) else (dst, r[0][1])
-            problems.append(Problem(rank, node, f"{len(s)} send(s) from rank {src} to rank {dst} with tag {tag} "
-                                                f"but {len(r)} matching receive(s)"))
+            out.append(Problem(rank, node, f"{len(s)} send(s) from rank {src} to rank {dst} with tag {tag} "
+                                           f"but {len(r)} matching receive(s)"))
         elif [x for x, _ in s] != [x for x, _ in r]:
-            problems.append(Problem(dst, r[0][1], f"receive from rank {src} with tag {tag} expects "
-                                                  f"{[x for x, _ in r]} B, the send carries {[x for x, _ in s]} B"))
-    return problems[:limit]
+            out.append(Problem(dst, r[0][1], f"receive from rank {src} with tag {tag} expects "
+                                             f"{[x for x, _ in r]} B, the send carries {[x for x, _ in s]} B"))
+    return out
+
+
+def validate_trace_set(ranks: Mapping[int, list[TraceNode]] | TraceSet, groups: dict[str, list[int]] | None = None,
+                       limit: int = 1000) -> list[Problem]:
+    """:func:`validate` for node lists (or a :class:`TraceSet`)."""
+    t = ranks if isinstance(ranks, TraceSet) else ts_mod.from_nodes(ranks, groups)
+    return validate(t, limit)

@@ -18,13 +18,13 @@ from typing import Callable, Iterator, Sequence, Union
 from google.protobuf.internal.encoder import _VarintBytes
 
 from stage_cosim.errors import UserError
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND, Node, RoleGraph
+from stage_cosim.schedule.program import COLL, COMP, RECV, SEND, Node, RoleGraph, op_kind
 from stage_cosim.trace import et_def_pb2 as pb
 from stage_cosim.trace.chakra import COLLECTIVE_CODES, SCHEMA_VERSION, attr_bytes, metadata_bytes
+from stage_cosim.trace.traceset import GROUPS_FILE
 from stage_cosim.workload import Workload
 
 TRACE_PREFIX = "workload"
-GROUPS_FILE = "comm_groups.json"
 MANIFEST_FILE = "manifest.json"
 FORMATS = ("chakra", "json")
 _NODE_TYPE = {COMP: pb.COMP_NODE, COLL: pb.COMM_COLL_NODE, SEND: pb.COMM_SEND_NODE, RECV: pb.COMM_RECV_NODE}
@@ -49,9 +49,11 @@ def static_attrs(n: Node) -> list[pb.AttributeProto]:
     A = pb.AttributeProto
     if n.type == COMP:
         # num_ops >= 1 and tensor_size >= 1: the simulator's roofline divides by both, and a
-        # zero tensor_size makes it skip the node and stall everything after it.
+        # zero tensor_size makes it skip the node and stall everything after it. op_kind (which
+        # the simulator ignores) tells a reader how our GPU model times the kernel.
         return [A(name="is_cpu_op", bool_val=False), A(name="num_ops", uint64_val=max(1, n.flops)),
-                A(name="tensor_size", uint64_val=max(1, n.mem_bytes))]
+                A(name="tensor_size", uint64_val=max(1, n.mem_bytes)),
+                A(name="op_kind", string_val=op_kind(n.category, n.matmul))]
     if n.type == COLL:
         return [A(name="is_cpu_op", bool_val=False),
                 A(name="comm_type", uint64_val=COLLECTIVE_CODES[n.coll.value]),

@@ -1,0 +1,226 @@
+"""Simulate a trace set from any generator: the ``--traces`` of ``simulate``.
+
+Compute time: a trace set that carries durations (any compute node with ``duration_micros``
+> 0, as ASTRA-sim's ``--compute replay`` traces and our exports do) is replayed by them;
+otherwise each kernel is timed by our GPU model from ``num_ops``, ``tensor_size`` and its
+``op_kind`` (matmul, attention, vector; a trace without it is taken as matmuls). So the traces
+``synth`` and ``astra-sim export`` write read back to the step time of the direct simulation.
+
+Ranks with equal traces (one pipeline stage) are simulated once where that is exact (see
+:mod:`astra_replay`); communicator groups are named by their kind (tp, dp, embedding) when the
+trace set's manifest says which ids are which, so that streams and breakdowns are those of
+the direct simulation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Hashable, Sequence
+
+from stage_cosim.adapters.roofline.astra_model import Network, replay_ns
+from stage_cosim.adapters.roofline.astra_replay import K_COLL, symmetric as is_symmetric, target_of
+from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
+from stage_cosim.errors import UserError
+from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.parallel.mesh import DeviceMesh
+from stage_cosim.result import RoleResult, SimResult
+from stage_cosim.schedule.program import COLL, COMP, RECV, SEND
+from stage_cosim.trace import traceset
+from stage_cosim.trace.traceset import NodeTable, TraceSet
+from stage_cosim.trace.validate import validate
+
+_TYPES = {4: COMP, 5: SEND, 6: RECV, 7: COLL}
+
+
+def carries_durations(ts: TraceSet) -> bool:
+    """Whether the traces say how long their kernels take (any compute node with a duration)."""
+    return any(d > 0 for t in ts.classes for typ, d in zip(t.types, t.duration_micros) if typ == 4)
+
+
+def kernel_seconds(ts: TraceSet, compute: ComputeModel) -> list[list[float]]:
+    """Per class, each compute node's time (file order; 0 for other nodes)."""
+    by_duration = carries_durations(ts)
+    out = []
+    for t in ts.classes:
+        secs = [0.0] * len(t)
+        for i, typ in enumerate(t.types):
+            if typ != 4:
+                continue
+            cpu = t.attrs[i].get("is_cpu_op", (None, False))[1] is True
+            if by_duration or cpu:
+                secs[i] = replay_ns(t.duration_micros[i]) * 1e-9
+            else:
+                kind = t.attrs[i].get("op_kind", (None, "matmul"))[1]
+                secs[i] = compute.duration_of(t.int_attr(i, "num_ops", 0) or 0, t.int_attr(i, "tensor_size", 0) or 0,
+                                              str(kind))
+        out.append(secs)
+    return out
+
+
+def group_kinds(manifest: dict) -> dict[str, str]:
+    """Communicator-group id -> kind (tp, dp, embedding) from a manifest, where it says."""
+    counts = manifest.get("counts", {}).get("communicator_groups") or manifest.get("communicator_groups") or {}
+    out, nxt = {}, 1
+    for kind, n in counts.items():
+        for g in range(nxt, nxt + int(n)):
+            out[str(g)] = kind
+        nxt += int(n)
+    return out
+
+
+def _manifest(located: traceset.Located) -> dict:
+    for d in (located.trace_dir, located.run_dir):
+        if d is not None and (d / "manifest.json").is_file():
+            try:
+                return json.loads((d / "manifest.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                return {}
+    return {}
+
+
+def _table_program(name: str, rank: int, t: NodeTable, values: Sequence, secs: Sequence[float],
+                   kinds: dict[str, str], members_of, agent_of: dict[int, int]) -> AgentProgram:  # noqa: ANN001
+    """One engine program: sends and receives name the agent of their peer."""
+    order = sorted(range(len(t)), key=t.ids.__getitem__)
+    pos = {t.ids[i]: k for k, i in enumerate(order)}
+    hole_value = dict(zip(t.holes, values))
+    n = len(order)
+    prog = AgentProgram(name=name, rank=rank, ids=[t.ids[i] for i in order], types=[], deps=[], duration=[0.0] * n,
+                        kind=[""] * n, coll=[None] * n, nbytes=[0] * n, peer=[-1] * n, tag=[0] * n, group=[None] * n,
+                        members=[None] * n)
+    from stage_cosim.trace.chakra import COLLECTIVE_NAMES
+
+    for k, i in enumerate(order):
+        typ = _TYPES.get(t.types[i])
+        if typ is None:
+            raise UserError("traces", f"rank {rank} node {t.ids[i]}: node type {t.types[i]} cannot be simulated")
+        prog.types.append(typ)
+        prog.deps.append(sorted({pos[d] for d in t.data_deps[i] + t.ctrl_deps[i] if d in pos}))
+        if typ == COMP:
+            prog.duration[k] = secs[i]
+            continue
+        prog.nbytes[k] = t.int_attr(i, "comm_size", 0) or 0
+        if typ == COLL:
+            pg = target_of(hole_value.get(i), K_COLL)
+            prog.kind[k] = kinds.get(str(pg), f"pg:{pg}")
+            prog.coll[k] = COLLECTIVE_NAMES.get(t.int_attr(i, "comm_type", -1) or 0, "UNKNOWN")
+            prog.group[k] = ("pg", pg)
+            prog.members[k] = tuple(members_of(pg))
+            inv = t.attrs[i].get("involved_dim")
+            if inv is not None and isinstance(inv[1], list):
+                prog.involved[k] = tuple(bool(x) for x in inv[1])
+        else:
+            prog.kind[k] = "pp"
+            prog.tag[k] = t.int_attr(i, "comm_tag", 0) or 0
+            prog.peer[k] = agent_of[target_of(hole_value.get(i), 2)]  # type: ignore[index]
+    return prog
+
+
+def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds: dict[str, str],
+                   symmetric: bool = True) -> tuple[list[AgentProgram], dict[Hashable, int], object]:
+    """Engine programs of a trace set: one per class where that is exact, else one per rank.
+    Returns the programs, how many agents take part in each group, and rank -> agent."""
+    from stage_cosim.adapters.roofline.astra import _members_of, trace_classes
+
+    n = len(ts.class_of)
+    members_of = _members_of(ts.groups, n)
+    secs = kernel_seconds(ts, compute)
+    agents: list[int] = list(range(n))
+    agent_of = {r: r for r in range(n)}
+    if symmetric and len(ts.classes) < n:
+        cl, reps = trace_classes(ts, members_of)
+        if is_symmetric(cl, reps, members_of, Network(cluster.network_dims())):
+            order = sorted(reps)
+            agents = [reps[c] for c in order]
+            index = {c: a for a, c in enumerate(order)}
+            agent_of = {r: index[ts.class_of[r]] for r in range(n)}
+    programs = []
+    for a, r in enumerate(agents):
+        c = ts.class_of[r]
+        programs.append(_table_program(f"rank{r}", r, ts.classes[c], ts.values_of(r), secs[c], kinds, members_of,
+                                       agent_of))
+    participants: dict[Hashable, int] = {}
+    for p in programs:
+        for g, m in zip(p.group, p.members):
+            if g is not None and g not in participants:
+                participants[g] = len({agent_of[x] for x in m})  # type: ignore[union-attr]
+    return programs, participants, agent_of.__getitem__
+
+
+def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", *,
+                    comm_groups: Path | None = None, astra_settings=None,  # noqa: ANN001
+                    compute_mode: str = "replay", symmetric: bool = True
+                    ) -> tuple[SimResult, Replay, list[AgentProgram]]:
+    """Simulate a trace directory (an export's run directory, a trace directory, or either with
+    the group file given), validated first."""
+    from stage_cosim.adapters.roofline.simulate import breakdown
+
+    located = traceset.locate(directory, comm_groups)
+    ts = traceset.read(located)
+    problems = validate(ts, 5)
+    if problems:
+        raise UserError("traces", f"{directory} is not a valid trace set: {problems[0]} "
+                                  f"(run 'stage-cosim validate {directory}')")
+    n = len(ts.class_of)
+    if n != cluster.num_gpus:
+        raise UserError("cluster", f"has {cluster.num_gpus} GPUs but the traces have {n} ranks")
+    manifest = _manifest(located)
+    kinds = group_kinds(manifest)
+    compute = ComputeModel(cluster.gpu)
+    if network_model == "astra":
+        programs, rep = _astra(ts, cluster, compute, astra_settings, compute_mode, symmetric)
+    elif network_model == "calibrated":
+        from stage_cosim.adapters.roofline.network import CalibratedNetwork
+
+        programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, kinds, symmetric)
+        rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
+    else:
+        raise UserError("network-model", f"must be calibrated or astra, got {network_model!r}")
+    step = max(rep.finish)
+    par = manifest.get("parallel") or {}
+    tokens = par.get("global_batch", 0) * par.get("seq_len", 0)
+    peak = cluster.gpu.bf16_tflops * 1e12 * cluster.num_gpus
+    model_flops = manifest.get("totals", {}).get("model_flops", 0) or manifest.get("model_flops_per_step", 0)
+    executed = sum((t.int_attr(i, "num_ops", 0) or 0) * len(ts.members_of(c))
+                   for c, t in enumerate(ts.classes) for i, typ in enumerate(t.types) if typ == 4)
+    role_mem = {r["stage"]: r["peak_memory_bytes"] for r in manifest.get("roles", []) or manifest.get("stages", [])}
+    mesh_doc = manifest.get("mesh")
+    mesh = DeviceMesh(tuple(mesh_doc["degrees"].items()), tuple(mesh_doc["order"])) if mesh_doc else None
+    roles = []
+    for a, prog in enumerate(programs):
+        bd = breakdown(prog, rep, a, step, bool(par.get("pp", 1) > 1))
+        stage = mesh.coord(prog.rank, "pp") if mesh is not None else a
+        mem = role_mem.get(stage, {}) if mesh is not None else {}
+        roles.append(RoleResult(stage, rep.finish[a], bd["compute"], bd, int(mem.get("total", 0)), mem))
+    critical = max(roles, key=lambda r: r.finish_s)
+    peak_mem = max((r.peak_memory_bytes for r in roles), default=0)
+    config = {"traces": str(directory), "cluster": cluster.to_dict(), "num_gpus": cluster.num_gpus,
+              "network_model": network_model, "symmetric": len(programs) < n, "model": manifest.get("model"),
+              "parallel": par or None, "model_flops_per_step": model_flops, "executed_flops_per_step": executed,
+              "compute": "trace durations" if carries_durations(ts) else "GPU model"}
+    result = SimResult(step_time_s=step, tokens_per_s=tokens / step if tokens else 0.0,
+                       mfu=model_flops / (step * peak), hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
+                       memory_capacity_bytes=cluster.gpu.memory_bytes,
+                       fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
+                       config=config, roles=roles)
+    return result, rep, programs
+
+
+def _astra(ts: TraceSet, cluster: Cluster, compute: ComputeModel, settings, compute_mode: str,  # noqa: ANN001
+           symmetric: bool) -> tuple[list[AgentProgram], Replay]:
+    """The astra model on a trace set: the simulator's own compute rule where the traces carry
+    durations (or system.json asks for its roofline); our GPU model's, in ns, where they do not."""
+    from stage_cosim.adapters.roofline.astra import engine_view, replay_checked
+    from stage_cosim.adapters.roofline.simulate import astra_system
+
+    system = astra_system(cluster, settings, compute_mode)
+    durations = None
+    if not system.roofline_enabled and not carries_durations(ts):
+        secs = kernel_seconds(ts, compute)
+        durations = [[max(1, round(s * 1e9)) if typ == 4 else 0 for s, typ in zip(secs[c], t.types)]
+                     for c, t in enumerate(ts.classes)]
+    done = replay_checked(ts, system, cluster.network_dims(), "traces", symmetric=symmetric, record=True,
+                          durations=durations)
+    return engine_view(done)
