@@ -9,6 +9,7 @@ worker processes install them with ``--worker-init bridge_standins:install``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ def standin_optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | 
             pass
     if req.get("spawn_child"):        # like a running ASTRA-sim binary: a process of its own
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"worker pid {os.getpid()}", file=sys.stderr, flush=True)
         print(f"child pid {child.pid}", file=sys.stderr, flush=True)
     best: dict[str, Any] | None = None
     done = 0

@@ -7,6 +7,9 @@ clients; a killed server recovers, and its workers die with it.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 from stage_cosim.bridge import Client
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.server import start_in_thread
-from test_bridge import SMALL, config
+from test_bridge import SMALL, STANDINS, TESTS, config
 
 SECRET = "7f3c-server-secret-9d1e"
 
@@ -230,3 +233,161 @@ def test_jobs_that_cannot_fit_are_refused_and_over_limit_jobs_fail_in_one_line()
         assert cpu.state == pb.FAILED and cpu.error.startswith("cpu: the job used more than its 1 s of CPU time")
         assert cpu.finished_at - cpu.started_at < 30
         assert c.result(c.submit("optimize", SMALL, settings={"budget": 2}).id)["evaluations"] == 2
+
+
+# -- recovery and streams --------------------------------------------------------------------------------
+
+def test_a_silently_dropped_connection_does_not_hang_a_watch(server_with_standins) -> None:
+    """The connection goes silent mid-watch (nothing passes, nothing is closed): the client misses
+    its heartbeats, gives the connection up for a new one and resumes; the watch ends with the
+    job's final state soon after the job ends, with every event once."""
+    import time
+
+    from bridge_proxy import DroppingProxy
+
+    proxy = DroppingProxy(server_with_standins.port)
+    try:
+        with Client(proxy.address, retries=10, backoff_s=0.05, heartbeat_s=0.5) as c:
+            job = c.submit("optimize", SMALL, settings={"budget": 8, "sleep": 0.1})
+            seen, stalled_at = [], None
+            for event in c.watch(job.id):
+                seen.append(event)
+                if len(seen) == 3:
+                    proxy.stall_all()
+                    stalled_at = time.monotonic()
+            waited = time.monotonic() - stalled_at
+        seqs = [e.seq for e in seen]
+        assert seqs == list(range(1, len(seqs) + 1)) and seen[-1].state.state == pb.SUCCEEDED
+        assert waited < 15, waited       # 3 missed heartbeats of 0.5 s, a reconnect; not keepalive's minutes
+    finally:
+        proxy.close()
+
+
+@pytest.fixture(scope="module")
+def server_with_standins():
+    with start_in_thread(config()) as s:
+        yield s
+
+
+def start_serve(data: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``stage-cosim serve`` in a process of its own (one worker, the stand-ins), on a free port."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
+    proc = subprocess.Popen([sys.executable, "-m", "stage_cosim", "serve", "--port", "0", "--workers", "1",
+                             "--heartbeat", "0.2", "--worker-init", STANDINS, "--data-dir", str(data), *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    line = proc.stdout.readline()          # type: ignore[union-attr]
+    return proc, "127.0.0.1:" + line.split(" serving on ")[1].split()[0].rsplit(":", 1)[1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_kill_9_of_the_server_ends_its_workers_and_a_restart_resumes_every_watch(tmp_path) -> None:
+    """kill -9 mid-job: the worker and the process its job started die with the server; an upload
+    cut short leaves nothing after the restart; the restarted server runs the running and the
+    queued job again, numbering events on, so a watch resumed with after_seq ends with the final
+    state and the whole log reads 1, 2, 3, ... once."""
+    import threading
+    import time
+
+    from test_bridge import process_gone
+
+    data = tmp_path / "data"
+    proc, address = start_serve(data)
+    try:
+        with Client(address, retries=0) as c:
+            running = c.submit("optimize", SMALL, settings={"budget": 20, "sleep": 0.05, "spawn_child": True})
+            queued = c.submit("optimize", SMALL, settings={"budget": 2})
+            pids: dict[str, int] = {}
+            seen: list[pb.JobEvent] = []
+            for event in c.watch(running.id):
+                seen.append(event)
+                if event.HasField("log") and event.log.line.split()[1:2] == ["pid"]:
+                    pids[event.log.line.split()[0]] = int(event.log.line.split()[-1])
+                if len(pids) == 2 and any(e.HasField("progress") for e in seen):
+                    break
+            release = threading.Event()
+
+            def cut_short_upload() -> None:
+                def messages():
+                    yield pb.UploadTracesRequest(header=pb.UploadHeader(files=[pb.FileSpec(
+                        path="a.et", size=2 << 20, sha256="0" * 64)]))
+                    yield pb.UploadTracesRequest(chunk=pb.FileChunk(path="a.et", offset=0, data=b"x" * (1 << 20)))
+                    release.wait(30)
+                with pytest.raises(grpc.RpcError):
+                    c.stub.UploadTraces(messages())
+
+            uploader = threading.Thread(target=cut_short_upload)
+            uploader.start()
+            deadline = time.time() + 20
+            while not list((data / "uploads").glob(".incoming-*")) and time.time() < deadline:
+                time.sleep(0.02)
+            assert list((data / "uploads").glob(".incoming-*"))
+            proc.kill()
+            proc.wait()
+            release.set()
+            uploader.join(30)
+        assert set(pids) == {"worker", "child"}
+        deadline = time.time() + 10
+        while not all(process_gone(p) for p in pids.values()) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(process_gone(p) for p in pids.values()), pids         # they died with their server
+        proc, address = start_serve(data)
+        assert not list((data / "uploads").glob(".incoming-*"))
+        with Client(address) as c:
+            rest = list(c.watch(running.id, after_seq=seen[-1].seq))
+            assert rest[0].seq == seen[-1].seq + 1 and rest[-1].state.state == pb.SUCCEEDED
+            log = list(c.watch(running.id))
+            assert [e.seq for e in log] == list(range(1, len(log) + 1))
+            assert [e.SerializeToString() for e in log[:len(seen)]] == [e.SerializeToString() for e in seen]
+            assert any(e.HasField("log") and e.log.line.startswith("queued again") for e in rest)
+            assert c.wait(queued.id).state == pb.SUCCEEDED
+    finally:
+        stop(proc)
+
+
+def test_sigterm_keeps_queued_jobs_for_the_next_server_and_cancels_them_without_one(tmp_path) -> None:
+    """One behaviour for queued jobs, whichever way a server stops: with a data directory they
+    wait there for the next server (after SIGTERM as after kill -9); without one, no server will
+    run them, so a drain cancels them. A running job gets the drain timeout, then is cancelled."""
+    import time
+
+    from stage_cosim.bridge.manager import Limits
+
+    data = tmp_path / "data"
+    proc, address = start_serve(data, "--drain-timeout", "0.5")
+    try:
+        with Client(address, retries=0) as c:
+            running = c.submit("optimize", SMALL, settings={"budget": 1000, "sleep": 0.05})
+            while c.job(running.id).state != pb.RUNNING:
+                time.sleep(0.02)
+            queued = c.submit("optimize", SMALL, settings={"budget": 2})
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+        proc, address = start_serve(data)
+        with Client(address) as c:
+            assert c.job(running.id).state == pb.CANCELLED
+            final = c.wait(queued.id)
+            assert final.state == pb.SUCCEEDED
+            states = [e.state.state for e in c.watch(queued.id) if e.HasField("state")]
+            assert states == [pb.QUEUED, pb.RUNNING, pb.SUCCEEDED]
+    finally:
+        stop(proc)
+    s = start_in_thread(config(limits=Limits(workers=1, kill_grace_s=0.2))).start()
+    try:
+        with Client(s.address) as c:
+            running = c.submit("optimize", SMALL, settings={"budget": 1000, "sleep": 0.05})
+            while c.job(running.id).state != pb.RUNNING:
+                time.sleep(0.02)
+            queued = c.submit("optimize", SMALL, settings={"budget": 2})
+    finally:
+        s.stop(drain_timeout_s=0.5)
+    assert s.server.manager.jobs[queued.id].state == pb.CANCELLED
+    assert s.server.manager.jobs[running.id].state == pb.CANCELLED

@@ -16,6 +16,7 @@ import collections
 import hashlib
 import json
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -35,6 +36,11 @@ from stage_cosim.model.hf import read_hf_config
 
 T = TypeVar("T")
 DEFAULT_SERVER = "127.0.0.1:50051"
+HEARTBEATS_MISSED = 3
+# Keepalive: ping the server every 10 s on a quiet connection, give it up after 5 s without an
+# answer (the server accepts pings every 5 s).
+KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+             ("grpc.http2.max_pings_without_data", 0)]
 RESULT_FILE = "result.json"
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 
@@ -147,6 +153,53 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(details), requests)
 
 
+# -- silent streams --------------------------------------------------------------------------------
+
+class _Watched:
+    def __init__(self, call: Any, silence_s: float) -> None:
+        self.call, self.silence_s = call, silence_s
+        self.deadline = time.monotonic() + silence_s
+        self.silent = False
+
+    def heard(self) -> None:
+        self.deadline = time.monotonic() + self.silence_s
+
+
+class _Watchdog:
+    """One thread per client that cancels a watch stream heard nothing from for too long."""
+
+    def __init__(self) -> None:
+        self._watched: set[_Watched] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+
+    def watch(self, call: Any, silence_s: float) -> _Watched:
+        watched = _Watched(call, silence_s)
+        with self._lock:
+            self._watched.add(watched)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="bridge-watchdog", daemon=True)
+                self._thread.start()
+        return watched
+
+    def forget(self, watched: _Watched) -> None:
+        with self._lock:
+            self._watched.discard(watched)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.1):
+            now = time.monotonic()
+            with self._lock:
+                late = [w for w in self._watched if not w.silent and now > w.deadline]
+            for w in late:
+                w.silent = True
+                w.call.cancel()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
 # -- the client ----------------------------------------------------------------------------------------
 
 class Client:
@@ -154,21 +207,42 @@ class Client:
 
     def __init__(self, address: str = DEFAULT_SERVER, *, token: str | None = None,
                  tls_ca: str | Path | bytes | None = None, tls: bool = False, retries: int = 5,
-                 backoff_s: float = 0.2, timeout_s: float = 60.0) -> None:
+                 backoff_s: float = 0.2, timeout_s: float = 60.0, heartbeat_s: float = 2.0) -> None:
         self.address = address
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._token = token
+        self._credentials = None
         if tls or tls_ca is not None:
             ca = tls_ca if isinstance(tls_ca, (bytes, type(None))) else Path(tls_ca).read_bytes()
-            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca))
+            self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+        self._old_channels: list[grpc.Channel] = []
+        self._watchdog = _Watchdog()
+        self._connect()
+
+    def _connect(self) -> None:
+        """A channel with its own connection (not shared with other channels to the address)."""
+        options = [*KEEPALIVE, ("grpc.use_local_subchannel_pool", 1)]
+        if self._credentials is not None:
+            channel = grpc.secure_channel(self.address, self._credentials, options=options)
         else:
-            channel = grpc.insecure_channel(address)
+            channel = grpc.insecure_channel(self.address, options=options)
         self._raw_channel = channel
-        self.channel = grpc.intercept_channel(channel, _BearerToken(token)) if token else channel
+        self.channel = grpc.intercept_channel(channel, _BearerToken(self._token)) if self._token else channel
         self.stub = pb_grpc.BridgeStub(self.channel)
 
+    def _reconnect(self) -> None:
+        """Give up the connection (it went silent) for a new one; calls still on the old channel
+        finish or fail there (it is closed with the client)."""
+        self._old_channels.append(self._raw_channel)
+        self._connect()
+
     def close(self) -> None:
+        self._watchdog.stop()
+        for channel in self._old_channels:
+            channel.close()
         self._raw_channel.close()
 
     def __enter__(self) -> "Client":
@@ -196,8 +270,13 @@ class Client:
         """A dropped resumable stream: raise unless retryable and retries remain, else wait and
         return the next attempt number."""
         err = BridgeError.of(exc)
-        if err.code not in _RETRYABLE or attempt >= self.retries:
+        if err.code not in _RETRYABLE:
             raise err from None
+        return self._backoff(attempt, exc)
+
+    def _backoff(self, attempt: int, exc: grpc.RpcError) -> int:
+        if attempt >= self.retries:
+            raise BridgeError.of(exc) from None
         time.sleep(self.backoff_s * 2 ** attempt)
         return attempt + 1
 
@@ -252,12 +331,19 @@ class Client:
         return self._unary("CancelJob", pb.CancelJobRequest(job_id=job_id))
 
     def watch(self, job_id: str, after_seq: int = 0, heartbeats: bool = False) -> Iterator[pb.JobEvent]:
-        """The job's events after ``after_seq`` until its final state, resuming over dropped streams."""
+        """The job's events after ``after_seq`` until its final state, resuming over dropped streams.
+
+        The server sends a heartbeat every ``heartbeat_s`` while nothing happens; a stream that
+        stays silent for ``HEARTBEATS_MISSED`` of them (a connection dropped without a word) is
+        given up for a new connection, and the watch resumes where it was."""
         seq, attempt = after_seq, 0
+        silence_s = HEARTBEATS_MISSED * self.heartbeat_s + 1.0
         while True:
-            call = self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=seq))
+            call = self.stub.WatchJob(pb.WatchJobRequest(job_id=job_id, after_seq=seq, heartbeat_s=self.heartbeat_s))
+            watched = self._watchdog.watch(call, silence_s)
             try:
                 for event in call:
+                    watched.heard()
                     attempt = 0
                     if event.HasField("heartbeat"):
                         if heartbeats:
@@ -267,10 +353,17 @@ class Client:
                     yield event
                     if event.HasField("state") and event.state.state in FINAL:
                         return
-                return
+                if not watched.silent:
+                    return
+                self._reconnect()       # the stream ended without the final state
             except grpc.RpcError as exc:
-                attempt = self._stream_backoff(exc, attempt)
+                if not watched.silent:
+                    attempt = self._stream_backoff(exc, attempt)
+                    continue
+                self._reconnect()
+                attempt = self._backoff(attempt, exc)
             finally:
+                self._watchdog.forget(watched)
                 call.cancel()
 
     def wait(self, job_id: str, on_event: Callable[[pb.JobEvent], None] | None = None) -> pb.Job:

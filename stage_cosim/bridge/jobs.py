@@ -1,8 +1,9 @@
 """A job: its state machine and its event log.
 
 Every change to a job is an event with a sequence number (1, 2, 3, ...), kept for the job's
-life. A watcher that lost its stream asks again with the last number it saw and receives the
-rest: nothing is lost, nothing repeated. Heartbeats are not stored; they repeat the latest
+life and written to the job's log on disk before any watcher sees it. A watcher that lost its
+stream — or its server, killed and restarted — asks again with the last number it saw and
+receives the rest: nothing is lost, nothing repeated, and the stream ends with the final state. Heartbeats are not stored; they repeat the latest
 number. Log events are capped per job (the cap is announced as one more log line); the tail of
 the log is always kept for error reports.
 
@@ -16,7 +17,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 
@@ -67,6 +68,9 @@ class JobRecord:
     log_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=EXCERPT_LINES))
     log_events: int = 0
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    # called with every event before any watcher sees it (the manager appends it to the job's log
+    # on disk, so the numbers a watcher saw survive the server)
+    sink: Callable[[pb.JobEvent], None] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     # -- state ---------------------------------------------------------------------------------
@@ -114,6 +118,8 @@ class JobRecord:
         event.seq = len(self.events) + 1
         event.time = time.time()
         event.job_id = self.id
+        if self.sink is not None:
+            self.sink(event)
         self.events.append(event)
         self._changed.set()
         self._changed = asyncio.Event()

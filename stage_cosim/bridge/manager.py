@@ -1,16 +1,19 @@
 """The job manager: a bounded queue, a fixed number of worker slots, a result cache.
 
 Everything here runs on the server's asyncio loop and never blocks it: worker processes are
-driven through asyncio pipes, file work goes to the default executor. The pieces:
+driven through asyncio pipes, file work goes to the default executor (an event is one small
+append, made on the loop so that it is on disk before a watcher sees it). The pieces:
 
 * submit: idempotent by the client's request id; refused with QueueFull when ``max_queue`` jobs
   wait; answered from the cache at once when the same resolved inputs already succeeded.
 * slots: ``workers`` loops, each owning one warm worker process (``process.py``); a job that is
   cancelled or runs past its limit takes its process down with it, and the slot starts another.
-* storage: ``<data>/jobs/<id>/`` holds the request, the artifacts (``artifacts/``, what clients
-  may download) and, once the job is final, ``job.json`` and ``events.jsonl``. A restarted
-  server reloads final jobs (results, downloads, idempotency and cache survive) and queues again
-  the jobs that had not finished.
+* storage: ``<data>/jobs/<id>/`` holds the request, the event log (``events.jsonl``, appended
+  as events happen), the artifacts (``artifacts/``, what clients may download) and, once the job
+  is final, ``job.json``. A restarted server reloads final jobs (results, downloads, idempotency
+  and cache survive) and queues again the jobs that had not finished — queued or running when
+  the server was killed, or queued when it was stopped — numbering their events on from the
+  last one kept.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from google.protobuf.json_format import MessageToDict, ParseDict
 
@@ -77,13 +80,16 @@ class Limits:
 
 class JobManager:
     def __init__(self, data_dir: Path, limits: Limits | None = None, worker_init: str | None = None,
-                 uploads_root: Path | None = None, worker: WorkerSettings | None = None) -> None:
+                 uploads_root: Path | None = None, worker: WorkerSettings | None = None,
+                 persistent: bool = False) -> None:
         self.data = Path(data_dir).resolve()        # workers change directory: every path absolute
         self.jobs_root = self.data / "jobs"
         self.uploads_root = Path(uploads_root).resolve() if uploads_root else self.data / "uploads"
         self.limits = limits or Limits()
         self.worker_init = worker_init
         self.worker_settings = worker or WorkerSettings()
+        # a data directory that outlives this server: queued jobs wait there for the next one
+        self.persistent = persistent
         self.jobs: dict[str, JobRecord] = {}
         self.by_request_id: dict[str, str] = {}
         self.cache: dict[str, str] = {}                 # digest -> id of a job that succeeded
@@ -106,9 +112,11 @@ class JobManager:
             self._slots.append(asyncio.create_task(self._slot(i), name=f"bridge-slot-{i}"))
 
     async def drain(self, timeout_s: float) -> None:
-        """Take no new work, cancel queued jobs, give running ones ``timeout_s``, then cancel them."""
+        """Take no new work, give running jobs ``timeout_s``, then cancel them. Queued jobs stay
+        queued in a persistent data directory (the next server runs them, as after a crash) and
+        are cancelled otherwise (no server will)."""
         self.draining = True
-        for job in [j for j in self.jobs.values() if j.state == J.QUEUED]:
+        for job in [j for j in self.jobs.values() if j.state == J.QUEUED and not self.persistent]:
             await self.cancel(job.id, "the server is shutting down")
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
@@ -182,11 +190,10 @@ class JobManager:
         job = JobRecord(id=f"j-{secrets.token_hex(8)}", kind=kind, request=request, options=options,
                         request_id=request_id, fingerprint=fingerprint, digest=digest,
                         timeout_s=min(limit, self.limits.max_timeout_s), no_cache=no_cache)
-        self.jobs[job.id] = job
-        if request_id:
-            self.by_request_id[request_id] = job.id
+        self._index(job)
+        await self._write_request(job)          # the directory and the request, before any event
+        job.sink = self._event_log(job)
         job.set_state(J.QUEUED)
-        await self._write_request(job)
         if cached is not None:
             await self._finish_from_cache(job, cached)
         else:
@@ -246,7 +253,7 @@ class JobManager:
         try:
             while True:
                 job = await self._queue.get()
-                if job.state != J.QUEUED:
+                if job.state != J.QUEUED or self.draining:      # draining: it waits on disk
                     continue
                 cached = None if job.no_cache else self._cached(job.digest)
                 if cached is not None:           # an identical job finished while this one waited
@@ -365,16 +372,29 @@ class JobManager:
 
         await asyncio.get_running_loop().run_in_executor(None, write)
 
+    def _event_log(self, job: JobRecord) -> Callable[[pb.JobEvent], None]:
+        """Append each event to the job's log as it happens: one small write (to the OS, not
+        synced), so a killed server's events, and their numbers, are there when it restarts."""
+        path = self.job_dir(job) / EVENTS_FILE
+
+        def append(event: pb.JobEvent) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (json.dumps(MessageToDict(event)) + "\n").encode())
+            finally:
+                os.close(fd)
+
+        return append
+
     async def _persist(self, job: JobRecord) -> None:
-        """Save a final job: its record and its whole event log."""
+        """Save a final job's record (its events are in the log already): written last, it marks
+        the job final."""
         record = json.dumps(job.to_dict())
-        events = "".join(json.dumps(MessageToDict(e)) + "\n" for e in job.events)
         directory = self.job_dir(job)
 
         def write() -> None:
             directory.mkdir(parents=True, exist_ok=True)
-            _atomic_write(directory / EVENTS_FILE, events)
-            _atomic_write(directory / RECORD_FILE, record)     # written last: marks the job final
+            _atomic_write(directory / RECORD_FILE, record)
 
         await asyncio.get_running_loop().run_in_executor(None, write)
         self._final_order.append(job.id)
@@ -401,13 +421,25 @@ class JobManager:
             self._final_order.append(job.id)
         self._forget_old()
         for d in sorted(pending, key=lambda d: d["created_at"]):
-            shutil.rmtree(self.jobs_root / d["id"] / ARTIFACTS_DIR, ignore_errors=True)
+            directory = self.jobs_root / d["id"]
+            shutil.rmtree(directory / ARTIFACTS_DIR, ignore_errors=True)
+            for partial in directory.glob("*.partial"):
+                partial.unlink(missing_ok=True)
             job = JobRecord(id=d["id"], kind=d["kind"], request=d["request"], options=d["options"],
                             request_id=d["request_id"], fingerprint=d["fingerprint"], digest=d["digest"],
-                            timeout_s=d["timeout_s"], no_cache=d["no_cache"], created_at=d["created_at"])
+                            timeout_s=d["timeout_s"], no_cache=d["no_cache"], created_at=d["created_at"],
+                            events=_read_events(directory / EVENTS_FILE))
             self._index(job)
-            job.log("queued again: the server stopped before this job finished", "bridge")
-            job.set_state(J.QUEUED)
+            job.sink = self._event_log(job)         # numbering goes on from the last event kept
+            states = [e.state.state for e in job.events if e.HasField("state")]
+            if states and states[-1] == J.CANCELLING:       # a cancel was under way: it stands
+                job.set_state(J.CANCELLED, "cancelled (the server stopped before the job did)")
+                _atomic_write(directory / RECORD_FILE, json.dumps(job.to_dict()))
+                self._final_order.append(job.id)
+                continue
+            if any(state != J.QUEUED for state in states):
+                job.log("queued again: the server stopped before this job finished", "bridge")
+                job.set_state(J.QUEUED)
             self._queue.put_nowait(job)
 
     @staticmethod
@@ -415,9 +447,7 @@ class JobManager:
         """A final job from its directory, or None (not final, missing or damaged)."""
         try:
             d = json.loads((directory / RECORD_FILE).read_text())
-            events = [ParseDict(json.loads(line), pb.JobEvent())
-                      for line in (directory / EVENTS_FILE).read_text().splitlines() if line]
-            job = JobRecord.from_dict(d, events)
+            job = JobRecord.from_dict(d, _read_events(directory / EVENTS_FILE))
             if job.state == J.SUCCEEDED and job.result_size <= J.INLINE_RESULT_LIMIT:
                 job.result_json = (directory / ARTIFACTS_DIR / RESULT_FILE).read_text()
             return job
@@ -428,6 +458,22 @@ class JobManager:
         self.jobs[job.id] = job
         if job.request_id:
             self.by_request_id[job.request_id] = job.id
+
+
+def _read_events(path: Path) -> list[pb.JobEvent]:
+    """A job's event log; a last line cut short by a crash is dropped (its event was never sent:
+    it is written before any watcher sees it)."""
+    events: list[pb.JobEvent] = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return events
+    for line in lines:
+        try:
+            events.append(ParseDict(json.loads(line), pb.JobEvent()))
+        except ValueError:
+            break
+    return events
 
 
 def _atomic_write(path: Path, text: str) -> None:

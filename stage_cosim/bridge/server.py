@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import math
 import shutil
 import signal
 import tempfile
@@ -50,6 +51,12 @@ from stage_cosim.errors import UserError
 SERVICE = pb.DESCRIPTOR.services_by_name["Bridge"].full_name
 log = logging.getLogger("stage_cosim.bridge")
 RESOLVER_THREADS = 2
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.5, 60.0
+# Keepalive: the server pings a quiet connection every 30 s and drops it when no answer comes in
+# 10 s (a vanished client's streams end); clients may ping every 5 s (the client pings every 10).
+KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+             ("grpc.keepalive_permit_without_calls", 1),
+             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 0)]
 MAX_PAGE_BYTES = 2 << 20          # a listing page stays well inside the 4 MiB default message limit
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -245,8 +252,15 @@ class BridgeServicer(pb_grpc.BridgeServicer):
     @_guard_stream
     async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
         job = self.manager.get(request.job_id)
-        async for event in job.watch(request.after_seq, self.config.heartbeat_s):
+        async for event in job.watch(request.after_seq, self._heartbeat_s(request.heartbeat_s)):
             yield event
+
+    def _heartbeat_s(self, asked: float) -> float:
+        """The watcher's heartbeat interval, within bounds (0: the server's own)."""
+        base = self.config.heartbeat_s
+        if not asked > 0 or not math.isfinite(asked):
+            return base
+        return min(max(asked, min(MIN_HEARTBEAT_S, base)), MAX_HEARTBEAT_S)
 
     @_guard
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
@@ -402,13 +416,13 @@ class BridgeServer:
         worker = cfg.worker
         if worker.memory_bytes is None:
             worker = dataclasses.replace(worker, memory_bytes=default_memory_bytes(cfg.limits.workers))
-        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=worker)
+        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=worker, persistent=cfg.data_dir is not None)
         uploads = UploadStore(self.manager.uploads_root, cfg.max_upload_bytes)
         uploads.clean()
         interceptors: list[grpc.aio.ServerInterceptor] = [RequestDecoding()]
         interceptors += [TokenAuth(cfg.token)] if cfg.token else []
         # so_reuseport 0: a port already taken is an error, not a silently shared port
-        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *KEEPALIVE])
         self._servicer = BridgeServicer(self.manager, uploads, cfg)
         pb_grpc.add_BridgeServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -172,12 +172,14 @@ class ListJobsResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchJobRequest(_message.Message):
-    __slots__ = ("job_id", "after_seq")
+    __slots__ = ("job_id", "after_seq", "heartbeat_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     after_seq: int
-    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    heartbeat_s: float
+    def __init__(self, job_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("done", "total", "detail_json", "best_json")
