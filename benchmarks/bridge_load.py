@@ -1,6 +1,6 @@
 """Bridge under load: concurrent clients submit small simulations and watch each to its end.
 
-    python benchmarks/bridge_load.py [--clients 32] [--jobs 500] [--workers 2] [--server HOST:PORT]
+    python benchmarks/bridge_load.py [--clients 32] [--jobs 500] [--hostile 0.1] [--workers 2] [--server HOST:PORT]
 
 Starts ``stage-cosim serve`` on a free loopback port (unless --server is given), then each
 client thread takes design points from a shared list, submits each with its own request id,
@@ -10,6 +10,15 @@ Then it checks that no job was lost or duplicated and that every result equals t
 ``stage_cosim.api.simulate`` of the same request, and prints throughput and latency (submit to
 final event). A second pass submits the same points again, under new request ids: the cache
 answers them.
+
+The hostile mix: a fraction (``--hostile``, 10 % by default) of the first pass's submissions are
+attacks instead of design points, in turn: a 3.4 MB cluster description, a 547-byte YAML alias
+bomb, deeply nested JSON and YAML, a 3 MB model name, sizes that cannot be simulated (100,000
+layers, a global batch of 2^31 - 1) and bytes that are no message at all. Each must be refused
+with INVALID_ARGUMENT, and meanwhile a separate process checks the server's health every 20 ms:
+its latency p99 must stay under 50 ms, and every well-formed job must still succeed with the
+right result. (The health figure of the cache pass, which saturates the server with well-formed
+calls, is printed too.)
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import grpc
 
 from stage_cosim import api
 from stage_cosim.bridge import Client
@@ -42,23 +53,76 @@ def design_points(n: int) -> list[dict[str, Any]]:
     return points
 
 
-def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str) -> dict[str, Any]:
-    work: queue.Queue[int] = queue.Queue()
-    for i in range(len(points)):
-        work.put(i)
+CLUSTER = "gpu: H100-SXM\nscale_up: {gpus_per_domain: 8, bandwidth_GBps: 450, latency_ns: 700}\n" \
+          "scale_out: {bandwidth_GBps: 50, latency_ns: 2000}\n"
+ALIAS_BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"]
+                       + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")])
+
+
+def hostile_requests() -> list[tuple[str, bytes]]:
+    """(name, the bytes of a SubmitJob) for each kind of attack."""
+    def submit(**design: Any) -> bytes:
+        return pb.SubmitJobRequest(simulate=pb.SimulateJob(design=pb.Design(**design))).SerializeToString()
+
+    small = dict(model="llama3-8b", layers=2, seq_len=128)
+    big = CLUSTER + "".join(f"pad{i}: [{', '.join(['1'] * 40)}]\n" for i in range(28_000))
+    deep = pb.SubmitJobRequest(optimize=pb.SearchJob(design=pb.Design(**small),
+                                                     settings_json="[" * 100_000 + "]" * 100_000))
+    return [
+        ("oversized cluster description (3.4 MB)", submit(**small, cluster_description=big)),
+        ("alias bomb (547 bytes)", submit(**small, cluster_description=ALIAS_BOMB)),
+        ("deep JSON nesting", deep.SerializeToString()),
+        ("deep YAML nesting", submit(**small, cluster_description="a: " + "[" * 200 + "]" * 200)),
+        ("3 MB model name", submit(**dict(small, model="m" * (3 << 20)))),
+        ("100,000 layers", submit(**dict(small, layers=100_000))),
+        ("global batch 2^31 - 1", submit(**small, global_batch=2 ** 31 - 1)),
+        ("garbage bytes", b"\xff\xfe" + os.urandom(254)),
+    ]
+
+
+def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str,
+             attacks_wanted: int = 0) -> dict[str, Any]:
+    """Submit every point, and ``attacks_wanted`` attacks spread evenly among them."""
+    attacks = hostile_requests()
+    total = len(points) + attacks_wanted
+    every = total // attacks_wanted if attacks_wanted else 0
+    order: list[tuple[str, int]] = []
+    points_left = iter(range(len(points)))
+    for slot in range(total):
+        made = sum(1 for what, _ in order if what == "attack")
+        if every and slot % every == every - 1 and made < attacks_wanted:
+            order.append(("attack", made % len(attacks)))
+        else:
+            order.append(("point", next(points_left)))
+    work: queue.Queue[tuple[str, int]] = queue.Queue()
+    for item in order:
+        work.put(item)
     jobs: dict[int, pb.Job] = {}
     latencies: list[float] = []
     resubmits_same: list[bool] = []
     errors: list[str] = []
+    refused: dict[str, list[str]] = {}
     lock = threading.Lock()
 
     def client_loop() -> None:
         with Client(address, retries=8) as c:
+            raw = c.channel.unary_unary("/stagecosim.v1.Bridge/SubmitJob", request_serializer=lambda b: b,
+                                        response_deserializer=lambda b: b)
             while True:
                 try:
-                    i = work.get_nowait()
+                    what, i = work.get_nowait()
                 except queue.Empty:
                     return
+                if what == "attack":
+                    name, payload = attacks[i]
+                    try:
+                        raw(payload, timeout=60)
+                        outcome = "ACCEPTED"
+                    except grpc.RpcError as exc:
+                        outcome = exc.code().name
+                    with lock:
+                        refused.setdefault(name, []).append(outcome)
+                    continue
                 try:
                     rid = f"{tag}-{i}"
                     t0 = time.perf_counter()
@@ -84,7 +148,54 @@ def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str)
         t.join()
     wall = time.perf_counter() - t0
     latencies.sort()
-    return {"jobs": jobs, "wall": wall, "latencies": latencies, "resubmits_same": resubmits_same, "errors": errors}
+    return {"jobs": jobs, "wall": wall, "latencies": latencies, "resubmits_same": resubmits_same, "errors": errors,
+            "refused": refused}
+
+
+def probe_health(address: str, interval_s: float, stop: Any, out: Any) -> None:
+    """In a process of its own (as a load balancer would be): check the server's health every
+    ``interval_s`` until ``stop`` is set, then send back the latencies and the failures."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        latencies: list[float] = []
+        failures = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                stub.Check(request, timeout=10)
+                latencies.append(time.perf_counter() - t0)
+            except grpc.RpcError:
+                failures += 1
+            stop.wait(interval_s)
+    out.send((latencies, failures))
+
+
+class HealthProbe:
+    """Health checks every ``interval_s`` from another process while the block runs (the clients'
+    threads share this process's interpreter: timed here, a check would wait for them)."""
+
+    def __init__(self, address: str, interval_s: float = 0.02) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._results, sender = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=probe_health, args=(address, interval_s, self._stop, sender), daemon=True)
+        self.latencies: list[float] = []
+        self.failures = 0
+
+    def __enter__(self) -> "HealthProbe":
+        self._process.start()
+        time.sleep(1.0)              # its interpreter and first call, before the load starts
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.latencies, self.failures = self._results.recv()
+        self._process.join(30)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -103,6 +214,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--jobs", type=int, default=500)
+    ap.add_argument("--hostile", type=float, default=0.1, help="fraction of the first pass's submissions that attack")
     ap.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     ap.add_argument("--server", default=None, help="use this running server instead of starting one")
     args = ap.parse_args()
@@ -112,9 +224,12 @@ def main() -> int:
     if address is None:
         proc, address = start_server(args.workers)
     try:
-        points = design_points(args.jobs)
-        first = run_pass(address, points, args.clients, f"load-{os.getpid()}")
-        second = run_pass(address, points, args.clients, f"again-{os.getpid()}")
+        attacks = round(args.jobs * args.hostile)
+        points = design_points(args.jobs - attacks)
+        with HealthProbe(address) as health_first:
+            first = run_pass(address, points, args.clients, f"load-{os.getpid()}", attacks)
+        with HealthProbe(address) as health_second:
+            second = run_pass(address, points, args.clients, f"again-{os.getpid()}")
         with Client(address) as c:
             listed = [j for j in c.jobs(page_size=1000) if j.request_id.startswith(f"load-{os.getpid()}-")]
     finally:
@@ -136,15 +251,29 @@ def main() -> int:
                     if json.dumps(json.loads(job.result_json), sort_keys=True) != expected[i]]
 
     print(f"bridge load: {args.clients} clients, {len(points)} distinct small simulations "
-          f"(llama3-8b, 1-{max(p['layers'] for p in points)} layers, seq 128-1024, up to 4 GPUs), "
-          f"server with {args.workers} workers, {os.cpu_count()} CPUs")
-    for name, r, cached in (("first pass", first, cached_first), ("repeat (cache)", second, cached_second)):
-        lat = r["latencies"]
+          f"(llama3-8b, 1-{max(p['layers'] for p in points)} layers, seq 128-1024, up to 4 GPUs) and "
+          f"{attacks} attacks in the first pass, server with {args.workers} workers, {os.cpu_count()} CPUs")
+    for name, r, cached, health in (("first pass", first, cached_first, health_first),
+                                    ("repeat (cache)", second, cached_second, health_second)):
+        lat, hl = r["latencies"], sorted(health.latencies)
         print(f"{name:<15} {len(r['jobs']) / r['wall']:8.1f} jobs/s   {r['wall']:6.2f} s   latency p50 "
               f"{1000 * pct(lat, 0.5):7.1f} ms  p99 {1000 * pct(lat, 0.99):7.1f} ms  mean "
-              f"{1000 * statistics.fmean(lat) if lat else float('nan'):7.1f} ms   cached {cached}/{len(r['jobs'])}")
+              f"{1000 * statistics.fmean(lat) if lat else float('nan'):7.1f} ms   cached {cached}/{len(r['jobs'])}   "
+              f"health p50 {1000 * pct(hl, 0.5):5.1f} ms p99 {1000 * pct(hl, 0.99):5.1f} ms max "
+              f"{1000 * (hl[-1] if hl else float('nan')):6.1f} ms ({len(hl)} checks, {health.failures} failed)")
+    refused_ok = all(set(outcomes) == {"INVALID_ARGUMENT"} for outcomes in first["refused"].values()) \
+        and sum(len(o) for o in first["refused"].values()) == attacks
+    for name, outcomes in sorted(first["refused"].items()):
+        counts = ", ".join(f"{k} {outcomes.count(k)}" for k in sorted(set(outcomes)))
+        print(f"  attack {name:<40} {counts}")
+    # the limit holds under the hostile mix; the cache pass saturates the server with well-formed
+    # calls (its health figure is shown, not judged)
+    health_p99 = pct(sorted(health_first.latencies), 0.99)
+    healthy = health_p99 < 0.050 and not (health_first.failures or health_second.failures)
+    print(f"health p99 under the hostile mix {1000 * health_p99:.1f} ms (limit 50 ms): "
+          f"{'OK' if healthy else 'FAILED'}; attacks refused with INVALID_ARGUMENT: {'OK' if refused_ok else 'FAILED'}")
     ok = not (lost or duplicated or wrong or wrong_second or first["errors"] or second["errors"]) \
-        and all(first["resubmits_same"]) and len(listed) == len(points)
+        and all(first["resubmits_same"]) and len(listed) == len(points) and refused_ok and healthy
     print(f"checks: {len(jobs)}/{len(points)} jobs final and succeeded with the local result, lost {lost}, "
           f"duplicated {duplicated}, wrong {len(wrong) + len(wrong_second)}, "
           f"resubmits answered with the same job {sum(first['resubmits_same'])}/{len(first['resubmits_same'])}, "

@@ -391,3 +391,72 @@ def test_sigterm_keeps_queued_jobs_for_the_next_server_and_cancels_them_without_
         s.stop(drain_timeout_s=0.5)
     assert s.server.manager.jobs[queued.id].state == pb.CANCELLED
     assert s.server.manager.jobs[running.id].state == pb.CANCELLED
+
+
+# -- smaller --------------------------------------------------------------------------------------------
+
+def test_bad_bytes_names_pages_and_empty_fields_are_invalid_argument(server_with_standins, tmp_path) -> None:
+    """Garbage instead of a message, an upload name over 255 bytes or both a file and a folder, a
+    negative page size, and an empty text field: INVALID_ARGUMENT naming the field, never
+    UNKNOWN or INTERNAL, and no server path in any message."""
+    import hashlib
+    import os as os_
+
+    s = server_with_standins
+    data = str(s.server.manager.data)
+    channel = grpc.insecure_channel(s.address)
+    raw = lambda b: b  # noqa: E731
+    try:
+        for method in pb.DESCRIPTOR.services_by_name["Bridge"].methods:
+            path = f"/stagecosim.v1.Bridge/{method.name}"
+            for garbage in (b"\xff\xff\xff\xff", b"\x0a\x05ab", os_.urandom(64)):
+                if method.client_streaming:
+                    call = lambda: channel.stream_unary(path, raw, raw)(iter([garbage]), timeout=10)  # noqa: E731
+                elif method.server_streaming:
+                    call = lambda: list(channel.unary_stream(path, raw, raw)(garbage, timeout=10))  # noqa: E731
+                else:
+                    call = lambda: channel.unary_unary(path, raw, raw)(garbage, timeout=10)  # noqa: E731
+                try:
+                    call()
+                    continue           # random bytes can be a valid message
+                except grpc.RpcError as exc:
+                    code, details = exc.code(), exc.details()
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (method.name, code, details)
+                assert data not in details
+    finally:
+        channel.close()
+
+    def upload(*files: tuple[str, bytes]) -> grpc.RpcError:
+        specs = [pb.FileSpec(path=p, size=len(d), sha256=hashlib.sha256(d).hexdigest()) for p, d in files]
+        messages = [pb.UploadTracesRequest(header=pb.UploadHeader(files=specs))]
+        messages += [pb.UploadTracesRequest(chunk=pb.FileChunk(path=p, data=d)) for p, d in files if d]
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.UploadTraces(iter(messages), timeout=30)
+        return err.value
+
+    with Client(s.address, retries=0) as c:
+        for files, field in ((((f"{'n' * 256}.et", b"abc"),), "files[0].path"),
+                             (((f"d/{'é' * 128}", b"abc"),), "files[0].path"),
+                             ((("a", b"abc"), ("a/b.et", b"abc")), "files[0].path"),
+                             ((("x/a.et", b"abc"), ("x", b"")), "files[1].path")):
+            err = upload(*files)
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith(f"{field}: "), \
+                err.details()
+            assert data not in err.details()
+        assert not list(s.server.manager.uploads_root.glob(".incoming-*"))
+        (tmp_path / "set").mkdir()
+        (tmp_path / "set" / "ok.et").write_bytes(b"abc")
+        uploaded = c.upload(tmp_path / "set").upload_id
+        for call, request in ((c.stub.ListJobs, pb.ListJobsRequest(page_size=-5)),
+                              (c.stub.ListArtifacts, pb.ListArtifactsRequest(upload_id=uploaded, page_size=-1))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("page_size:")
+        assert [f.path for f in c.artifacts(upload_id=uploaded)] == ["ok.et"]
+        for field in ("schedule", "backend", "attention", "recompute", "network_model", "cluster", "model"):
+            code, text = submit_raw(c, "simulate", {**SMALL, field: ""})
+            assert (code, text) == ("INVALID_ARGUMENT", f"{field}: is empty (leave the field unset for the default)")
+        code, text = submit_raw(c, "simulate", {**SMALL, "axis_order": ["tp", "", "pp"]})
+        assert code == "INVALID_ARGUMENT" and text.startswith("axis_order: is empty")
+        code, text = submit_raw(c, "optimize", SMALL, {"objective": ""})
+        assert code == "INVALID_ARGUMENT" and text.startswith("objective: is empty")

@@ -166,13 +166,13 @@ class _Watched:
 
 
 class _Watchdog:
-    """One thread per client that cancels a watch stream heard nothing from for too long."""
+    """One thread (for all clients of the process) that cancels a watch stream heard nothing from
+    for too long; it runs while there are streams to watch."""
 
     def __init__(self) -> None:
         self._watched: set[_Watched] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._stopped = threading.Event()
 
     def watch(self, call: Any, silence_s: float) -> _Watched:
         watched = _Watched(call, silence_s)
@@ -188,16 +188,20 @@ class _Watchdog:
             self._watched.discard(watched)
 
     def _run(self) -> None:
-        while not self._stopped.wait(0.1):
+        while True:
+            time.sleep(0.25)
             now = time.monotonic()
             with self._lock:
+                if not self._watched:
+                    self._thread = None
+                    return
                 late = [w for w in self._watched if not w.silent and now > w.deadline]
             for w in late:
                 w.silent = True
                 w.call.cancel()
 
-    def stop(self) -> None:
-        self._stopped.set()
+
+_WATCHDOG = _Watchdog()
 
 
 # -- the client ----------------------------------------------------------------------------------------
@@ -219,7 +223,7 @@ class Client:
             ca = tls_ca if isinstance(tls_ca, (bytes, type(None))) else Path(tls_ca).read_bytes()
             self._credentials = grpc.ssl_channel_credentials(root_certificates=ca)
         self._old_channels: list[grpc.Channel] = []
-        self._watchdog = _Watchdog()
+        self._watchdog = _WATCHDOG
         self._connect()
 
     def _connect(self) -> None:
@@ -240,7 +244,6 @@ class Client:
         self._connect()
 
     def close(self) -> None:
-        self._watchdog.stop()
         for channel in self._old_channels:
             channel.close()
         self._raw_channel.close()
