@@ -217,6 +217,8 @@ def test_jobs_that_cannot_fit_are_refused_and_over_limit_jobs_fail_in_one_line()
 
     limits = WorkerSettings(memory_bytes=1 << 30, cpu_s=1.0)
     with start_in_thread(config(worker=limits)) as s, Client(s.address, retries=0) as c:
+        info = c.server_info()
+        assert (info.max_job_memory_bytes, info.job_cpu_s, info.search_workers) == (1 << 30, 1.0, 1)
         for design, field in (({**SMALL, "layers": 100_000}, "layers"),
                               ({**SMALL, "global_batch": 2 ** 31 - 1}, "global_batch"),
                               ({**SMALL, "dp": 2 ** 28, "global_batch": 2 ** 28, "cluster": "dgx-h100"}, "dp")):

@@ -227,7 +227,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                     raise invalid(key, "is empty (leave the setting out for the default)")
             req.update(settings)
         check_request_size(req, limits)
-        digest = resolve(kind, req, options, self.manager.worker_settings.memory_bytes)
+        digest = resolve(kind, req, options, self.manager.worker_settings.memory_bytes or 0)
         bare = pb.SubmitJobRequest()
         bare.CopyFrom(request)
         bare.request_id = ""
@@ -327,7 +327,10 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         return pb.ServerInfo(version=__version__, job_kinds=list(KINDS), workers=lim.workers, max_queue=lim.max_queue,
                              queued=m.queued, running=m.running, max_upload_bytes=self.uploads.max_bytes,
                              default_timeout_s=lim.default_timeout_s, max_timeout_s=lim.max_timeout_s,
-                             draining=m.draining, jobs=len(m.jobs), cache_entries=len(m.cache))
+                             draining=m.draining, jobs=len(m.jobs), cache_entries=len(m.cache),
+                             max_job_memory_bytes=m.worker_settings.memory_bytes or 0,
+                             job_cpu_s=m.worker_settings.cpu_s, max_request_bytes=self.config.documents.max_request_bytes,
+                             search_workers=m.worker_settings.search_workers)
 
 
 def _page(items: list, start: int, size: int, to_proto: Callable[[Any], Any]) -> tuple[list, str]:

@@ -423,8 +423,9 @@ def remote_status(job_id: str | None, as_json: bool, **kw: Any) -> None:
             click.echo(json.dumps({"server": MessageToDict(info, preserving_proto_field_name=True),
                                    "jobs": [MessageToDict(j, preserving_proto_field_name=True) for j in jobs]}, indent=1))
             return
+        memory = f"{info.max_job_memory_bytes >> 20:,} MiB per job" if info.max_job_memory_bytes else "no memory limit"
         click.echo(f"{client.address}: stage-cosim {info.version}, {client.health()}, {info.running} running, "
-                   f"{info.queued} queued of {info.max_queue}, {info.workers} workers"
+                   f"{info.queued} queued of {info.max_queue}, {info.workers} workers, {memory}"
                    f"{', draining' if info.draining else ''}")
         for job in jobs:
             click.echo(_job_line(job))

@@ -374,7 +374,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "job_kinds", "workers", "max_queue", "queued", "running", "max_upload_bytes", "default_timeout_s", "max_timeout_s", "draining", "jobs", "cache_entries")
+    __slots__ = ("version", "job_kinds", "workers", "max_queue", "queued", "running", "max_upload_bytes", "default_timeout_s", "max_timeout_s", "draining", "jobs", "cache_entries", "max_job_memory_bytes", "job_cpu_s", "max_request_bytes", "search_workers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_KINDS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +387,10 @@ class ServerInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_JOB_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOB_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_WORKERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     job_kinds: _containers.RepeatedScalarFieldContainer[str]
     workers: int
@@ -399,7 +403,11 @@ class ServerInfo(_message.Message):
     draining: bool
     jobs: int
     cache_entries: int
-    def __init__(self, version: _Optional[str] = ..., job_kinds: _Optional[_Iterable[str]] = ..., workers: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., default_timeout_s: _Optional[float] = ..., max_timeout_s: _Optional[float] = ..., draining: _Optional[bool] = ..., jobs: _Optional[int] = ..., cache_entries: _Optional[int] = ...) -> None: ...
+    max_job_memory_bytes: int
+    job_cpu_s: float
+    max_request_bytes: int
+    search_workers: int
+    def __init__(self, version: _Optional[str] = ..., job_kinds: _Optional[_Iterable[str]] = ..., workers: _Optional[int] = ..., max_queue: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., default_timeout_s: _Optional[float] = ..., max_timeout_s: _Optional[float] = ..., draining: _Optional[bool] = ..., jobs: _Optional[int] = ..., cache_entries: _Optional[int] = ..., max_job_memory_bytes: _Optional[int] = ..., job_cpu_s: _Optional[float] = ..., max_request_bytes: _Optional[int] = ..., search_workers: _Optional[int] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "field", "description", "retry_after_s")
