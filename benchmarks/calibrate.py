@@ -49,7 +49,7 @@ def runs_for(cluster: str) -> list[TrainingRun]:
 
 @lru_cache(maxsize=None)
 def _workload(run: TrainingRun):
-    w = synthesize(run.model, run.parallel())
+    w = synthesize(run.model, run.parallel(), resolve_cluster(CLUSTER_OF[run.source], run.gpus).gpu)
     w.roles  # build every stage once; the fit re-simulates them many times
     return w
 

@@ -1,6 +1,11 @@
 """GPU descriptions: vendor peaks (from data/gpu_specs.csv) plus calibrated efficiencies.
 
 A hypothetical GPU is just another description: every field can be overridden.
+
+Dense tensor-core peaks per number format: BF16 (every GPU), FP8 (Hopper on: per-tensor and
+blockwise-scaled FP8 GEMMs), MXFP8 (Blackwell: block-scaled tensor cores, 32-element E8M0
+scales) and FP4 (Blackwell; published, not yet used by a training recipe here). A format a GPU
+lacks is None.
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ _SPEC_ROWS = {
 # Which calibrated parameter set a GPU uses (same silicon generation, same kernels).
 _CALIBRATION_FAMILY = {"A100-40GB": "A100", "A100-80GB": "A100", "H100-SXM": "H100", "H800": "H100",
                        "H200": "H100", "B200": "B200", "GB200": "B200"}
+# Tensor-core generation. Ampere and Hopper FP8 GEMMs take both operands K-major only (TN), so
+# FP8 training keeps transposed copies of its operands for the backward GEMMs; Blackwell's
+# read either layout.
+ARCHES = ("ampere", "hopper", "blackwell")
+_ARCH = {"A100-40GB": "ampere", "A100-80GB": "ampere", "H100-SXM": "hopper", "H800": "hopper", "H200": "hopper",
+         "B200": "blackwell", "GB200": "blackwell"}
+# Matmul number formats -> the GPU field holding their dense peak.
+MATMUL_PEAKS = {"bf16": "bf16_tflops", "fp8": "fp8_tflops", "mxfp8": "mxfp8_tflops", "fp4": "fp4_tflops"}
 
 
 @dataclass(frozen=True)
@@ -49,20 +62,43 @@ class GPU:
     # Non-tensor-core throughput (norms, softmax, optimizer): the FP32 CUDA-core rate, which is
     # 1/16 of the dense BF16 tensor rate on A100, H100 and B200 when not given.
     vector_tflops: float | None = None
+    # Dense peaks of the block-scaled formats (None: the GPU has no such tensor cores).
+    mxfp8_tflops: float | None = None
+    fp4_tflops: float | None = None
+    arch: str = "hopper"
+    # FP8 GEMMs reach their own fraction of the FP8 peak (quantized operands, scale handling,
+    # a higher rate to feed), with their own small-GEMM falloff.
+    fp8_matmul_efficiency: float = 0.6
+    fp8_matmul_half_flops: float = 2e9
 
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps"):
             require(getattr(self, f) > 0, f"gpu.{f}", f"must be positive, got {getattr(self, f)!r}")
+        for f in ("fp8_tflops", "mxfp8_tflops", "fp4_tflops"):
+            v = getattr(self, f)
+            require(v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0), f"gpu.{f}",
+                    f"must be positive (or absent: no such tensor cores), got {v!r}")
         for f in ("matmul_efficiency", "attention_efficiency", "memory_efficiency", "scale_up_efficiency",
-                  "scale_out_efficiency"):
+                  "scale_out_efficiency", "fp8_matmul_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"gpu.{f}", f"must be in (0, 1], got {v!r}")
         require(self.matmul_half_flops >= 0, "gpu.matmul_half_flops", "must be non-negative")
+        require(self.fp8_matmul_half_flops >= 0, "gpu.fp8_matmul_half_flops", "must be non-negative")
         require(self.kernel_overhead_us >= 0, "gpu.kernel_overhead_us", "must be non-negative")
+        require(self.arch in ARCHES, "gpu.arch", f"must be one of {', '.join(ARCHES)}, got {self.arch!r}")
 
     @property
     def vector_peak_tflops(self) -> float:
         return self.vector_tflops if self.vector_tflops else self.bf16_tflops / 16
+
+    def peak_tflops(self, fmt: str) -> float | None:
+        """Dense tensor-core peak of a matmul number format (None: not supported)."""
+        return getattr(self, MATMUL_PEAKS[fmt])
+
+    @property
+    def fp8_transposes(self) -> bool:
+        """Whether FP8 GEMMs need transposed operand copies (TN-only FP8 tensor cores)."""
+        return self.arch != "blackwell"
 
     @property
     def memory_bytes(self) -> int:
@@ -107,9 +143,10 @@ def get_gpu(name: str) -> GPU:
         raise UserError("gpu", f"unknown GPU {name!r} (known: {', '.join(_SPEC_ROWS)})")
     r = _spec_rows()[_SPEC_ROWS[name]]
     return GPU(name=name, bf16_tflops=float(r["bf16_dense_tflops"]), fp8_tflops=_opt(r["fp8_dense_tflops"]),
+               mxfp8_tflops=_opt(r["mxfp8_dense_tflops"]), fp4_tflops=_opt(r["fp4_dense_tflops"]),
                hbm_GiB=float(r["hbm_GB"]), hbm_GBps=float(r["hbm_GBps"]),
                nvlink_GBps=float(r["nvlink_per_direction_GBps"]),
-               scaleout_GBps=_opt(r["scaleout_per_gpu_GBps"]), **_efficiencies(name))
+               scaleout_GBps=_opt(r["scaleout_per_gpu_GBps"]), arch=_ARCH[name], **_efficiencies(name))
 
 
 def gpu_names() -> list[str]:

@@ -64,13 +64,20 @@ class Evaluation:
         return asdict(self)
 
 
+def workload_of(model: ModelConfig, par: ParallelConfig, gpu=None):  # noqa: ANN001, ANN201 (GPU, Workload)
+    """The graphs of a parallelization depend on the hardware only through the FP8 kernels
+    its GPU runs: a hardware search re-simulates the same few workloads on many clusters, so
+    they are kept (a bounded cache)."""
+    from stage_cosim.workload import precision_for
+
+    return _workload(model, par, precision_for(par, gpu))
+
+
 @lru_cache(maxsize=16)
-def workload_of(model: ModelConfig, par: ParallelConfig):  # noqa: ANN201 (Workload)
-    """The graphs of a parallelization do not depend on the hardware: a hardware search
-    re-simulates the same few workloads on many clusters, so they are kept (a bounded cache)."""
+def _workload(model: ModelConfig, par: ParallelConfig, precision):  # noqa: ANN001, ANN202
     from stage_cosim.workload import synthesize
 
-    return synthesize(model, par)
+    return synthesize(model, par, precision=precision)
 
 
 def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: dict[str, Any],
@@ -79,7 +86,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: d
     from stage_cosim.adapters.roofline.simulate import simulate
     from stage_cosim.workload import gc_paused
 
-    w = workload_of(model, par)
+    w = workload_of(model, par, cluster.gpu)
     capacity = cluster.gpu.memory_bytes * (1 - headroom)
     peak = max(w.memory(s).total for s in range(par.pp))
     if peak > capacity:

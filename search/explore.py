@@ -249,7 +249,7 @@ class Explorer:
 def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any] | None:  # noqa: ANN001
     from stage_cosim.adapters.roofline.simulate import simulate
 
-    w = workload_of(model, par)
+    w = workload_of(model, par, cluster.gpu)
     if max(w.memory(s).total for s in range(par.pp)) > cluster.gpu.memory_bytes:
         return None
     result, _, _ = simulate(w, cluster)

@@ -79,8 +79,8 @@ def simulate(req: Mapping[str, Any]) -> dict[str, Any]:
     check_request(req)
     model, parallel = model_of(req), parallel_of(req)
     backend = req.get("backend") or "roofline"
-    workload = synthesize(model, parallel)
     cluster = cluster_of(req, parallel.world_size)
+    workload = synthesize(model, parallel, cluster.gpu)
     if backend == "astra-sim":
         # the binary comes from this process's ASTRA_SIM_BIN (a server never runs a client's path)
         from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
@@ -102,7 +102,10 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
     from stage_cosim.workload import synthesize
 
     check_request(req)
-    workload = synthesize(model_of(req), parallel_of(req))
+    parallel = parallel_of(req)
+    # the GPU decides the FP8 kernels (a cluster is optional here)
+    gpu = cluster_of(req, parallel.world_size).gpu if req.get("cluster") else None
+    workload = synthesize(model_of(req), parallel, gpu)
     done = 0
 
     def tick(n: int) -> None:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+def fp8_mfu(model_flops: float, step_s: float, gpu: Any, num_gpus: int, precision: Any) -> float | None:
+    """MFU against the dense peak the FP8 GEMMs run at (None unless training in FP8)."""
+    if not precision.fp8:
+        return None
+    return model_flops / (step_s * gpu.peak_tflops(precision.matmul) * 1e12 * num_gpus)
+
+
 BREAKDOWN_KEYS = ("compute", "exposed_tp", "exposed_dp", "exposed_pp", "exposed_embedding",
                   "exposed_other", "pipeline_bubble", "idle")
 
@@ -35,8 +42,23 @@ class SimResult:
     roles: list[RoleResult] = field(default_factory=list)
     flop_convention: str = ("model FLOPs = matmul and attention FLOPs of forward and backward "
                             "(backward = 2x forward), full s x s attention, no recomputation; "
-                            "HFU counts every executed FLOP including recomputation")
+                            "MFU and HFU against the dense BF16 peak, as NVIDIA's published MFU counts; "
+                            "mfu_fp8 against the dense FP8 (MXFP8) peak; HFU counts every executed FLOP "
+                            "including recomputation")
     backend: str = "roofline"
+    # The training precision: {"dtype": "bf16"}, or the FP8 recipe and its options.
+    precision: dict[str, Any] = field(default_factory=lambda: {"dtype": "bf16"})
+    # MFU against the dense peak of the format the FP8 GEMMs run in (None for BF16 training).
+    mfu_fp8: float | None = None
+
+    @property
+    def mfu_label(self) -> str:
+        """How the MFU figures read: "34.1 % of BF16 peak (17.0 % of FP8 peak)"."""
+        text = f"{100 * self.mfu:.1f} % of BF16 peak"
+        if self.mfu_fp8 is not None:
+            fmt = "MXFP8" if self.precision.get("recipe") == "mxfp8" else "FP8"
+            text += f" ({100 * self.mfu_fp8:.1f} % of {fmt} peak)"
+        return text
 
     @property
     def tokens_per_s_per_gpu(self) -> float:

@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, Iterator
 
+from stage_cosim.errors import UserError
 from stage_cosim.graph.dims import degree_symbol, model_values
+from stage_cosim.graph.precision import BF16, Precision, resolve_precision
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import BLOCK_AXES, GROUP, GROUP_KINDS, PIPELINE_AXIS, group_size
 from stage_cosim.parallel.config import ParallelConfig
@@ -35,12 +37,26 @@ class Workload:
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, mesh: DeviceMesh,
-                 role_args: dict[str, Any]) -> None:
+                 role_args: dict[str, Any], precision: Precision = BF16) -> None:
         self.model = model
         self.parallel = parallel
         self.mesh = mesh
+        self.precision = precision
         self._role_args = role_args
         self._roles: dict[int, RoleGraph] = {}
+
+    def check_gpu(self, gpu: "GPU") -> None:  # noqa: F821
+        """The workload's FP8 kernels must be those ``gpu`` runs (its recipe default and operand
+        layouts): a workload synthesized for one GPU is not simulated on another."""
+        if not self.precision.fp8:
+            return
+        want = resolve_precision(self.parallel, gpu)
+        if want != self.precision:
+            def says(p: Precision) -> str:
+                return f"{p.recipe} {'with' if p.transposes else 'without'} transposed FP8 copies"
+
+            raise UserError("cluster", f"the workload's FP8 kernels are {says(self.precision)}, but {gpu.name} "
+                                       f"runs {says(want)}: synthesize it for this cluster's GPU")
 
     def role(self, stage: int) -> RoleGraph:
         if stage not in self._roles:
@@ -88,7 +104,14 @@ class Workload:
     def _group_kind_used(self, kind: str) -> bool:
         if GROUP[kind].endpoints:   # the tied-embedding group of the first and last stage
             return self.model.tied_embeddings and self.parallel.pp > 1
+        if GROUP[kind].on_demand:
+            return kind in self._groups_in_passes
         return group_size(kind, self.mesh.size) > 1
+
+    @cached_property
+    def _groups_in_passes(self) -> set[str]:
+        """The communicator groups the pass templates' collectives run on."""
+        return {r[9] for role in self.roles for t in role.templates.values() for r in t.rows if r[1] == COLL}
 
     def group_id(self, rank: int, kind: str) -> int:
         return self.group_base[kind] + self.mesh.group_index(rank, GROUP[kind].axes)
@@ -171,12 +194,31 @@ class Workload:
         return self._flop_totals[2]
 
 
-def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
-    """Build the role graphs of one training step of ``model`` under ``parallel``."""
+DEFAULT_GPU = "H100-SXM"      # the GPU FP8 kernels are laid out for when no GPU is given
+
+
+def precision_for(parallel: ParallelConfig, gpu: "GPU | None" = None) -> Precision:  # noqa: F821
+    """The precision ``parallel`` asks for, as ``gpu`` (by default an H100) runs it."""
+    if parallel.dtype == "bf16":
+        return BF16
+    from stage_cosim.hardware.gpu import get_gpu
+
+    return resolve_precision(parallel, gpu if gpu is not None else get_gpu(DEFAULT_GPU))
+
+
+def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" = None, *,  # noqa: F821
+               precision: Precision | None = None) -> Workload:
+    """Build the role graphs of one training step of ``model`` under ``parallel``.
+
+    ``gpu`` matters for FP8 only (the default recipe, and whether FP8 GEMMs need transposed
+    operand copies): the kernels are those for that GPU (by default an H100). ``precision``,
+    already resolved for a GPU, may be given instead."""
     parallel.check_against(model)
+    if precision is None:
+        precision = precision_for(parallel, gpu)
     padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
     policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
-                            grad_reduce_dtype=parallel.grad_reduce_dtype)
+                            grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision)
     embedding, layer, head = compiled_blocks(model.switches(), policy)
     degrees = parallel.degrees()
 
@@ -198,7 +240,7 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig) -> Workload:
                      zero=parallel.zero, tied_embeddings=model.tied_embeddings,
                      degrees=parallel.degrees(), overlap_param_gather=parallel.overlap_param_gather,
                      tp_comm_overlap=parallel.tp_comm_overlap)
-    return Workload(model, parallel, mesh, role_args)
+    return Workload(model, parallel, mesh, role_args, precision)
 
 
 @contextmanager

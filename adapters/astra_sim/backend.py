@@ -17,7 +17,7 @@ from stage_cosim.adapters.astra_sim.export import TRACE_DIR, AstraSettings, expo
 from stage_cosim.adapters.astra_sim.run import AstraSimError, run
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
-from stage_cosim.result import BREAKDOWN_KEYS, RoleResult, SimResult
+from stage_cosim.result import BREAKDOWN_KEYS, RoleResult, SimResult, fp8_mfu
 from stage_cosim.trace.validate import load_trace_set, validate_trace_set
 from stage_cosim.trace.writer import GROUPS_FILE
 from stage_cosim.workload import Workload
@@ -72,7 +72,8 @@ def simulate_astra_sim(w: Workload, cluster: Cluster, *, binary: str | None = No
                      mfu=w.total_model_flops() / (step * peak), hfu=w.total_executed_flops() / (step * peak),
                      peak_memory_bytes=peak_mem, memory_capacity_bytes=cluster.gpu.memory_bytes,
                      fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
-                     config=config, roles=roles, backend="astra-sim")
+                     config=config, roles=roles, backend="astra-sim", precision=w.precision.to_dict(),
+                     mfu_fp8=fp8_mfu(w.total_model_flops(), step, cluster.gpu, cluster.num_gpus, w.precision))
 
 
 __all__ = ["simulate_astra_sim", "AstraSimError"]

@@ -72,6 +72,13 @@ def system_for(cluster: Cluster, mode: str, settings: AstraSettings) -> AstraSys
         roofline_enabled=roofline)
 
 
+def check_compute_mode(w: Workload, mode: str) -> None:
+    """The simulator's own roofline has one peak (BF16's): it cannot time FP8 GEMMs."""
+    if mode == "roofline" and w.precision.fp8:
+        raise UserError("compute", "roofline mode gives the simulator one peak (BF16); FP8 GEMMs run at "
+                                   "another: use --compute replay")
+
+
 def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
     """duration_micros per node of a role, rounded with the error carried along (see above)."""
     cache: dict[int, list[int]] = {}
@@ -102,6 +109,8 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
         raise UserError("compute", f"must be one of {', '.join(COMPUTE_MODES)}, got {mode!r}")
     settings = settings or AstraSettings()
     check_fits(cluster, w.mesh)
+    w.check_gpu(cluster.gpu)
+    check_compute_mode(w, mode)
     dims = cluster.network_dims()
     system = system_for(cluster, mode, settings)
     check_runs(w, cluster, system)

@@ -2,11 +2,13 @@
 
     t = max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth) + kernel overhead
 
-GEMMs run on tensor cores: achievable = peak * matmul_efficiency * F / (F + matmul_half_flops),
-so small GEMMs fall off smoothly (wave quantization, launch). Fused (flash) attention kernels
-reach their own fraction of peak, attention_efficiency (softmax and masking inside the kernel
-keep them below GEMMs). Everything else runs at the vector (CUDA-core) rate. Memory-bound
-kernels reach peak HBM bandwidth * memory_efficiency.
+GEMMs run on tensor cores at the dense peak of their number format (BF16, or FP8 / MXFP8 for
+the GEMMs an FP8 recipe quantizes): achievable = peak * efficiency * F / (F + half_flops), so
+small GEMMs fall off smoothly (wave quantization, launch). FP8 GEMMs have their own efficiency
+and half-efficiency size. Fused (flash) attention kernels reach their own fraction of peak,
+attention_efficiency, of the format they compute in (softmax and masking inside the kernel keep
+them below GEMMs). Everything else runs at the vector (CUDA-core) rate. Memory-bound kernels
+reach peak HBM bandwidth * memory_efficiency.
 """
 
 from __future__ import annotations
@@ -16,16 +18,37 @@ from dataclasses import dataclass
 from stage_cosim.hardware.gpu import GPU
 
 
+def matmul_format(matmul: bool | str) -> str:
+    """The number format of a compute node's tensor-core work ('' for none). Nodes carry it as a
+    format name; ``True`` (a matmul of unknown format, e.g. from a foreign trace) means BF16."""
+    if matmul is True:
+        return "bf16"
+    return matmul or ""
+
+
 @dataclass(frozen=True)
 class ComputeModel:
     gpu: GPU
 
-    def duration_s(self, flops: float, nbytes: float, matmul: bool, attention: bool = False) -> float:
+    def matmul_rate(self, flops: float, fmt: str) -> float:
+        """Achievable FLOP/s of one GEMM of ``flops`` in number format ``fmt``."""
         g = self.gpu
+        peak = g.peak_tflops(fmt)
+        if peak is None:
+            raise ValueError(f"{g.name} has no {fmt} tensor cores")
+        if fmt == "bf16":
+            eff, half = g.matmul_efficiency, g.matmul_half_flops
+        else:
+            eff, half = g.fp8_matmul_efficiency, g.fp8_matmul_half_flops
+        return peak * 1e12 * eff * flops / (flops + half)
+
+    def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False) -> float:
+        g = self.gpu
+        fmt = matmul_format(matmul)
         if attention and flops > 0:
-            rate = g.bf16_tflops * 1e12 * g.attention_efficiency
-        elif matmul and flops > 0:
-            rate = g.bf16_tflops * 1e12 * g.matmul_efficiency * flops / (flops + g.matmul_half_flops)
+            rate = g.peak_tflops(fmt or "bf16") * 1e12 * g.attention_efficiency
+        elif fmt and flops > 0:
+            rate = self.matmul_rate(flops, fmt)
         else:
             rate = g.vector_peak_tflops * 1e12
         t_flops = flops / rate if flops > 0 else 0.0
@@ -33,5 +56,9 @@ class ComputeModel:
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
 
     def duration_of(self, flops: float, nbytes: float, op_kind: str) -> float:
-        """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector)."""
-        return self.duration_s(flops, nbytes, op_kind == "matmul", op_kind == "attention")
+        """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector;
+        with the number format where it is not BF16: matmul_fp8 …)."""
+        from stage_cosim.schedule.program import parse_op_kind
+
+        base, fmt = parse_op_kind(op_kind)
+        return self.duration_s(flops, nbytes, fmt, base == "attention")

@@ -11,7 +11,7 @@ from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
 from stage_cosim.adapters.roofline.network import CalibratedNetwork, NetworkModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
-from stage_cosim.result import RoleResult, SimResult
+from stage_cosim.result import RoleResult, SimResult, fp8_mfu
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP
 from stage_cosim.workload import Workload
@@ -127,6 +127,7 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     same ``astra_settings`` (every system.json field) and ``compute_mode``, to the nanosecond.
     """
     check_fits(cluster, w.mesh)
+    w.check_gpu(cluster.gpu)
     if network_model == "astra":
         return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode)
     compute = ComputeModel(cluster.gpu)
@@ -163,6 +164,9 @@ def _simulate_astra(w: Workload, cluster: Cluster, symmetric: bool, settings, co
 
     from stage_cosim.adapters.roofline.astra import deadlock_message
 
+    from stage_cosim.adapters.astra_sim.export import check_compute_mode
+
+    check_compute_mode(w, compute_mode)
     system = astra_system(cluster, settings, compute_mode)
     try:
         done = replay_workload(w, cluster, system, symmetric=symmetric, record=True)
@@ -211,7 +215,9 @@ def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, 
     result = SimResult(step_time_s=step, tokens_per_s=tokens / step, mfu=model_flops / (step * peak),
                        hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
                        memory_capacity_bytes=gpu.memory_bytes, fits_in_memory=peak_mem <= gpu.memory_bytes,
-                       breakdown=critical.breakdown, config=config, roles=roles)
+                       breakdown=critical.breakdown, config=config, roles=roles,
+                       precision=w.precision.to_dict(),
+                       mfu_fp8=fp8_mfu(model_flops, step, gpu, cluster.num_gpus, w.precision))
     return result
 
 

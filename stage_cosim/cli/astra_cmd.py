@@ -64,9 +64,9 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
     settings = settings_from(kw)
     model = resolve_model_options(kw)
     parallel = resolve_parallel_options(kw)
-    w = synthesize(model, parallel)
-    manifest = export(w, resolve_cluster(cluster, parallel.world_size), out, mode=compute_mode,
-                      settings=settings, force=force)
+    machine = resolve_cluster(cluster, parallel.world_size)
+    w = synthesize(model, parallel, machine.gpu)
+    manifest = export(w, machine, out, mode=compute_mode, settings=settings, force=force)
     click.echo(f"wrote an ASTRA-sim run directory for {manifest['ranks']} ranks to {out} "
                f"({manifest['trace_bytes'] / 2**20:.1f} MiB of traces, compute: {compute_mode})")
     click.echo(f"run it with: {out}/run.sh /path/to/AstraSim_Analytical_Congestion_Unaware")

@@ -14,7 +14,9 @@ from stage_cosim.errors import UserError
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
-from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, RECOMPUTE, SCHEDULES, ParallelConfig
+from stage_cosim.parallel.config import (
+    DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, ParallelConfig,
+)
 
 MODEL_DIMENSIONS = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq")
 
@@ -42,6 +44,36 @@ model_options = _compose(
                  help="Count attention FLOPs over the causal half of the score matrix."),
 )
 
+# The precision flags (ParallelConfig fields of the same names).
+PRECISION_FLAGS = ("dtype", "fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch",
+                   "fp8_amax_history_len", "te_layernorm_mlp")
+
+
+def precision_options(auto: bool = False) -> Callable:
+    """--dtype and the FP8 options (``auto``: the search may pick bf16 or fp8 itself)."""
+    dtypes = DTYPES + (("auto",) if auto else ())
+    return _compose(
+        click.option("--dtype", type=click.Choice(dtypes), default="bf16", show_default=True,
+                     help="Training precision: bf16, or fp8 (Transformer Engine FP8 GEMMs in the layers)"
+                          + ("; auto: search both and report the best of each" if auto else "") + "."),
+        click.option("--fp8-recipe", type=click.Choice(FP8_RECIPES), default=None,
+                     help="FP8 scaling recipe (default: delayed on Hopper, mxfp8 on Blackwell)."),
+        click.option("--fp8-format", type=click.Choice(FP8_FORMATS), default="hybrid", show_default=True,
+                     help="e4m3 everywhere, or hybrid (e5m2 gradients)."),
+        click.option("--fp8-attention/--no-fp8-attention", default=False,
+                     help="Fused attention in FP8 too (Transformer Engine's FP8 dot-product attention)."),
+        click.option("--fp8-param-gather/--no-fp8-param-gather", default=False,
+                     help="Keep parameters in FP8 and all-gather them in FP8 (needs --zero 1-3)."),
+        click.option("--fp8-dispatch/--no-fp8-dispatch", default=False,
+                     help="Send the MoE token dispatch in FP8."),
+        click.option("--fp8-amax-history-len", type=int, default=1024, show_default=True,
+                     help="Amax history length of delayed scaling."),
+        click.option("--te-layernorm-mlp/--no-te-layernorm-mlp", default=False,
+                     help="The MLP is Transformer Engine's LayerNormMLP (its activation writes FP8 itself), "
+                          "as in NeMo's GPT recipes; default: Megatron-Core's MLP."),
+    )
+
+
 parallel_options = _compose(
     click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree."),
     click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
@@ -60,7 +92,7 @@ parallel_options = _compose(
                  help="Layers per pipeline stage (pp*vp entries), instead of an even split."),
     click.option("--axis-order", default=",".join(DEFAULT_AXIS_ORDER), show_default=True,
                  help="Mesh axes innermost first (rank mapping)."),
-    click.option("--dtype", default="bf16", show_default=True, help="Training precision."),
+    precision_options(),
 )
 
 
@@ -99,7 +131,7 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
             raise UserError("pp-layers", f"must be comma-separated integers, got {pp_layers!r}") from None
     order = tuple(a.strip() for a in kw.pop("axis_order").split(","))
     names = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero",
-             "recompute", "schedule", "dtype")
+             "recompute", "schedule", *PRECISION_FLAGS)
     return ParallelConfig(**{n: kw.pop(n) for n in names}, pp_layers=layers, axis_order=order)
 
 cluster_option = click.option(

@@ -18,12 +18,27 @@ GiB = 1 << 30
 
 
 
+def describe_precision(p: dict) -> str:
+    """One line: "bf16", or "fp8 delayed (hybrid), FP8 attention, FP8 parameters"."""
+    if p.get("dtype", "bf16") != "fp8":
+        return p.get("dtype", "bf16")
+    extras = [label for key, label in (("attention", "FP8 attention"), ("param_gather", "FP8 parameters"),
+                                       ("dispatch", "FP8 dispatch"), ("te_layernorm_mlp", "TE LayerNormMLP"))
+              if p.get(key)]
+    layout = "transposed FP8 copies" if p.get("transposes") else "no transposes"
+    return ", ".join([f"fp8 {p.get('recipe')} ({p.get('format')}, {layout})", *extras])
+
+
 def print_summary(r: SimResult) -> None:
     cfg = r.config
     par = cfg.get("parallel") or {}
     click.echo(f"step time        {r.step_time_s:.4f} s")
     click.echo(f"throughput       {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.1f} per GPU)")
-    click.echo(f"MFU / HFU        {100 * r.mfu:.1f} % / {100 * r.hfu:.1f} %   ({r.flop_convention})")
+    click.echo(f"MFU / HFU        {100 * r.mfu:.1f} % / {100 * r.hfu:.1f} % of BF16 peak   ({r.flop_convention})")
+    if r.mfu_fp8 is not None:
+        fmt = "MXFP8" if r.precision.get("recipe") == "mxfp8" else "FP8"
+        click.echo(f"{'MFU (' + fmt + ' peak)':<17}{100 * r.mfu_fp8:.1f} %")
+    click.echo(f"precision        {describe_precision(r.precision)}")
     fits = "fits" if r.fits_in_memory else "DOES NOT FIT"
     click.echo(f"peak memory      {r.peak_memory_bytes / GiB:.1f} GiB of {r.memory_capacity_bytes / GiB:.0f} GiB ({fits})")
     if par:
@@ -81,7 +96,8 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
 
         if traces is not None or timeline is not None:
             raise UserError("backend", "--traces and --timeline work with the roofline backend only")
-        result = simulate_astra_sim(synthesize(model, parallel), resolve_cluster(cluster, parallel.world_size),
+        machine = resolve_cluster(cluster, parallel.world_size)
+        result = simulate_astra_sim(synthesize(model, parallel, machine.gpu), machine,
                                     binary=astra_bin, mode=compute_mode, settings=settings, keep=keep,
                                     timeout_s=timeout)
         click.echo(json.dumps(result.to_dict(), indent=1)) if as_json else print_summary(result)
@@ -95,9 +111,10 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
                                                 compute_mode=compute_mode, symmetric=not full)
         names = None
     else:
-        workload = synthesize(model, parallel)
+        machine = resolve_cluster(cluster, parallel.world_size)
+        workload = synthesize(model, parallel, machine.gpu)
         # a timeline needs every node's times: replay node by node then
-        result, rep, programs = run(workload, resolve_cluster(cluster, parallel.world_size), network_model,
+        result, rep, programs = run(workload, machine, network_model,
                                     symmetric=not full, exact=True if timeline is not None else None,
                                     astra_settings=settings, compute_mode=compute_mode)
         names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from stage_cosim.hardware import resolve_cluster
 from stage_cosim.cli.options import model_options, parallel_options, resolve_model_options, resolve_parallel_options
 
 FORMATS = ("chakra", "json")        # stage_cosim.trace.writer.FORMATS (imported lazily: it pulls in synthesis)
@@ -25,7 +26,10 @@ GiB = 1 << 30
               help="Chakra protobuf (what ASTRA-sim reads) or the same graphs as JSON.")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out.")
 @click.option("--quiet", is_flag=True, help="No progress bar or summary.")
-def synth(out: Path, fmt: str, force: bool, quiet: bool, **kw) -> None:
+@click.option("--cluster", default=None, metavar="PRESET[:GPUS]|FILE.yaml",
+              help="The machine the traces are for; with --dtype fp8 its GPU decides the FP8 kernels "
+                   "(default: H100, as on dgx-h100).")
+def synth(out: Path, fmt: str, force: bool, quiet: bool, cluster: str | None, **kw) -> None:
     """Synthesize one training step as per-rank execution traces."""
     from stage_cosim.manifest import build_manifest
     from stage_cosim.trace.writer import GROUPS_FILE, MANIFEST_FILE, TRACE_PREFIX, atomic_directory, write_traces
@@ -34,7 +38,9 @@ def synth(out: Path, fmt: str, force: bool, quiet: bool, **kw) -> None:
     model = resolve_model_options(kw)
     parallel = resolve_parallel_options(kw)
     t0 = time.perf_counter()
-    workload = synthesize(model, parallel)
+    # the GPU decides the FP8 kernels (the recipe default, transposed copies)
+    gpu = resolve_cluster(cluster, parallel.world_size).gpu if cluster else None
+    workload = synthesize(model, parallel, gpu)
     show = not quiet and sys.stderr.isatty()
     with atomic_directory(out, force) as scratch:
         with tqdm(total=workload.world_size, unit="rank", disable=not show, desc="writing") as bar:

@@ -50,7 +50,14 @@ LABEL_MEANING: dict[str, str] = {
     "d": "head dim", "v": "vocab", "p": "positions",
 }
 
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "u8": 1, "i32": 4, "i64": 8}
+DTYPE_BYTES: dict[str, int | sp.Rational] = {
+    "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "u8": 1, "i32": 4, "i64": 8,
+    # Quantized FP8 data with its scales, per element: MXFP8 keeps one E8M0 byte per 32
+    # elements; blockwise FP8 (DeepSeek-V3's recipe) one fp32 scale per 1x128 tile of an
+    # activation or gradient and per 128x128 block of a weight. Per-tensor FP8 ("fp8") has one
+    # scale per tensor, nothing per element.
+    "mxfp8": sp.Rational(33, 32), "fp8_1x128": sp.Rational(33, 32), "fp8_128x128": 1 + sp.Rational(1, 4096),
+}
 
 
 def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821

@@ -29,6 +29,10 @@ OpKind = Literal[
     "einsum", "pointwise", "reduce", "norm", "norm_grad", "softmax", "softmax_grad",
     "attention", "attention_grad", "lookup", "lookup_grad", "cross_entropy",
     "cross_entropy_grad", "view", "optimizer",
+    # inserted by a precision policy (stage_cosim.graph.precision): FP8 quantization (cast,
+    # optionally with the transposed copy), a transpose of quantized data, the absolute-maximum
+    # reduction a current-scaling cast needs first, a cast back to bf16
+    "quantize", "transpose", "amax", "dequantize",
 ]
 
 
@@ -91,6 +95,19 @@ class Op:
     # Times the op streams its inputs and outputs through HBM (an unfused implementation runs
     # several kernels over the same data).
     memory_passes: int = 1
+    # Matmul-class ops: the number format the tensor cores compute in ("" = bf16; "fp8",
+    # "mxfp8" for the GEMMs an FP8 recipe quantizes).
+    precision: str = ""
+    # Its outputs are kept across the micro-batches of a step (Transformer Engine's FP8 weight
+    # cache): it runs in the first micro-batch's forward only, and recomputation skips it.
+    cached: bool = False
+    # Mesh axes the op's last output (an fp32 amax) is max-reduced over before it is used:
+    # current scaling of a tensor that is all-gathered over tensor parallelism shares one
+    # scale across the group.
+    amax_group: tuple[str, ...] = ()
+    # Mesh axes the op runs replicated over, whatever its inputs are sharded on there (the
+    # transpose of an all-gathered FP8 tensor runs on the gathered tensor).
+    replicated_over: tuple[str, ...] = ()
 
     def einsum_operands(self) -> tuple[list[str], str]:
         lhs, out = self.spec.split("->")

@@ -78,6 +78,9 @@ class GroupKind:
     # Only the first and last member along the axes (the tied-embedding group of the first
     # and last pipeline stage).
     endpoints: bool = False
+    # Exists only in workloads whose nodes use it (the others are created whenever their
+    # size exceeds one).
+    on_demand: bool = False
 
 
 # In group-id order (ids are numbered kind by kind, so existing kinds keep their ids).
@@ -85,6 +88,8 @@ GROUP_KINDS: tuple[GroupKind, ...] = (
     GroupKind("tp", ("tp",), "tp"),
     GroupKind("dp", ("dp",), "dp"),
     GroupKind("embedding", (PIPELINE_AXIS,), "embedding", endpoints=True),
+    # Megatron's amax-reduction group of delayed FP8 scaling: every rank of a pipeline stage.
+    GroupKind("tp_dp", ("tp", "dp"), "other", on_demand=True),
 )
 GROUP: dict[str, GroupKind] = {g.name: g for g in GROUP_KINDS}
 _BY_AXES: dict[tuple[str, ...], str] = {g.axes: g.name for g in GROUP_KINDS if not g.endpoints}

@@ -14,6 +14,12 @@ MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given 
 DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp8")
+# Megatron-LM's --fp8-recipe choices (Transformer Engine recipes): per-tensor delayed scaling
+# (amax history), per-tensor current scaling, MXFP8 (32-element blocks, Blackwell) and
+# DeepSeek-V3's blockwise scaling (1x128 activation tiles, 128x128 weight blocks).
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+FP8_FORMATS = ("e4m3", "hybrid")
 VOCAB_PAD = 128                           # Megatron pads the vocabulary to a multiple of 128 * tp
 
 
@@ -42,6 +48,18 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
     # Data-parallel gradient reduction precision (Megatron's default for bf16 training: fp32).
     grad_reduce_dtype: str = "fp32"
+    # FP8 training through Transformer Engine (dtype "fp8"): the recipe (None: the GPU's
+    # default, delayed scaling on Hopper, MXFP8 on Blackwell), the format (e4m3 everywhere, or
+    # hybrid: e5m2 gradients), FP8 dot-product attention, parameters kept and all-gathered in
+    # FP8 (ZeRO/FSDP), MoE token dispatch in FP8, the amax history of delayed scaling, and
+    # whether the MLP is Transformer Engine's LayerNormMLP (its activation writes FP8 itself).
+    fp8_recipe: str | None = None
+    fp8_format: str = "hybrid"
+    fp8_attention: bool = False
+    fp8_param_gather: bool = False
+    fp8_dispatch: bool = False
+    fp8_amax_history_len: int = 1024
+    te_layernorm_mlp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "vp", "micro_batch", "seq_len"):
@@ -51,7 +69,7 @@ class ParallelConfig:
         positive_int(self.global_batch, "global-batch")
         require(self.zero in (0, 1, 2, 3), "zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         require(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-        require(self.dtype == "bf16", "dtype", f"only bf16 is supported in this version, got {self.dtype!r}")
+        self._check_precision()
         require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad-reduce-dtype",
                 f"must be fp32 or bf16, got {self.grad_reduce_dtype!r}")
         require(self.global_batch % (self.dp * self.micro_batch) == 0, "global-batch",
@@ -78,6 +96,29 @@ class ParallelConfig:
                     "entries must be non-negative integers")
             require(all(n > 0 for n in self.pp_layers[1:-1]), "pp-layers",
                     "only the first and last stage (which hold the embedding and the loss) may have 0 layers")
+
+    def _check_precision(self) -> None:
+        """The precision choices that need no GPU to check (see stage_cosim.graph.precision for
+        the ones that do)."""
+        require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        require(self.fp8_recipe is None or self.fp8_recipe in FP8_RECIPES, "fp8-recipe",
+                f"must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
+        require(self.fp8_format in FP8_FORMATS, "fp8-format",
+                f"must be one of {', '.join(FP8_FORMATS)}, got {self.fp8_format!r}")
+        positive_int(self.fp8_amax_history_len, "fp8-amax-history-len")
+        if self.dtype != "fp8":
+            for flag in ("fp8_recipe", "fp8_attention", "fp8_param_gather", "fp8_dispatch", "te_layernorm_mlp"):
+                require(not getattr(self, flag), flag.replace("_", "-"), "needs --dtype fp8")
+            return
+        require(not (self.fp8_attention and self.fp8_recipe == "blockwise"), "fp8-attention",
+                "Transformer Engine has no FP8 attention with blockwise scaling")
+        # Megatron: parameters live in FP8 only where something else holds the fp32 master
+        # copy and gathers them: the distributed optimizer or FSDP (ZeRO 1-3 here).
+        require(not self.fp8_param_gather or self.zero >= 1, "fp8-param-gather",
+                "needs the distributed optimizer or FSDP (--zero 1, 2 or 3)")
+        require(not (self.fp8_param_gather and self.fp8_recipe == "mxfp8"), "fp8-param-gather",
+                "with mxfp8 Megatron gathers parameters in BF16 and quantizes them after the gather, "
+                "which is what --dtype fp8 already models; use it with delayed, tensorwise or blockwise")
 
     # -- derived ------------------------------------------------------------------------------
 
@@ -141,6 +182,10 @@ class ParallelConfig:
         if self.sp:
             require(self.seq_len % self.tp == 0, "seq-len",
                     f"must be divisible by tp ({self.tp}) with sequence parallelism, got {self.seq_len}")
+        require(not self.fp8_attention or model.attention == "fused", "fp8-attention",
+                "FP8 attention is a fused attention kernel (cuDNN); the model uses --attention unfused")
+        require(not self.fp8_dispatch or getattr(model, "num_experts", None), "fp8-dispatch",
+                f"sends the token dispatch of MoE layers in FP8; {model.name} has no experts")
 
     def with_overrides(self, **kw: Any) -> "ParallelConfig":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from stage_cosim.parallel.axes import group_name, resolve_group
+from stage_cosim.graph.precision import AMAX_TENSORS_BWD, AMAX_TENSORS_FWD
+from stage_cosim.parallel.axes import DENSE, group_name, mesh_axes, resolve_group
 from stage_cosim.schedule.pipeline import Pass, schedule_order
 from stage_cosim.sharding.placement import Collective
 
@@ -23,25 +24,39 @@ if TYPE_CHECKING:          # the compiled blocks (sympy) are only handed through
 COMP, COLL, SEND, RECV = "COMP", "COLL", "SEND", "RECV"
 
 # Mixed-precision Adam: bf16 weights, fp32 main gradients, fp32 master weights + two moments.
+# (FP8 parameters are stored in their own bytes per parameter: WeightSync.param_bytes.)
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 4, 12
-# Adam reads grad, master, m, v (4 B each) and writes master, m, v and the bf16 weight.
-ADAM_BYTES_PER_PARAM = 16 + 14
+# Adam reads grad, master, m, v (4 B each) and writes master, m, v (and the model's weight in
+# its own precision: bf16, or FP8 parameters quantized from the master copy).
+ADAM_STATE_BYTES_PER_PARAM = 16 + 12
+ADAM_BYTES_PER_PARAM = ADAM_STATE_BYTES_PER_PARAM + WEIGHT_BYTES
 ADAM_FLOPS_PER_PARAM = 12
+FP32_BYTES = 4
 
 EMBEDDING_GROUP = "embedding"   # first and last pipeline stage, for tied embeddings
 PP_GROUP = "pp"
+FIRST_FWD = "fwd_first"         # the template of a chunk's first forward, when it differs
 
 # What a compute node runs on, for the GPU model: tensor-core GEMMs, fused (flash) attention
 # kernels, or everything else at the vector rate. Written into traces as the ``op_kind``
-# attribute, so that a simulator reading the traces back times each kernel as we do.
+# attribute, so that a simulator reading the traces back times each kernel as we do. Tensor-core
+# kernels in another number format than BF16 carry it: "matmul_fp8", "attention_fp8",
+# "matmul_mxfp8".
 OP_KINDS = ("matmul", "attention", "vector")
 ATTENTION_KINDS = ("attention", "attention_grad")   # categories of the fused attention kernels
 
 
-def op_kind(category: str, matmul: bool) -> str:
+def op_kind(category: str, matmul: bool | str) -> str:
+    fmt = "" if matmul in (True, False, "", "bf16") else f"_{matmul}"
     if category in ATTENTION_KINDS:
-        return "attention"
-    return "matmul" if matmul else "vector"
+        return "attention" + fmt
+    return ("matmul" + fmt) if matmul else "vector"
+
+
+def parse_op_kind(kind: str) -> tuple[str, str]:
+    """(kernel class, matmul number format) of an ``op_kind`` ("matmul_fp8" -> matmul, fp8)."""
+    base, _, fmt = kind.partition("_")
+    return base, (fmt or "bf16") if base in ("matmul", "attention") else ""
 
 
 class Node:
@@ -93,15 +108,20 @@ class StageMemory:
     # per-GPU figures usually count) and of the embedding / output layer.
     states_layers: int
     states_embedding_head: int
+    # FP8: quantized weight copies kept across micro-batches; delayed scaling's amax histories
+    fp8_weight_cache: int = 0
+    fp8_amax_history: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.workspace
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.workspace
+                + self.fp8_weight_cache + self.fp8_amax_history)
 
     def to_dict(self) -> dict[str, int]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
-                "activations": self.activations, "workspace": self.workspace, "total": self.total,
-                "model_states_layers": self.states_layers,
+                "activations": self.activations, "workspace": self.workspace,
+                "fp8_weight_cache": self.fp8_weight_cache, "fp8_amax_history": self.fp8_amax_history,
+                "total": self.total, "model_states_layers": self.states_layers,
                 "model_states_embedding_and_head": self.states_embedding_head}
 
 
@@ -345,7 +365,9 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
 
 
 def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
-                   tp_overlap: bool = False) -> _PassTemplate:
+                   tp_overlap: bool = False, first: bool = False) -> _PassTemplate:
+    """The nodes of one pass over ``insts``; ``first``: the first forward of the step, which also
+    casts the FP8 weights that the later micro-batches reuse."""
     rows: list[tuple] = []
     blocks: list[tuple[str, int, int]] = []
     prev_exit: list[int] = [_ENTRY]
@@ -360,6 +382,9 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         ids: list[list[int]] = []          # step index -> the row(s) standing for it
         for st in steps:
             i = st.index
+            if st.first_microbatch and not first:
+                ids.append([])         # the cached copy already exists
+                continue
             if st.deps:
                 deps = [n for d in st.deps for n in ids[d]]
             else:
@@ -390,6 +415,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         prev_exit = [n for e in exits for n in ids[e]] or prev_exit
         prev_first_compute = next((j for j in range(start, len(rows)) if rows[j][1] == COMP), prev_first_compute)
         blocks.append((inst.label, start, len(rows)))
+    _amax_reduction(rows, insts, phase, degrees)
     exits = [e for e in prev_exit if e >= 0]
     if tp_overlap and degrees.get("tp", 1) > 1:
         rows, first, last = _pipeline_tp(rows, degrees["tp"])
@@ -402,6 +428,37 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     # may come out of a collective, e.g. the loss all-reduce).
     sinks = sorted({i for i, r in enumerate(rows) if r[1] == COMP and i not in used} | set(exits))
     return _PassTemplate(rows, exits, sinks, blocks, last_prologue)
+
+
+def _amax_reduction(rows: list[tuple], insts: list[_Instance], phase: str, degrees: dict[str, int]) -> None:
+    """Delayed FP8 scaling: at the end of each forward and backward pass (where Transformer
+    Engine leaves the autocast region of a model chunk, and in the backward of its first
+    module) the amaxes of every FP8 tensor of the pass are max-reduced in one all-reduce over
+    the tensor- and data-parallel group, and one fused kernel rolls the amax histories and
+    computes the new scales. Both are synchronous: the next pass waits for them."""
+    precision = insts[0].compiled.sharded.policy.precision if insts else None
+    modules = sum(inst.compiled.sharded.fp8_modules for inst in insts)
+    if precision is None or not precision.delayed or not modules or not rows:
+        return
+    per_module = AMAX_TENSORS_FWD if phase == "fwd" else AMAX_TENSORS_BWD
+    entries = modules * per_module
+    last = max(j for j, r in enumerate(rows) if r[1] == COMP)
+    deps: tuple[int, ...] = (last,)
+    group = resolve_group(mesh_axes(DENSE), degrees)
+    if group is not None:
+        rows.append((f"{phase}.fp8_amax_ar", COLL, deps, 0, 0, 0, "", Collective.ALL_REDUCE,
+                     FP32_BYTES * entries, group, group, phase, "fp8"))
+        deps = (len(rows) - 1,)
+    # reads the reduced amaxes and the histories, writes the rolled histories, scales, inverses
+    nbytes = FP32_BYTES * entries * (2 * precision.amax_history_len + 3)
+    rows.append((f"{phase}.fp8_scale_update", COMP, deps, entries * precision.amax_history_len, 0, nbytes, "",
+                 None, 0, "", "amax", phase, "fp8"))
+
+
+def amax_history_bytes(inst_modules: int, history_len: int) -> int:
+    """Memory of delayed scaling's state: per FP8 module, for its three forward and two backward
+    tensors, an fp32 amax history plus a scale and an inverse scale."""
+    return FP32_BYTES * inst_modules * (AMAX_TENSORS_FWD + AMAX_TENSORS_BWD) * (history_len + 2)
 
 
 def _place(nodes: list[Node | None], d: _Deferred) -> None:
@@ -486,6 +543,10 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
                                          tp_comm_overlap)
                  for c in range(vp) for ph in ("fwd", "bwd")}
+    # the first forward of each chunk also casts the FP8 weights the other micro-batches reuse
+    for c in range(vp):
+        if any(st.first_microbatch for inst in chunks[c] for st in inst.compiled.sharded.fwd):
+            templates[(c, FIRST_FWD)] = _pass_template(chunks[c], "fwd", degrees, tp_comm_overlap, first=True)
     b = _Builder(degrees)
     last_bwd_nodes: dict[str, list[int]] = {}   # block instance -> its nodes in the last backward
     prev_sinks: list[int] = []
@@ -510,11 +571,14 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
         if p.phase == "bwd" and vs < nv - 1:
             entry = [b.add(f"recv_bwd.mb{p.micro_batch}.vs{vs}", RECV, [], peer=+1,
                            tag=_tag(p.micro_batch, vs, nv, 1), **common)]
-        t = templates[(p.chunk, p.phase)]
+        key = (p.chunk, p.phase)
         params: dict[int, list[int]] = {}
         if p.phase == "fwd" and p.chunk not in first_fwd_done:
             first_fwd_done.add(p.chunk)
             params = {j: param_ag.get(inst.label, []) for j, inst in enumerate(chunks[p.chunk])}
+            if (p.chunk, FIRST_FWD) in templates:
+                key = (p.chunk, FIRST_FWD)
+        t = templates[key]
         base = b.defer(t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
                        params=params)
         if t.last_prologue is not None:
@@ -532,7 +596,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
                          tag=_tag(p.micro_batch, vs - 1, nv, 1), **common)
         if send >= 0:
             sends.append(send)
-        placed.append(PlacedPass(p, (p.chunk, p.phase), base, entry[0] if entry else -1, send, bool(params)))
+        placed.append(PlacedPass(p, key, base, entry[0] if entry else -1, send, bool(params)))
         prev_sinks = [base + i for i in t.sinks] or prev_sinks
 
     instances = [inst for c in range(vp) for inst in chunks[c]]
@@ -564,12 +628,15 @@ def _replicas(degrees: dict[str, int], axes: tuple[str, ...]) -> int:
     return math.prod(degrees[a] for a in axes)
 
 
-def _block_params(instances: list[_Instance], tied: bool) -> dict[tuple[str, tuple[str, ...]], float]:
-    """Parameters per rank of each block, by the data-parallel axes that replicate them."""
+def _block_params(instances: list[_Instance], tied: bool, as_bytes: bool = False
+                  ) -> dict[tuple[str, tuple[str, ...]], float]:
+    """Parameters per rank of each block (or their bytes as stored: bf16, or FP8 parameters),
+    by the data-parallel axes that replicate them."""
     out: dict[tuple[str, tuple[str, ...]], float] = {}
     for inst, j in _unique_weights(instances, tied):
-        key = (inst.label, inst.compiled.sharded.weight_syncs[j].replicas)
-        out[key] = out.get(key, 0.0) + inst.costs.weight_params[j]
+        ws = inst.compiled.sharded.weight_syncs[j]
+        key = (inst.label, ws.replicas)
+        out[key] = out.get(key, 0.0) + inst.costs.weight_params[j] * (ws.param_bytes if as_bytes else 1)
     return out
 
 
@@ -578,12 +645,12 @@ def _param_gathers(b: "_Builder", chunks: dict[int, list[_Instance]], tied: bool
     """Step-start all-gathers of each block's updated parameter shard (ZeRO 1/2, overlapped)."""
     instances = [inst for c in sorted(chunks) for inst in chunks[c]]
     out: dict[str, list[int]] = {}
-    for (label, axes), params in _block_params(instances, tied).items():
-        if params > 0:
+    for (label, axes), nbytes in _block_params(instances, tied, as_bytes=True).items():
+        if nbytes > 0:
             group = resolve_group(axes, degrees) or group_name(axes)
             out.setdefault(label, []).extend(b.add_collective(
                 f"{label}.param_ag_{group}", [], axes, coll=Collective.ALL_GATHER,
-                comm_bytes=_ceil(params / _replicas(degrees, axes) * WEIGHT_BYTES), phase="step", block=label))
+                comm_bytes=_ceil(nbytes / _replicas(degrees, axes)), phase="step", block=label))
     return out
 
 
@@ -599,6 +666,7 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
     syncs: list[int] = []
     per_block: dict[str, dict[tuple[tuple[str, ...], Collective], float]] = {}
     params_of = _block_params(instances, tied)
+    bytes_of = _block_params(instances, tied, as_bytes=True)
     tied_bytes: dict[str, float] = {}
     for inst, j in _unique_weights(instances, tied):
         ws = inst.compiled.sharded.weight_syncs[j]
@@ -633,20 +701,25 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
         if sum(groups.values()) <= 0:
             continue
         # ZeRO 1-3: each rank updates its shard of the block's parameters over each group.
-        local = {axes: params / _replicas(degrees, axes) if zero >= 1 else params for axes, params in groups.items()}
+        def shard(v: float, axes: tuple[str, ...]) -> float:
+            return v / _replicas(degrees, axes) if zero >= 1 else v
+
+        local = {axes: shard(params, axes) for axes, params in groups.items()}
+        local_bytes = {axes: shard(bytes_of[(inst.label, axes)], axes) for axes in groups}
         total = sum(local.values())
         # The optimizer runs after every gradient of the step is reduced (as frameworks do,
         # for gradient clipping), one kernel per block.
         # (and after the block's own gradients are complete: ZeRO-3 reduces them in the backward)
         opt = b.add(f"{inst.label}.optimizer", COMP, syncs + last_compute + last_bwd.get(inst.label, []),
-                    flops=_ceil(total * ADAM_FLOPS_PER_PARAM), mem_bytes=_ceil(total * ADAM_BYTES_PER_PARAM),
+                    flops=_ceil(total * ADAM_FLOPS_PER_PARAM),
+                    mem_bytes=_ceil(total * ADAM_STATE_BYTES_PER_PARAM + sum(local_bytes.values())),
                     phase="step", block=inst.label, category="optimizer")
         last_compute = [opt]
         if zero in (1, 2) and gather_after_update:
-            for axes, shard in local.items():
+            for axes, nbytes in local_bytes.items():
                 group = resolve_group(axes, degrees) or group_name(axes)
                 b.add_collective(f"{inst.label}.param_ag_{group}", [opt], axes, coll=Collective.ALL_GATHER,
-                                 comm_bytes=_ceil(shard * WEIGHT_BYTES), phase="step", block=inst.label)
+                                 comm_bytes=_ceil(nbytes), phase="step", block=inst.label)
 
 
 def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, list[_Instance]], *,
@@ -657,10 +730,16 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
 
     layer_params: dict[tuple[str, ...], float] = {}
     other_params: dict[tuple[str, ...], float] = {}
+    stored: dict[tuple[str, ...], float] = {}            # bytes of the weights as stored
+    layer_stored: dict[tuple[str, ...], float] = {}
     for inst, j in _unique_weights(instances, tied):
         into = layer_params if inst.kind == "layer" else other_params
-        axes = inst.compiled.sharded.weight_syncs[j].replicas
-        into[axes] = into.get(axes, 0.0) + inst.costs.weight_params[j]
+        ws = inst.compiled.sharded.weight_syncs[j]
+        into[ws.replicas] = into.get(ws.replicas, 0.0) + inst.costs.weight_params[j]
+        nbytes = inst.costs.weight_params[j] * ws.param_bytes
+        stored[ws.replicas] = stored.get(ws.replicas, 0.0) + nbytes
+        if inst.kind == "layer":
+            layer_stored[ws.replicas] = layer_stored.get(ws.replicas, 0.0) + nbytes
 
     def divisor(dp: int, from_stage: int) -> int:
         return dp if zero >= from_stage else 1
@@ -669,12 +748,15 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
         """Bytes of one kind of model state: ZeRO stage ``from_stage`` on shards it."""
         return sum(n * nbytes / divisor(_replicas(degrees, axes), from_stage) for axes, n in params.items())
 
-    def states(params: dict[tuple[str, ...], float]) -> float:
+    def states(params: dict[tuple[str, ...], float], weight_bytes: dict[tuple[str, ...], float]) -> float:
         out = 0.0
         for axes, n in params.items():
             dp = _replicas(degrees, axes)
-            out += n * (WEIGHT_BYTES / divisor(dp, 3) + GRAD_BYTES / divisor(dp, 2) + OPTIMIZER_BYTES / divisor(dp, 1))
+            out += (weight_bytes.get(axes, 0.0) / divisor(dp, 3)
+                    + n * (GRAD_BYTES / divisor(dp, 2) + OPTIMIZER_BYTES / divisor(dp, 1)))
         return out
+
+    other_stored = {axes: v - layer_stored.get(axes, 0.0) for axes, v in stored.items()}
 
     params = {axes: layer_params.get(axes, 0.0) + other_params.get(axes, 0.0)
               for axes in dict.fromkeys([*layer_params, *other_params])}
@@ -683,10 +765,17 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
     workspace = max((i.costs.workspace_bytes for i in instances), default=0.0)
     if zero >= 3:
         # The gathered weights of the block in use and of the one being prefetched.
-        biggest = max((sum(i.costs.weight_params) for i in instances), default=0.0)
-        workspace += 2 * biggest * WEIGHT_BYTES
+        biggest = max((sum(n * ws.param_bytes for n, ws in zip(i.costs.weight_params, i.compiled.sharded.weight_syncs))
+                       for i in instances), default=0.0)
+        workspace += 2 * biggest
+    # FP8: the quantized weights kept from the first micro-batch on, and delayed scaling's state
+    cache = sum(i.costs.cached_bytes for i in instances)
+    history = sum(amax_history_bytes(i.compiled.sharded.fp8_modules, i.compiled.sharded.policy.precision.amax_history_len)
+                  for i in instances if i.compiled.sharded.policy.precision.delayed)
     return StageMemory(
-        weights=_ceil(total(params, WEIGHT_BYTES, 3)), gradients=_ceil(total(params, GRAD_BYTES, 2)),
+        weights=_ceil(sum(v / divisor(_replicas(degrees, axes), 3) for axes, v in stored.items())),
+        gradients=_ceil(total(params, GRAD_BYTES, 2)),
         optimizer=_ceil(total(params, OPTIMIZER_BYTES, 1)), activations=_ceil(activations),
-        workspace=_ceil(workspace), states_layers=_ceil(states(layer_params)),
-        states_embedding_head=_ceil(states(other_params)))
+        workspace=_ceil(workspace), states_layers=_ceil(states(layer_params, layer_stored)),
+        states_embedding_head=_ceil(states(other_params, other_stored)),
+        fp8_weight_cache=_ceil(cache), fp8_amax_history=_ceil(history))

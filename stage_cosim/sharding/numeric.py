@@ -38,6 +38,7 @@ class BlockCosts:
     saved_bytes: float
     workspace_bytes: float
     boundary_bytes: float
+    cached_bytes: float                              # FP8 weight copies kept across micro-batches
     weight_params: tuple[float, ...]                 # per WeightSync
     weight_sync_bytes: tuple[tuple[float, ...], ...]  # per WeightSync, per collective
 
@@ -62,10 +63,10 @@ class CompiledBlock:
 
         fwd = StepCosts(take(nf), take(nf), take(nf), take(nf))
         bwd = StepCosts(take(nb), take(nb), take(nb), take(nb))
-        saved, workspace, boundary = take(3)
+        saved, workspace, boundary, cached = take(4)
         params = take(nw)
         syncs = tuple(take(n) for n in sync_lens)
-        return BlockCosts(fwd, bwd, saved, workspace, boundary, params, syncs)
+        return BlockCosts(fwd, bwd, saved, workspace, boundary, cached, params, syncs)
 
 
 def compile_block(sb: ShardedBlock) -> CompiledBlock:
@@ -73,7 +74,7 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
     for steps in (sb.fwd, sb.bwd):
         exprs += [s.flops for s in steps] + [s.model_flops for s in steps]
         exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps]
-    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes]
+    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes]
     exprs += [w.params for w in sb.weight_syncs]
     for w in sb.weight_syncs:
         exprs += [b for _, _, b in w.grad_collectives]

@@ -27,7 +27,7 @@ also the group ZeRO shards over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import sympy as sp
@@ -36,6 +36,7 @@ from stage_cosim.graph.autodiff import differentiate
 from stage_cosim.graph.cost import op_flops
 from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, degree_symbol
 from stage_cosim.graph.ir import Block, Op, Tensor
+from stage_cosim.graph.precision import BF16, Precision, apply_precision
 from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, DENSE, data_parallel_axes, group_name
 from stage_cosim.sharding.placement import (
     PARTIAL, REPLICATE, Collective, Partial, Placement, Shard, collective_for,
@@ -58,6 +59,8 @@ class ShardingPolicy:
     recompute: str = "none"
     # Megatron accumulates and reduces bf16 training's gradients in fp32 by default.
     grad_reduce_dtype: str = "fp32"
+    # BF16, or the FP8 recipe that rewrites the layers' GEMMs and inserts their casts.
+    precision: Precision = BF16
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -82,8 +85,11 @@ class Step:
     collective: Collective | None = None
     axes: tuple[str, ...] = ()  # collective: the mesh axes its group spans
     comm_bytes: sp.Expr = sp.Integer(0)
-    matmul: bool = False       # counts toward the matmul FLOPs of the published formulas
+    # Matmul-class kernels: the tensor-core number format ("bf16", "fp8", "mxfp8"); "" for
+    # every other kernel. (Truthy exactly for the FLOPs the published formulas count.)
+    matmul: str = ""
     prologue: bool = False     # gathers the block's weights (ZeRO-3): may run a block ahead
+    first_microbatch: bool = False   # runs in the first micro-batch's forward only (FP8 weight cache)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class WeightSync:
     # (the mesh axes of its group, collective, bytes), in order
     grad_collectives: tuple[tuple[tuple[str, ...], Collective, sp.Expr], ...]
     replicas: tuple[str, ...]                             # the data-parallel axes ZeRO shards over
+    param_bytes: float = 2.0                              # bytes per parameter as stored (bf16; FP8 params)
 
 
 @dataclass
@@ -110,6 +117,10 @@ class ShardedBlock:
     workspace_bytes: sp.Expr           # transient activations while recomputing (full recompute)
     weight_syncs: list[WeightSync]
     boundary_bytes: sp.Expr            # the output activation (and its gradient) on one rank
+    # FP8: the quantized weight copies kept across micro-batches, and the number of FP8 modules
+    # (GEMMs, FP8 attention) that each keep a scaling state.
+    cached_bytes: sp.Expr = sp.Integer(0)
+    fp8_modules: int = 0
 
 
 def _degree(axis: str) -> sp.Symbol:
@@ -257,7 +268,7 @@ class _Pass:
                 label = self._tensor_parallel_label(op, operands, i)
             elif label not in all_letters:
                 label = None
-            if label is not None and label in op.unsharded:
+            if label is not None and (label in op.unsharded or axis in op.replicated_over):
                 label = None
             chosen.append(label)
         return tuple(chosen)
@@ -319,8 +330,10 @@ class _Pass:
                     pl.append(REPLICATE)
                 elif l in letters:
                     pl.append(Shard(out.labels[letters.index(l)]))
-                elif op.kind == "cross_entropy":
-                    pl.append(REPLICATE)  # the loss is all-reduced inside the op (below)
+                elif op.kind == "cross_entropy" or out.kind == "amax":
+                    # the loss is all-reduced inside the op (below); an amax is each rank's own
+                    # (or its group's, reduced below)
+                    pl.append(REPLICATE)
                 else:
                     pl.append(PARTIAL)
             out_pls.append(tuple(pl))
@@ -330,11 +343,19 @@ class _Pass:
         mem = op.memory_passes * sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
                                         *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
         idx = len(self.steps)
+        matmul = (op.precision or "bf16") if op.kind in ("einsum", "attention", "attention_grad") else ""
         self.steps.append(Step(idx, op.name, phase, "compute", op.kind, flops,
                                model_flops if phase != "recompute" else sp.Integer(0), mem,
-                               tuple(sorted(set(deps))),
-                               matmul=op.kind in ("einsum", "attention", "attention_grad")))
+                               tuple(sorted(set(deps))), matmul=matmul,
+                               first_microbatch=op.cached and phase == "fwd"))
         last = (idx,)
+        if op.amax_group:
+            # current scaling of a tensor gathered over a group: one max all-reduce of its amax
+            for axis in op.amax_group:
+                j = self._collective(f"{op.name}.amax.ar_{axis}", Collective.ALL_REDUCE, (axis,),
+                                     sp.Integer(DTYPE_BYTES["fp32"]), last, phase)
+                self.steps[j].first_microbatch = op.cached and phase == "fwd"
+                last = (j,)
         if op.kind == "cross_entropy":
             # Vocabulary-parallel cross-entropy: the max, the sum of exponentials and the target
             # logit are reductions over the sharded vocabulary, one all-reduce of (b, s) each.
@@ -348,7 +369,8 @@ class _Pass:
                         last = (j,)
         for out, pl in zip(op.outputs, out_pls):
             self.placements[out] = pl
-            self.producers[out] = last if out is op.outputs[0] else (idx,)
+            reduced = out is op.outputs[0] if not op.amax_group else out is op.outputs[-1]
+            self.producers[out] = last if reduced else (idx,)
 
     def _partial_axes(self, op: Op, labels: tuple[str | None, ...]) -> tuple[bool, ...]:
         """Axes on which a sum stays a partial sum: a linear op outside the residual stream whose
@@ -412,8 +434,10 @@ def _backward_order(block: Block, bwd_ops: list[Op], recompute: str) -> tuple[li
     """Backward ops, with the forward ops that recomputation replays placed where needed, and
     the ids of the forward tensors those replays reproduce (not kept from the forward)."""
     if recompute == "full":
-        replayed = {id(t) for op in block.ops for t in op.outputs}
-        return [("recompute", op) for op in block.ops] + [("bwd", op) for op in bwd_ops], replayed
+        # (the FP8 weight casts are not replayed: their copies are kept)
+        ops = [op for op in block.ops if not op.cached]
+        replayed = {id(t) for op in ops for t in op.outputs}
+        return [("recompute", op) for op in ops] + [("bwd", op) for op in bwd_ops], replayed
     if recompute == "selective":
         core, leaving = _selective_region(block)
         replayed = {id(t) for op in core for t in op.outputs} - leaving
@@ -431,6 +455,9 @@ def _backward_order(block: Block, bwd_ops: list[Op], recompute: str) -> tuple[li
 def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     """The per-rank forward and backward programs of ``block`` under ``policy``."""
     backward = differentiate(block)
+    block, bwd_ops, weight_grads, fp8_modules = apply_precision(
+        block, backward.ops, backward.weight_grads, policy.precision, sp=policy.sp, zero3=policy.zero == 3)
+    backward = replace(backward, ops=bwd_ops, weight_grads=weight_grads)
     placements: dict[Tensor, Placements] = {t: input_placement(t, policy) for t in block.inputs}
 
     fwd = _Pass(policy, "fwd", placements, block.weights)
@@ -463,8 +490,10 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
 
     weight_syncs = _weight_syncs(block, backward.weight_grads, placements, policy, bwd)
     boundary = sp.Add(*(local_bytes(t, placements[t]) for t in block.outputs))
+    cached = sp.Add(*(local_bytes(t, placements[t]) for op in block.ops if op.cached for t in op.outputs
+                      if t.kind == "weight"))
     return ShardedBlock(block, policy, fwd.steps, bwd.steps, fwd_exit, bwd_exit, saved_bytes,
-                        workspace, weight_syncs, boundary)
+                        workspace, weight_syncs, boundary, cached, fp8_modules)
 
 
 def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: dict[Tensor, Placements],
@@ -511,7 +540,7 @@ def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: 
                         per_microbatch[axes] = per_microbatch.get(axes, sp.Integer(0)) + local_bytes(g32, cur)
                     else:
                         colls.append((axes, coll, local_bytes(g32, cur)))
-        syncs.append(WeightSync(w, params, tuple(colls), replicas))
+        syncs.append(WeightSync(w, params, tuple(colls), replicas, float(DTYPE_BYTES[w.dtype])))
     for axes, nbytes in per_microbatch.items():
         deps = tuple(sorted({i for g in weight_grads.values() for i in bwd.producers.get(g, ())}))
         bwd._collective(f"{block.name}.grad_rs_{group_name(axes)}", Collective.REDUCE_SCATTER, axes,

@@ -1,0 +1,438 @@
+"""Precision as a policy over a block's graph, the way Transformer Engine runs FP8 training.
+
+A :class:`Precision` says which GEMMs compute in FP8 and how their operands are quantized;
+:func:`apply_precision` rewrites a block's forward and (already derived) backward ops to match:
+
+* The linear layers of a transformer layer (QKV, attention output, MLP projections) become FP8
+  GEMMs at the FP8 (or MXFP8) peak. Attention, softmax, norms, the embedding, the output layer
+  and the loss stay in BF16 (fp32 where they were), unless ``attention`` makes the fused
+  attention kernel FP8 (Transformer Engine's ``fp8_dpa``: Q, K, V cast in, the output cast back).
+* Every FP8 GEMM operand is quantized by a real, memory-bound kernel: the input activation, the
+  weight, and the output gradient in the backward. A GEMM reads the row-wise copy of its
+  operands in the forward; the backward's dgrad reads the weight's column-wise copy and the
+  gradient's row-wise one, the wgrad the column-wise copies of the input and the gradient.
+  Per-tensor scaling (``delayed``, ``tensorwise``) gets column-wise copies by transposing the
+  FP8 data, in the cast kernel itself (``cast_transpose``) or, where the row-wise copy was made
+  elsewhere, by a separate transpose; Blackwell's FP8 GEMMs read either layout, so there are
+  none there. Block scaling (``mxfp8``: 32-element blocks; ``blockwise``: 1x128 tiles) quantizes
+  the column-wise copy separately from the high-precision tensor, in the same kernel.
+* Fusions follow Transformer Engine: the norm before QKV and FC1 (``LayerNormLinear``) writes
+  FP8 directly under delayed scaling (under current scaling it computes the amax, the cast is a
+  second kernel; block scaling normalizes in BF16 and quantizes after); Transformer Engine's
+  ``LayerNormMLP`` (``te_layernorm_mlp``) also writes the activation in FP8 and fuses the
+  activation's backward with the cast of FC1's output gradient (delayed and MXFP8 scaling).
+  Megatron-Core's default layer runs its own activation in BF16, and FC2's cast is a kernel.
+* Current scaling (``tensorwise``) needs the tensor's amax before it casts: one more pass over
+  the tensor, and, for a tensor all-gathered over tensor parallelism (sequence parallelism), a
+  max all-reduce over the group so that every rank scales alike.
+* Sequence parallelism all-gathers the FP8 row-wise copy (Transformer Engine gathers quantized
+  data: half the bytes of BF16); per-tensor scaling then transposes the gathered tensor in the
+  backward, block scaling gathers its column-wise copy there. Reductions of GEMM outputs
+  (all-reduce, reduce-scatter) stay BF16: the GEMMs write BF16.
+* Weights are cast once per step, in the first micro-batch's forward, and the FP8 copies are
+  kept for the others (``is_first_microbatch``); under ZeRO-3 each gathered weight is cast
+  anew. With ``param_gather`` the parameters are stored in FP8: there is no cast, the ZeRO
+  gathers move FP8, and per-tensor scaling on Hopper keeps only the transposed copy.
+
+Delayed scaling's per-step pieces that belong to a whole pass (one amax all-reduce over the
+tensor- and data-parallel group at the end of each forward and backward pass, the history
+update) are placed by the schedule; the amax history's memory is counted there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from stage_cosim.errors import UserError, require
+from stage_cosim.graph.ir import Block, Op, Tensor
+
+# Work per element of a cast (absolute value, scale, convert); all of these kernels are
+# memory-bound, so this only matters against the vector rate.
+QUANTIZE_FLOPS = 3
+AMAX_FLOPS = 1
+
+# Transformer Engine keeps, per FP8 module with delayed scaling, an amax history and a scale and
+# inverse scale for three forward tensors (input, weight, output) and two backward ones (output
+# gradient, input gradient), fp32 each.
+AMAX_TENSORS_FWD, AMAX_TENSORS_BWD = 3, 2
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a step computes and stores: BF16, or an FP8 recipe of Transformer Engine."""
+
+    dtype: str = "bf16"
+    recipe: str = ""                  # delayed | tensorwise | mxfp8 | blockwise (fp8 only)
+    format: str = "hybrid"            # e4m3 | hybrid (e5m2 gradients): same bytes, same rate
+    transposes: bool = True           # FP8 GEMMs take K-major operands only (Hopper)
+    attention: bool = False           # FP8 fused attention
+    param_gather: bool = False        # parameters stored (and gathered) in FP8
+    dispatch: bool = False            # MoE token dispatch in FP8
+    amax_history_len: int = 1024
+    te_layernorm_mlp: bool = False    # the MLP is Transformer Engine's LayerNormMLP
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
+    def matmul(self) -> str:
+        """The tensor-core format of the FP8 GEMMs (the peak they run at)."""
+        return "mxfp8" if self.recipe == "mxfp8" else "fp8"
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.recipe in ("delayed", "tensorwise")
+
+    @property
+    def delayed(self) -> bool:
+        return self.fp8 and self.recipe == "delayed"
+
+    @property
+    def current_scaling(self) -> bool:
+        return self.recipe == "tensorwise"
+
+    @property
+    def activation_dtype(self) -> str:
+        """Quantized activations and gradients (data and scales per element)."""
+        return {"mxfp8": "mxfp8", "blockwise": "fp8_1x128"}.get(self.recipe, "fp8")
+
+    @property
+    def weight_dtype(self) -> str:
+        return {"mxfp8": "mxfp8", "blockwise": "fp8_128x128"}.get(self.recipe, "fp8")
+
+    def activation_columnwise(self) -> str:
+        """How an activation's or gradient's column-wise copy is made: "transpose" (of the FP8
+        data), "quantize" (separately, from the high-precision tensor) or "same" (none: the
+        GEMM reads the row-wise copy in either layout)."""
+        if self.per_tensor:
+            return "transpose" if self.transposes else "same"
+        return "quantize"
+
+    def weight_columnwise(self) -> str:
+        if self.recipe == "mxfp8":
+            return "quantize"
+        # per-tensor scales and 128x128 blocks are the same for the transposed weight
+        return "transpose" if self.transposes else "same"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not self.fp8:
+            return {"dtype": self.dtype}
+        return d
+
+
+BF16 = Precision()
+
+
+def resolve_precision(parallel: Any, gpu: Any) -> Precision:
+    """The precision of ``parallel`` (a ParallelConfig) on ``gpu``: the recipe defaults to
+    Transformer Engine's for the GPU (MXFP8 where the GPU has block-scaled tensor cores, delayed
+    scaling otherwise), and what the GPU cannot run is refused."""
+    if parallel.dtype != "fp8":
+        return BF16
+    require(gpu.fp8_tflops is not None, "dtype",
+            f"fp8 needs FP8 tensor cores; {gpu.name} has none (its gpu.fp8_tflops is not set)")
+    recipe = parallel.fp8_recipe or ("mxfp8" if gpu.mxfp8_tflops else "delayed")
+    if recipe == "mxfp8" and not gpu.mxfp8_tflops:
+        raise UserError("fp8-recipe", f"mxfp8 needs block-scaled (MXFP8) tensor cores, which {gpu.name} "
+                                      "does not have (Blackwell does; gpu.mxfp8_tflops is not set)")
+    if parallel.fp8_param_gather and recipe == "mxfp8":
+        raise UserError("fp8-param-gather", "with mxfp8 Megatron gathers parameters in BF16 and quantizes "
+                                            "them after the gather; use it with delayed, tensorwise or blockwise")
+    return Precision("fp8", recipe, parallel.fp8_format, gpu.fp8_transposes, parallel.fp8_attention,
+                     parallel.fp8_param_gather, parallel.fp8_dispatch, parallel.fp8_amax_history_len,
+                     parallel.te_layernorm_mlp)
+
+
+# -- the rewrite ------------------------------------------------------------------------------
+
+def _linear_weight(op: Op) -> int | None:
+    """Index of the weight operand of a linear layer's GEMM (a tensor-parallel weight), else None."""
+    if op.kind != "einsum":
+        return None
+    idx = [i for i, t in enumerate(op.inputs) if t.kind == "weight" and t.tp_shard]
+    return idx[0] if len(idx) == 1 and len(op.inputs) == 2 else None
+
+
+def _column_parallel(op: Op, wi: int) -> bool:
+    """The weight's tensor-parallel label survives into the output (column-parallel), or is
+    summed away (row-parallel: the output is a partial sum)."""
+    letters, out = op.einsum_operands()
+    w = op.inputs[wi]
+    return letters[wi][w.labels.index(w.tp_shard)] in out
+
+
+@dataclass
+class _Gemm:
+    """What the rewrite decided for one FP8 GEMM."""
+
+    op: Op
+    xi: int
+    wi: int
+    gathered_x: bool           # its input is all-gathered over tp in the forward (sp, column-parallel)
+    gathered_dy: bool          # its output gradient is all-gathered over tp in the backward (sp, row-parallel)
+    xq: Tensor | None = None
+    xc: Tensor | None = None   # the input's column-wise copy (None: transposed in the backward)
+    wq: Tensor | None = None
+    wc: Tensor | None = None   # the weight's column-wise copy (None: made in the backward, ZeRO-3)
+    dq: Tensor | None = None   # the output gradient's copies, when a fused kernel wrote them
+    dc: Tensor | None = None
+
+
+class _Rewrite:
+    def __init__(self, block: Block, bwd_ops: list[Op], weight_grads: dict[Tensor, Tensor], p: Precision,
+                 sp: bool, zero3: bool) -> None:
+        self.block, self.bwd_ops, self.weight_grads = block, bwd_ops, weight_grads
+        self.p, self.sp, self.zero3 = p, sp, zero3
+        self.producer = {id(t): op for op in block.ops for t in op.outputs}
+        self.consumers: dict[int, list[Op]] = {}
+        for op in block.ops:
+            for t in op.inputs:
+                self.consumers.setdefault(id(t), []).append(op)
+        self.gemms: dict[int, _Gemm] = {}
+        for op in block.ops:
+            wi = _linear_weight(op)
+            if wi is None:
+                continue
+            column = _column_parallel(op, wi)
+            x = op.inputs[1 - wi]
+            self.gemms[id(op)] = _Gemm(op, 1 - wi, wi, gathered_x=column and x.residual and sp,
+                                       gathered_dy=(not column) and sp)
+        # parameters stored in FP8 replace the bf16 weights
+        self.stored: dict[int, Tensor] = {}
+        if p.param_gather:
+            for g in self.gemms.values():
+                w = g.op.inputs[g.wi]
+                self.stored[id(w)] = Tensor(w.name, w.labels, p.weight_dtype, "weight", tp_shard=w.tp_shard)
+        self.fused: dict[int, _Gemm] = {}          # producer op -> the GEMM whose quantized input it writes
+        for g in self.gemms.values():
+            x = g.op.inputs[g.xi]
+            prod = self.producer.get(id(x))
+            if prod is None or self.consumers.get(id(x)) != [g.op]:
+                continue
+            if prod.kind == "norm" and p.recipe in ("delayed", "tensorwise"):
+                self.fused[id(prod)] = g
+            elif (prod.kind == "pointwise" and not prod.passthrough and p.te_layernorm_mlp
+                  and p.recipe in ("delayed", "mxfp8")):
+                self.fused[id(prod)] = g
+        # the activation whose backward writes FC1's quantized output gradient (LayerNormMLP)
+        self.fused_dact: dict[int, _Gemm] = {}
+        for prod_id, g in self.fused.items():
+            act = next(op for op in block.ops if id(op) == prod_id)
+            if act.kind != "pointwise":
+                continue
+            up = self.producer.get(id(act.inputs[0]))
+            while up is not None and up.passthrough and up.kind == "pointwise":   # a bias add
+                up = self.producer.get(id(up.inputs[0]))
+            if up is not None and id(up) in self.gemms:
+                self.fused_dact[id(act)] = self.gemms[id(up)]
+        self.fwd: list[Op] = []
+        self.attn: dict[int, tuple[list[Tensor], Tensor]] = {}   # attention op -> (q8, k8, v8), o8
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def sub(self, t: Tensor) -> Tensor:
+        return self.stored.get(id(t), t)
+
+    def copy(self, op: Op, **kw: Any) -> Op:
+        kw.setdefault("inputs", [self.sub(t) for t in op.inputs])
+        kw.setdefault("saves", [self.sub(t) for t in op.saves])
+        return replace(op, **kw)
+
+    def quantized(self, t: Tensor, suffix: str, dtype: str, kind: str | None = None) -> Tensor:
+        k = kind or ("grad" if t.kind == "grad" else "activation")
+        return Tensor(f"{t.name}.{suffix}", t.labels, dtype, k, tp_shard=t.tp_shard if k == "weight" else None,
+                      residual=t.residual, grad_of=t.grad_of)
+
+    def amax(self, out: list[Op], t: Tensor, group: tuple[str, ...], cached: bool = False) -> Tensor:
+        """A current-scaling amax kernel over ``t`` (reduced over ``group``)."""
+        a = Tensor(f"{t.name}.amax", "", "fp32", "amax")
+        out.append(Op(f"{t.name}.amax", "amax", [t], [a], flops_per_element=AMAX_FLOPS, residual=t.residual,
+                      amax_group=group, cached=cached))
+        return a
+
+    def quantize(self, out: list[Op], t: Tensor, columnwise: bool, *, dtype: str, kind: str | None = None,
+                 gathered: bool = False, cached: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Cast ``t`` (and its column-wise copy, in the same kernel); current scaling first
+        computes the amax, reduced over tp for a tensor that is then all-gathered."""
+        ins = [t]
+        if self.p.current_scaling:
+            ins.append(self.amax(out, t, ("tp",) if gathered else (), cached))
+        q = self.quantized(t, "fp8", dtype, kind)
+        c = self.quantized(t, "fp8_t", dtype, kind) if columnwise else None
+        out.append(Op(f"{t.name}.quantize", "quantize", ins, [q] + ([c] if c is not None else []),
+                      flops_per_element=QUANTIZE_FLOPS, residual=t.residual, cached=cached))
+        return q, c
+
+    def transpose(self, out: list[Op], q: Tensor, *, gathered: bool = False, cached: bool = False) -> Tensor:
+        c = Tensor(q.name + "_t", q.labels, q.dtype, q.kind, tp_shard=q.tp_shard, residual=q.residual,
+                   grad_of=q.grad_of)
+        out.append(Op(f"{q.name}.transpose", "transpose", [q], [c], residual=q.residual and not gathered,
+                      cached=cached, replicated_over=("tp",) if gathered else ()))
+        return c
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(self) -> None:
+        for op in self.block.ops:
+            if id(op) in self.fused:
+                self.fused_producer(op, self.fused[id(op)])
+            elif id(op) in self.gemms:
+                self.gemm(self.gemms[id(op)])
+            elif op.kind == "attention" and self.p.attention:
+                self.attention(op)
+            else:
+                self.fwd.append(self.copy(op))
+
+    def fused_producer(self, op: Op, g: _Gemm) -> None:
+        """A norm (LayerNormLinear) or activation (LayerNormMLP) that writes the GEMM's
+        quantized input itself."""
+        p, x = self.p, op.outputs[0]
+        col = p.activation_columnwise()
+        if p.current_scaling:
+            # the norm computes the amax in its own pass; the cast is a second kernel
+            a = Tensor(f"{x.name}.amax", "", "fp32", "amax")
+            self.fwd.append(self.copy(op, outputs=[*op.outputs, a], amax_group=("tp",) if g.gathered_x else ()))
+            q = self.quantized(x, "fp8", p.activation_dtype)
+            c = self.quantized(x, "fp8_t", p.activation_dtype) if col == "transpose" and not g.gathered_x else None
+            self.fwd.append(Op(f"{x.name}.quantize", "quantize", [x, a], [q] + ([c] if c else []),
+                               flops_per_element=QUANTIZE_FLOPS, residual=x.residual))
+            g.xq, g.xc = q, (c if c is not None else (q if col == "same" else None))
+            return
+        q = self.quantized(x, "fp8", p.activation_dtype)
+        c = self.quantized(x, "fp8_t", p.activation_dtype) if col == "quantize" else None
+        self.fwd.append(self.copy(op, outputs=[q, *([c] if c else []), *op.outputs[1:]]))
+        if col == "transpose" and not g.gathered_x:
+            c = self.transpose(self.fwd, q)
+        g.xq, g.xc = q, (c if c is not None else (q if col == "same" else None))
+
+    def gemm(self, g: _Gemm) -> None:
+        p, op = self.p, g.op
+        w = op.inputs[g.wi]
+        wcol = p.weight_columnwise()
+        cached = not self.zero3
+        if p.param_gather:
+            g.wq = self.sub(w)
+            if wcol == "same":
+                g.wc = g.wq
+            elif not self.zero3:   # the transposed copy, made once per step after the parameter gather
+                g.wc = self.transpose(self.fwd, g.wq, cached=True)
+        else:
+            # under ZeRO-3 the backward casts the re-gathered weight itself
+            columnwise = wcol != "same" and not self.zero3
+            g.wq, c = self.quantize(self.fwd, w, columnwise, dtype=p.weight_dtype, kind="weight", cached=cached)
+            g.wc = c if c is not None else (g.wq if wcol == "same" else None)
+        if g.xq is None:
+            x = op.inputs[g.xi]
+            col = p.activation_columnwise()
+            g.xq, c = self.quantize(self.fwd, x, col == "quantize" or (col == "transpose" and not g.gathered_x),
+                                    dtype=p.activation_dtype, gathered=g.gathered_x)
+            g.xc = c if c is not None else (g.xq if col == "same" else None)
+        inputs = list(op.inputs)
+        inputs[g.xi], inputs[g.wi] = g.xq, g.wq
+        self.fwd.append(replace(op, inputs=inputs, saves=inputs, precision=p.matmul))
+
+    def attention(self, op: Op) -> None:
+        p = self.p
+        qkv8 = [self.quantize(self.fwd, t, False, dtype=p.activation_dtype)[0] for t in op.inputs]
+        out, lse = op.outputs[0], op.outputs[1]
+        o8 = self.quantized(out, "fp8", p.activation_dtype)
+        self.fwd.append(replace(op, inputs=qkv8, outputs=[o8, lse], saves=[*qkv8, o8, lse], precision=p.matmul))
+        self.fwd.append(Op(f"{out.name}.dequantize", "dequantize", [o8], [out], flops_per_element=1))
+        self.attn[id(op)] = (qkv8, o8)
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def backward(self) -> list[Op]:
+        out: list[Op] = []
+        # bias gradients a fused activation backward computes in its own kernel
+        dact_outputs = {id(op.outputs[0]) for op in self.bwd_ops
+                        if op.grad_of is not None and id(op.grad_of) in self.fused_dact}
+        self.absorbed = {id(op): op for op in self.bwd_ops
+                         if op.kind == "reduce" and len(op.inputs) == 1 and id(op.inputs[0]) in dact_outputs}
+        for op in self.bwd_ops:
+            if id(op) in self.absorbed:
+                continue
+            g = self.gemms.get(id(op.grad_of)) if op.grad_of is not None else None
+            if g is not None and op.kind == "einsum":
+                self.gemm_grad(out, g, op)
+            elif op.grad_of is not None and id(op.grad_of) in self.fused_dact:
+                self.fused_dact_grad(out, op, self.fused_dact[id(op.grad_of)])
+            elif op.kind == "attention_grad" and op.grad_of is not None and id(op.grad_of) in self.attn:
+                self.attention_grad(out, op)
+            else:
+                out.append(self.copy(op))
+        return out
+
+    def fused_dact_grad(self, out: list[Op], op: Op, g: _Gemm) -> None:
+        """The activation's backward writes FC1's quantized output gradient (and its
+        column-wise copy) in one kernel, as Transformer Engine's LayerNormMLP does."""
+        p, d = self.p, op.outputs[0]
+        col = p.activation_columnwise()
+        q = self.quantized(d, "fp8", p.activation_dtype)
+        c = self.quantized(d, "fp8_t", p.activation_dtype) if col != "same" else None
+        bias_grads = [t for r in self.absorbed.values() if r.inputs[0] is d for t in r.outputs]
+        out.append(self.copy(op, outputs=[q] + ([c] if c else []) + bias_grads))
+        g.dq, g.dc = q, (c if c is not None else q)
+
+    def grad_copies(self, out: list[Op], g: _Gemm, dout: Tensor) -> None:
+        """Quantize the GEMM's output gradient: the row-wise copy for dgrad, the column-wise one
+        for wgrad (a gathered per-tensor gradient is transposed after the gather, later)."""
+        p = self.p
+        col = p.activation_columnwise()
+        fused_cols = col == "quantize" or (col == "transpose" and not g.gathered_dy)
+        g.dq, c = self.quantize(out, dout, fused_cols, dtype=p.activation_dtype, gathered=g.gathered_dy)
+        g.dc = c if c is not None else (g.dq if col == "same" else None)
+
+    def gemm_grad(self, out: list[Op], g: _Gemm, op: Op) -> None:
+        p = self.p
+        dout = op.inputs[-1]
+        if g.dq is None:
+            self.grad_copies(out, g, dout)
+        dgrad = op.outputs[0].kind != "weight_grad"
+        if dgrad:
+            w = self.sub(g.op.inputs[g.wi])
+            wc = g.wc
+            if wc is None:          # ZeRO-3: cast (or transpose) the weight gathered for the backward
+                if p.param_gather:
+                    wc = self.transpose(out, w)
+                else:
+                    wc, _ = self.quantize(out, w, False, dtype=p.weight_dtype, kind="weight")
+            inputs = [wc, g.dq]
+        else:
+            xc = g.xc if g.xc is not None else self.transpose(out, g.xq, gathered=g.gathered_x)
+            dc = g.dc if g.dc is not None else self.transpose(out, g.dq, gathered=g.gathered_dy)
+            inputs = [xc, dc]
+        out.append(replace(op, inputs=inputs, precision=p.matmul))
+
+    def attention_grad(self, out: list[Op], op: Op) -> None:
+        p = self.p
+        qkv8, o8 = self.attn[id(op.grad_of)]
+        do8, _ = self.quantize(out, op.inputs[0], False, dtype=p.activation_dtype)
+        lse = op.inputs[-1]
+        grads8 = [self.quantized(t, "fp8", p.activation_dtype) for t in op.outputs]
+        out.append(replace(op, inputs=[do8, *qkv8, o8, lse], outputs=grads8, precision=p.matmul))
+        for g8, g in zip(grads8, op.outputs):
+            out.append(Op(f"{g.name}.dequantize", "dequantize", [g8], [g], flops_per_element=1))
+
+    def run(self) -> tuple[Block, list[Op], dict[Tensor, Tensor], int]:
+        self.forward()
+        bwd = self.backward()
+        weights = [self.sub(w) for w in self.block.weights]
+        weight_grads = {self.sub(w): g for w, g in self.weight_grads.items()}
+        block = Block(self.block.name, self.block.kind, self.fwd, self.block.inputs, self.block.outputs, weights)
+        return block, bwd, weight_grads, len(self.gemms) + len(self.attn)
+
+
+def apply_precision(block: Block, bwd_ops: list[Op], weight_grads: dict[Tensor, Tensor], p: Precision, *,
+                    sp: bool, zero3: bool) -> tuple[Block, list[Op], dict[Tensor, Tensor], int]:
+    """``block``'s forward ops, its backward ops and weight gradients under precision ``p``, and
+    the number of FP8 modules (GEMMs and FP8 attention kernels, each with its own scaling state).
+
+    Only transformer layers change: the embedding and the output layer are not Transformer
+    Engine linear layers in Megatron and stay BF16."""
+    if not p.fp8 or block.kind != "layer":
+        return block, bwd_ops, weight_grads, 0
+    return _Rewrite(block, bwd_ops, weight_grads, p, sp, zero3).run()

@@ -1,0 +1,317 @@
+"""FP8 training: Transformer Engine's kernels, bytes and memory per recipe, against closed forms
+written from the mechanism (which tensors are cast, transposed, reduced; how many bytes each
+element of a quantized tensor takes), and the step-time bounds an FP8 step must respect."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.simulate import simulate
+from stage_cosim.errors import UserError
+from stage_cosim.hardware import resolve_cluster
+from stage_cosim.hardware.gpu import get_gpu
+from stage_cosim.model import ModelConfig
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.schedule.program import COLL, COMP, FIRST_FWD
+from stage_cosim.workload import synthesize
+
+H100, B200 = get_gpu("H100-SXM"), get_gpu("B200")
+QUANT_KINDS = ("quantize", "transpose", "amax")
+# bytes per element of quantized data with its scales
+MX = Fraction(33, 32)            # MXFP8: one E8M0 scale per 32 elements
+TILE = Fraction(33, 32)          # blockwise 1x128: one fp32 scale per 128 elements
+BLOCK = 1 + Fraction(1, 4096)    # blockwise 128x128 weights
+
+
+@pytest.fixture
+def llama_tiny() -> ModelConfig:
+    # h = 1024 = heads * head_dim, 4 kv groups: the QKV projection is (16 + 2 * 4) * 64 = 1536 wide
+    return ModelConfig.build("llama-tiny", "llama", layers=2, hidden=1024, ffn=2816, heads=16, kv_heads=4,
+                             vocab=32000, max_seq=4096)
+
+
+def _par(**kw) -> ParallelConfig:
+    base = dict(micro_batch=2, global_batch=4, seq_len=512, dtype="fp8")
+    return ParallelConfig(**(base | kw))
+
+
+def _rows(w, key, label="layer0", kinds=QUANT_KINDS):
+    return [r for r in w.role(0).templates[key].rows if r[12] == label and r[1] == COMP and r[10] in kinds]
+
+
+def _quant_bytes(w, key) -> int:
+    return sum(r[5] for r in _rows(w, key))
+
+
+def _layer_shapes(m: ModelConfig, n: int) -> dict[str, int]:
+    qkv = (m.heads + 2 * m.kv_heads) * m.head_dim
+    return dict(x=n * m.hidden, ctx=n * m.heads * m.head_dim, act=n * m.ffn, up=n * 2 * m.ffn, qkv=n * qkv,
+                weights=m.hidden * qkv + m.heads * m.head_dim * m.hidden + m.hidden * 2 * m.ffn + m.ffn * m.hidden,
+                n_weights=4)
+
+
+def _closed_form(recipe: str, transposes: bool, t: dict[str, int]) -> tuple[Fraction, Fraction, Fraction]:
+    """Bytes the quantization kernels of one layer move per micro-batch: (forward, backward,
+    the first micro-batch's weight casts), without sequence or tensor parallelism."""
+    x, ctx, act, up, qkv = t["x"], t["ctx"], t["act"], t["up"], t["qkv"]
+    grads = (x, up, x, qkv)          # output gradients of fc2, fc1, proj, qkv
+    if recipe == "delayed" and transposes:
+        # the norms write FP8 themselves and a transpose kernel makes the column-wise copy;
+        # the attention output and the activation are cast and transposed in one kernel
+        fwd = 2 * x + 4 * ctx + 2 * x + 4 * act
+        return Fraction(fwd), Fraction(sum(4 * g for g in grads)), Fraction(4 * t["weights"])
+    if recipe == "delayed":
+        # Blackwell: FP8 GEMMs read either layout, nothing is transposed
+        return Fraction(3 * ctx + 3 * act), Fraction(sum(3 * g for g in grads)), Fraction(3 * t["weights"])
+    if recipe == "tensorwise":
+        # the norms compute the amax themselves (4 B each), the others read the tensor once more
+        fwd = (4 * x + 4) + (2 * ctx + 4) + (4 * ctx + 4) + (4 * x + 4) + (2 * act + 4) + (4 * act + 4)
+        bwd = sum((2 * g + 4) + (4 * g + 4) for g in grads)
+        return Fraction(fwd), Fraction(bwd), Fraction(6 * t["weights"] + 8 * t["n_weights"])
+    q, wq = (MX, MX) if recipe == "mxfp8" else (TILE, BLOCK)
+    # block scaling: one kernel reads the bf16 tensor and writes both quantized copies
+    fwd = sum((2 + 2 * q) * v for v in (x, ctx, x, act))
+    bwd = sum((2 + 2 * q) * g for g in grads)
+    return fwd, bwd, (2 + 2 * wq) * t["weights"]
+
+
+@pytest.mark.parametrize("recipe,gpu", [("delayed", H100), ("delayed", B200), ("tensorwise", H100),
+                                        ("mxfp8", B200), ("blockwise", H100)])
+def test_quantization_bytes_per_layer_closed_form(llama_tiny, recipe, gpu) -> None:
+    w = synthesize(llama_tiny, _par(fp8_recipe=recipe), gpu)
+    fwd, bwd, weights = _closed_form(recipe, gpu.fp8_transposes, _layer_shapes(llama_tiny, 2 * 512))
+    assert _quant_bytes(w, (0, "fwd")) == pytest.approx(float(fwd), abs=8)
+    assert _quant_bytes(w, (0, "bwd")) == pytest.approx(float(bwd), abs=8)
+    assert _quant_bytes(w, (0, FIRST_FWD)) - _quant_bytes(w, (0, "fwd")) == pytest.approx(float(weights), abs=16)
+
+
+def test_fp8_gemms_read_quantized_operands(llama_tiny) -> None:
+    """The four linear layers (forward, dgrad, wgrad) run at the FP8 format; attention, the
+    output layer and everything else stay BF16; an FP8 GEMM moves one byte per operand element."""
+    m = llama_tiny
+    w = synthesize(m, _par(), H100)
+    b16 = synthesize(m, _par(dtype="bf16"), H100)
+    fmt = {r[0]: r[6] for key in ((0, "fwd"), (0, "bwd")) for r in w.role(0).templates[key].rows if r[6]}
+    fp8 = sorted(name for name, f in fmt.items() if f == "fp8")
+    assert len(fp8) == 3 * 4 * m.layers
+    assert all(name.split(".")[1] in ("qkv", "proj", "fc1", "fc2") for name in fp8)
+    assert {fmt["layer0.attention"], fmt["layer0.attention.grad"], fmt["head.logits"]} == {"bf16"}
+    n, h = 2 * 512, m.hidden
+    mem = {r[0]: r[5] for r in w.role(0).templates[(0, "fwd")].rows}
+    mem16 = {r[0]: r[5] for r in b16.role(0).templates[(0, "fwd")].rows}
+    w_fc2 = m.ffn * h
+    assert mem["layer0.fc2"] == n * m.ffn + w_fc2 + 2 * n * h            # fp8 in, bf16 out
+    assert mem16["layer0.fc2"] == 2 * n * m.ffn + 2 * w_fc2 + 2 * n * h
+
+
+def test_sequence_parallel_gathers_fp8_and_transposes_after_the_gather(llama_tiny) -> None:
+    """Transformer Engine all-gathers the FP8 row-wise copy (half of BF16's bytes); the
+    reductions of GEMM outputs stay BF16; per-tensor scaling transposes the gathered tensor in
+    the backward, so the transposes see the whole sequence."""
+    tp = 4
+    bf16 = synthesize(llama_tiny, _par(tp=tp, sp=True, dtype="bf16"), H100)
+    fp8 = synthesize(llama_tiny, _par(tp=tp, sp=True), H100)
+
+    def comm(w, key, coll):
+        return sorted(r[8] for r in w.role(0).templates[key].rows if r[1] == COLL and r[7].value == coll
+                      and r[12] == "layer0")
+
+    for key in ((0, "fwd"), (0, "bwd")):
+        assert comm(fp8, key, "ALL_GATHER") == [b // 2 for b in comm(bf16, key, "ALL_GATHER")]
+        assert comm(fp8, key, "REDUCE_SCATTER") == comm(bf16, key, "REDUCE_SCATTER")
+    n, h = 2 * 512, llama_tiny.hidden
+    transposes = [r for r in _rows(fp8, (0, "bwd"), kinds=("transpose",))]
+    # the two norm outputs and the output gradients of proj and fc2: full sequence, 1 B in + 1 B out
+    assert sorted(r[5] for r in transposes) == [2 * n * h] * 4
+    assert not _rows(fp8, (0, "fwd"), kinds=("transpose",))
+
+
+def test_current_scaling_reduces_the_amax_of_gathered_tensors_over_tp(llama_tiny) -> None:
+    w = synthesize(llama_tiny, _par(tp=2, sp=True, fp8_recipe="tensorwise"), H100)
+    amax = [r for key in ((0, "fwd"), (0, "bwd")) for r in w.role(0).templates[key].rows
+            if r[1] == COLL and ".amax.ar_" in r[0] and r[12] == "layer0"]
+    # the inputs of qkv and fc1 in the forward, the output gradients of proj and fc2 in the backward
+    assert len(amax) == 4 and {r[8] for r in amax} == {4} and {r[9] for r in amax} == {"tp"}
+
+
+def test_delayed_scaling_reduces_all_amaxes_once_per_pass(llama_tiny) -> None:
+    m = llama_tiny.with_overrides(layers=4)
+    w = synthesize(m, _par(dp=2, tp=2, pp=2, global_batch=8, zero=1), H100)
+    for stage in range(2):
+        role = w.role(stage)
+        for (chunk, phase), t in role.templates.items():
+            ars = [r for r in t.rows if r[1] == COLL and r[0].endswith("fp8_amax_ar")]
+            per_module = 3 if phase != "bwd" else 2
+            # two layers of four FP8 GEMMs on each stage; one fp32 amax per tensor
+            assert [(r[9], r[8]) for r in ars] == [("tp_dp", 4 * per_module * 4 * 2)]
+    assert "tp_dp" in w.group_kinds and len(w.group_members(0, "tp_dp")) == 4
+    other = synthesize(m, _par(dp=2, tp=2, pp=2, global_batch=8, zero=1, fp8_recipe="blockwise"), H100)
+    assert "tp_dp" not in other.group_kinds
+
+
+@pytest.mark.parametrize("recipe,gpu,per_param", [("delayed", H100, 2), ("delayed", B200, 1),
+                                                  ("tensorwise", H100, 2), ("mxfp8", B200, 2 * MX),
+                                                  ("blockwise", H100, 2 * BLOCK)])
+def test_fp8_weight_cache_closed_form(llama_tiny, recipe, gpu, per_param) -> None:
+    """The FP8 copies of every layer's GEMM weights (and, where the GEMMs need it, the
+    transposed or column-wise copy) are kept from the first micro-batch on."""
+    tp = 2
+    w = synthesize(llama_tiny, _par(tp=tp, fp8_recipe=recipe), gpu)
+    params = _layer_shapes(llama_tiny, 1)["weights"] * llama_tiny.layers // tp
+    mem = w.memory(0)
+    assert mem.fp8_weight_cache == pytest.approx(float(per_param * params), abs=8)
+    bf16 = synthesize(llama_tiny, _par(tp=tp, dtype="bf16"), gpu).memory(0)
+    assert mem.weights == bf16.weights and bf16.fp8_weight_cache == 0
+    if recipe == "delayed":
+        # an amax history of 1024 plus scale and inverse scale, for 3 + 2 tensors of each GEMM
+        assert mem.fp8_amax_history == 4 * 4 * llama_tiny.layers * 5 * (1024 + 2)
+    else:
+        assert mem.fp8_amax_history == 0
+
+
+def test_fp8_param_gather_stores_and_gathers_fp8(llama_tiny) -> None:
+    """Parameters kept in FP8: one byte per GEMM weight parameter stored, the distributed
+    optimizer's parameter all-gather moves FP8 for them, and on Hopper only the transposed copy
+    is cached."""
+    dp, tp = 4, 2
+    kw = dict(dp=dp, tp=tp, zero=1, global_batch=8)
+    plain = synthesize(llama_tiny, _par(**kw), H100)
+    fp8p = synthesize(llama_tiny, _par(**kw, fp8_param_gather=True), H100)
+    gemm = _layer_shapes(llama_tiny, 1)["weights"] * llama_tiny.layers // tp
+    assert plain.memory(0).weights - fp8p.memory(0).weights == pytest.approx(gemm, abs=8)
+    assert fp8p.memory(0).fp8_weight_cache == pytest.approx(gemm, abs=8)
+
+    def gather(w, label):
+        return sum(n.comm_bytes for n in w.role(0).nodes if n.type == COLL and n.name.startswith(label + ".param_ag"))
+
+    layer = _layer_shapes(llama_tiny, 1)["weights"] // tp
+    norms = 2 * llama_tiny.hidden
+    assert gather(plain, "layer0") == pytest.approx(2 * (layer + norms) / dp, abs=2)
+    assert gather(fp8p, "layer0") == pytest.approx((layer + 2 * norms) / dp, abs=2)
+    # no weight cast: only the (cached) transposes of the stored FP8 weights
+    first = _rows(fp8p, (0, FIRST_FWD))
+    assert {r[10] for r in first} - {"quantize"} == {"transpose"}
+    assert sum(r[5] for r in first if r[10] == "transpose") - sum(
+        r[5] for r in _rows(fp8p, (0, "fwd")) if r[10] == "transpose") == pytest.approx(2 * layer, abs=8)
+
+
+def test_zero3_casts_the_gathered_weights_every_micro_batch(llama_tiny) -> None:
+    w = synthesize(llama_tiny, _par(dp=2, zero=3), H100)
+    assert (0, FIRST_FWD) not in w.role(0).templates
+    assert w.memory(0).fp8_weight_cache == 0
+    casts = [r for r in _rows(w, (0, "fwd")) if r[0].endswith("weight.quantize")]
+    recasts = [r for r in _rows(w, (0, "bwd")) if r[0].endswith("weight.quantize")]
+    assert len(casts) == 4 and len(recasts) == 4
+
+
+def test_full_recompute_recasts_activations_not_weights(llama_tiny) -> None:
+    w = synthesize(llama_tiny, _par(recompute="full"), H100)
+    rec = [r[0] for r in w.role(0).templates[(0, "bwd")].rows if r[11] == "recompute" and r[12] == "layer0"]
+    assert "layer0.attention.quantize" in rec and "layer0.swiglu.quantize" in rec
+    assert not [name for name in rec if name.endswith("weight.quantize")]
+
+
+def test_fp8_attention_and_layernorm_mlp(llama_tiny) -> None:
+    gpt = ModelConfig.build("gpt-tiny", "gpt", layers=2, hidden=1024, heads=16, vocab=50257, max_seq=2048)
+    w = synthesize(gpt, _par(fp8_attention=True, te_layernorm_mlp=True), H100)
+    fwd = {r[0]: r for r in w.role(0).templates[(0, "fwd")].rows}
+    bwd = {r[0]: r for r in w.role(0).templates[(0, "bwd")].rows}
+    assert fwd["layer0.attention"][6] == "fp8" and bwd["layer0.attention.grad"][6] == "fp8"
+    assert {"layer0.q.quantize", "layer0.k.quantize", "layer0.v.quantize", "layer0.attention.dequantize"} <= set(fwd)
+    n, h, f = 2 * 512, gpt.hidden, gpt.ffn
+    # LayerNormMLP: GELU reads bf16 and writes FP8 (no cast of its own), its backward writes
+    # FC1's quantized output gradient and its transpose and computes the bias gradient
+    assert "layer0.gelu.quantize" not in fwd and fwd["layer0.gelu"][5] == 2 * n * f + n * f
+    assert not [k for k in bwd if k.startswith("layer0.d(fc1") and k.endswith("quantize")]
+    assert bwd["layer0.gelu.grad"][5] == 2 * n * f + 2 * n * f + n * f + n * f + 4 * f
+
+
+def _linear_gemm_share(bf16, fp8) -> float:
+    """The share of a one-GPU BF16 step spent in the GEMMs an FP8 recipe quantizes."""
+    role16, role8 = bf16.role(0), fp8.role(0)
+    names = {n.name for n in role8.nodes if n.type == COMP and n.matmul == "fp8"}
+    compute = ComputeModel(H100)
+    total = sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul, n.category.startswith("attention"))
+                for n in role16.nodes if n.type == COMP)
+    gemms = sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul) for n in role16.nodes
+                if n.type == COMP and n.name in names)
+    return gemms / total
+
+
+def test_fp8_step_speedup_bounds() -> None:
+    """A GEMM-bound model on one H100: FP8 is faster than BF16, and by less than Amdahl's law
+    allows with the whole peak ratio on the quantized GEMMs (the casts only add time)."""
+    m = ModelConfig.build("llama-big", "llama", layers=4, hidden=8192, ffn=28672, heads=64, kv_heads=8,
+                          vocab=32000, max_seq=4096)
+    cluster = resolve_cluster("dgx-h100:1")
+    par = dict(micro_batch=1, global_batch=2, seq_len=4096)
+    bf16 = synthesize(m, ParallelConfig(**par), cluster.gpu)
+    fp8 = synthesize(m, ParallelConfig(**par, dtype="fp8"), cluster.gpu)
+    t16 = simulate(bf16, cluster)[0].step_time_s
+    r8 = simulate(fp8, cluster)[0]
+    f = _linear_gemm_share(bf16, fp8)
+    assert f > 0.6      # GEMM-bound
+    ratio = cluster.gpu.fp8_tflops / cluster.gpu.bf16_tflops
+    amdahl = 1 / ((1 - f) + f / ratio)
+    assert 1 < t16 / r8.step_time_s < amdahl
+    # MFU is counted against each peak, labelled
+    assert r8.precision["dtype"] == "fp8" and r8.precision["recipe"] == "delayed"
+    assert r8.mfu_fp8 == pytest.approx(r8.mfu / ratio)
+    assert "of FP8 peak" in r8.mfu_label
+
+
+def test_fp8_gemm_duration_uses_its_own_curve() -> None:
+    g = H100.with_overrides(fp8_matmul_efficiency=0.7, fp8_matmul_half_flops=8e9)
+    m = ComputeModel(g)
+    F = 5e12
+    expected = F / (g.fp8_tflops * 1e12 * 0.7 * F / (F + 8e9)) + g.kernel_overhead_us * 1e-6
+    assert m.duration_s(F, 1e6, "fp8") == pytest.approx(expected)
+    assert m.duration_s(F, 1e6, "bf16") == pytest.approx(m.duration_s(F, 1e6, True))
+    b = ComputeModel(B200)
+    assert b.duration_s(F, 1e6, "mxfp8") < b.duration_s(F, 1e6, "bf16")
+
+
+def test_precision_errors(run_cli) -> None:
+    for args, where in ((["--cluster", "dgx-a100:8", "--dp", "8", "--dtype", "fp8"], "error: dtype:"),
+                        (["--cluster", "dgx-h100:8", "--dp", "8", "--dtype", "fp8", "--fp8-recipe", "mxfp8"],
+                         "error: fp8-recipe:"),
+                        (["--dp", "2", "--fp8-attention"], "error: fp8-attention:"),
+                        (["--dp", "2", "--dtype", "fp8", "--fp8-param-gather"], "error: fp8-param-gather:"),
+                        (["--dp", "2", "--dtype", "fp8", "--fp8-dispatch"], "error: fp8-dispatch:"),
+                        (["--dp", "2", "--dtype", "fp8", "--fp8-attention", "--fp8-recipe", "blockwise"],
+                         "error: fp8-attention:")):
+        code, out, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", *args)
+        assert code == 2 and err.startswith(where) and "Traceback" not in err, (args, err)
+    with pytest.raises(UserError, match="synthesize it for this cluster"):
+        w = synthesize(ModelConfig.build("t", "llama", layers=1, hidden=256, ffn=512, heads=4, vocab=1000, max_seq=512),
+                       ParallelConfig(dtype="fp8", seq_len=256), H100)
+        simulate(w, resolve_cluster("dgx-b200:1"))
+
+
+def test_simulate_cli_labels_mfu(run_cli) -> None:
+    code, out, _ = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--cluster", "dgx-b200:8", "--tp", "8",
+                           "--dtype", "fp8", "--seq-len", "1024")
+    assert code == 0
+    assert "of BF16 peak" in out and "MFU (MXFP8 peak)" in out and "fp8 mxfp8 (hybrid, no transposes)" in out
+
+
+def test_fp8_traces_read_back_time_fp8_gemms(run_cli, tmp_path) -> None:
+    """The traces name each kernel's tensor-core format (op_kind matmul_fp8): simulated from
+    disk they give the step of the workload they were written from."""
+    import json
+
+    args = ["--model", "llama3-8b", "--layers", "2", "--tp", "2", "--pp", "2", "--global-batch", "4",
+            "--seq-len", "1024", "--dtype", "fp8"]
+    out = tmp_path / "t"
+    assert run_cli("synth", *args, "--out", str(out), "--cluster", "dgx-h100:4")[0] == 0
+    code, stdout, err = run_cli("simulate", "--traces", str(out), "--cluster", "dgx-h100:4", "--json")
+    assert code == 0, err
+    code, direct, _ = run_cli("simulate", *args, "--cluster", "dgx-h100:4", "--json", "--full")
+    assert json.loads(stdout)["step_time_s"] == pytest.approx(json.loads(direct)["step_time_s"], rel=0.02)
+    kinds = set()
+    for f in out.glob("workload.*.et"):
+        kinds |= {b"matmul_fp8" in f.read_bytes()}
+    assert kinds == {True}
