@@ -8,12 +8,10 @@ model ──► blocks (symbolic graph, forward + derived backward)
 
 from __future__ import annotations
 
-import gc
 import math
 from collections import defaultdict
-from contextlib import contextmanager
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any
 
 from stage_cosim.errors import UserError
 from stage_cosim.graph.dims import degree_symbol, model_values
@@ -22,6 +20,7 @@ from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import BLOCK_AXES, GROUP, GROUP_KINDS, PIPELINE_AXIS, group_size
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
+from stage_cosim.runtime import gc_paused  # noqa: F401 (also imported from here)
 from stage_cosim.schedule.program import (
     COLL, COMP, PP_GROUP, RECV, SEND, ModelBlocks, RoleGraph, StageMemory, build_role, stage_memory,
 )
@@ -241,15 +240,3 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
                      degrees=parallel.degrees(), overlap_param_gather=parallel.overlap_param_gather,
                      tp_comm_overlap=parallel.tp_comm_overlap)
     return Workload(model, parallel, mesh, role_args, precision)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Building millions of small acyclic objects: the cycle collector only costs time here."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()

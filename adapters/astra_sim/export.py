@@ -82,6 +82,7 @@ def check_compute_mode(w: Workload, mode: str) -> None:
 def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
     """duration_micros per node of a role, rounded with the error carried along (see above)."""
     cache: dict[int, list[int]] = {}
+    kernel_ns: dict[tuple[int, int, bool, str], float] = {}     # a kernel recurs every micro-batch
 
     def durations(role: RoleGraph) -> list[int]:
         if id(role) in cache:
@@ -92,7 +93,11 @@ def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
         for n in role.nodes:
             if n.type != COMP:
                 continue
-            exact_ns += compute.duration_of(n.flops, n.mem_bytes, op_kind(n.category, n.matmul)) * 1e9
+            key = (n.flops, n.mem_bytes, n.matmul, n.category)
+            t = kernel_ns.get(key)
+            if t is None:
+                t = kernel_ns[key] = compute.duration_of(n.flops, n.mem_bytes, op_kind(n.category, n.matmul)) * 1e9
+            exact_ns += t
             target = round(exact_ns / 1000)
             out[n.id] = max(0, target - written_us)
             written_us += out[n.id]

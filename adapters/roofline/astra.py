@@ -26,6 +26,7 @@ from stage_cosim.adapters.roofline.astra_replay import (
     durations_ns, expand, make_agent, program_of, replay, symmetric as is_symmetric, target_of,
 )
 from stage_cosim.errors import UserError
+from stage_cosim.runtime import gc_paused
 from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.trace.traceset import COLL, RECV, SEND, TraceSet
 from stage_cosim.trace.validate import Problem, validate
@@ -99,6 +100,7 @@ def trace_classes(ts: TraceSet, members_of: Callable[[object], Sequence[int]]) -
     return cl, reps
 
 
+@gc_paused()
 def replay_trace_set(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim], *,
                      symmetric: bool = True, record: bool = False,
                      durations: Sequence[Sequence[int]] | None = None) -> Replayed:
@@ -189,6 +191,7 @@ def input_problems(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim]
     return out
 
 
+@gc_paused()
 def check(ts: TraceSet, system: AstraSystem | None, dims: Sequence[NetworkDim] | None,
           limit: int = 1000) -> list[Problem]:
     """Everything wrong with a trace set for the simulator: the trace checks, then (if those
@@ -235,6 +238,7 @@ def replay_checked(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim]
 
 # -- files -----------------------------------------------------------------------------------------
 
+@gc_paused()
 def replay_files(workload: str, system_file: Path, network_file: Path, memory_file: Path | None,
                  groups_file: Path | None, *, symmetric: bool = True) -> tuple[Replayed, int]:
     """The binary's inputs, by its own flags: (the replay, the number of ranks)."""
@@ -295,34 +299,30 @@ def role_program(role, dur: Sequence[int]) -> tuple[Program, list[tuple[str, obj
     n = len(nodes)
     children: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n
-    kind, coll, size, tag, names, cats, holes, syms = [], [], [], [], [], [], [], []
+    kind, coll, holes, syms = [0] * n, [None] * n, [], []
+    cats = ["compute"] * n
     for i, node in enumerate(nodes):
-        ds = set(node.deps) | set(node.ctrl) if node.ctrl else set(node.deps)
-        indeg[i] = len(ds)
-        for d in ds:
-            children[d].append(i)
+        deps = node.deps
+        if node.ctrl:
+            deps = sorted(set(deps) | set(node.ctrl))
+        indeg[i] = len(deps)
+        for d in deps:
+            children[d].append(i)           # i ascending: children stay sorted
         t = node.type
-        if t == R_COMP:
-            kind.append(0)
-            coll.append(None)
-            cats.append("compute")
-        else:
+        if t != R_COMP:
             holes.append(i)
             if t == R_COLL:
-                kind.append(K_COLL)
-                coll.append(node.coll.value)
-                cats.append(node.group)
+                kind[i] = K_COLL
+                coll[i] = node.coll.value
+                cats[i] = node.group
                 syms.append(("pg", node.group))
             else:
-                kind.append(K_SEND if t == R_SEND else K_RECV)
-                coll.append(None)
-                cats.append("pp")
+                kind[i] = K_SEND if t == R_SEND else K_RECV
+                cats[i] = "pp"
                 syms.append(("peer", node.peer))
-        size.append(node.comm_bytes)
-        tag.append(node.tag)
-        names.append(node.name)
-    for ch in children:
-        ch.sort()
+    size = [node.comm_bytes for node in nodes]
+    tag = [node.tag for node in nodes]
+    names = [node.name for node in nodes]
     prog = Program(ids=list(range(n)), kind=kind, dur=list(dur), children=children, indeg=indeg, coll=coll,
                    size=size, tag=tag, involved=[None] * n, hole_index=holes, names=names, categories=cats)
     return prog, syms
@@ -348,6 +348,7 @@ def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: AN
     return replayed
 
 
+@gc_paused()
 def replay_workload(w, cluster, system: AstraSystem, *, symmetric: bool = True,  # noqa: ANN001
                     record: bool = False) -> Replayed:
     """What the binary prints for the workload's export under ``system`` (one rank per pipeline

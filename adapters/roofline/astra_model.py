@@ -656,30 +656,48 @@ class CollectiveModel:
                      starts: Sequence[int], involved: Sequence[bool] | None = None) -> list[int]:
         """Each member's finish time (members in the given order; None: every rank, in rank
         order), given each member's issue time."""
+        return self.prepared(collective, size, members, involved)(starts)
+
+    def prepared(self, collective: str, size: int, members: tuple[int, ...] | None,
+                 involved: Sequence[bool] | None = None) -> Callable[[Sequence[int]], list[int]]:
+        """:meth:`finish_times` of one collective on one group, planned once (a replay issues
+        the same collective on the same group again and again)."""
         if members is not None and self._normalized(members) is None and list(members) != sorted(members):
-            by_rank = dict(zip(members, starts))
-            ends = self.finish_times(collective, size, None, [by_rank[r] for r in range(self.net.n_ranks)],
-                                     involved)
-            return [ends[r] for r in members]
+            everyone = self.prepared(collective, size, None, involved)
+
+            def reordered(starts: Sequence[int]) -> list[int]:
+                by_rank = dict(zip(members, starts))
+                ends = everyone([by_rank[r] for r in range(self.net.n_ranks)])
+                return [ends[r] for r in members]
+            return reordered
         phases, sizes, n_chunks, counter_keys, shape = self.plan(collective, size, members, involved)
         if not phases:
-            return list(starts)
-        counters = self.tree_counters
-        first_tree = [counters.get(k, 0) if k is not None else 0 for k in counter_keys]
-        for k in counter_keys:
-            if k is not None:
-                counters[k] = counters.get(k, 0) + n_chunks
-        t0 = min(starts)
-        rel = None if t0 == max(starts) else tuple(s - t0 for s in starts)
-        key = (collective, size, shape, rel, tuple(t % 2 for t in first_tree))
-        offsets = self._results.get(key)
-        if offsets is None:
-            self.evaluated += 1
-            order = members if members is not None else tuple(range(self.net.n_ranks))
-            ends = _schedule(phases, sizes, n_chunks, {r: s for r, s in zip(order, starts)}, self.system,
-                             self.net, first_tree)
-            offsets = self._results[key] = tuple(ends[r] - t0 for r in order)
-        return [t0 + o for o in offsets]
+            return list
+        counters, results = self.tree_counters, self._results
+        trees = [k for k in counter_keys if k is not None]
+        no_trees = [0] * len(phases)
+        base = (collective, size, shape)
+        order = members if members is not None else tuple(range(self.net.n_ranks))
+
+        def run(starts: Sequence[int]) -> list[int]:
+            if trees:
+                first_tree = [counters.get(k, 0) if k is not None else 0 for k in counter_keys]
+                for k in trees:
+                    counters[k] = counters.get(k, 0) + n_chunks
+                parity: tuple[int, ...] = tuple(t % 2 for t in first_tree)
+            else:
+                first_tree, parity = no_trees, ()
+            t0 = min(starts)
+            rel = None if t0 == max(starts) else tuple(s - t0 for s in starts)
+            key = (base, rel, parity)
+            offsets = results.get(key)
+            if offsets is None:
+                self.evaluated += 1
+                ends = _schedule(phases, sizes, n_chunks, dict(zip(order, starts)), self.system, self.net,
+                                 first_tree)
+                offsets = results[key] = tuple(ends[r] - t0 for r in order)
+            return [t0 + o for o in offsets]
+        return run
 
 
 def _schedule(phases: list[Phase], sizes: list[int], n_chunks: int, starts: dict[int, int],

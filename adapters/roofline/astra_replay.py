@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterable, Mapping, Sequence
 
 from stage_cosim.adapters.roofline.astra_model import (
@@ -74,6 +75,14 @@ class Program:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @cached_property
+    def breakdown_categories(self) -> list[str | None]:
+        """Where each node's time is charged in a breakdown (None: a receive, which waits)."""
+        from stage_cosim.adapters.roofline.breakdown import span_category
+
+        cats = self.categories or [""] * len(self.ids)
+        return [span_category(k, c) for k, c in zip(self.kind, cats)]
 
 
 def durations_ns(table: NodeTable, system: AstraSystem) -> list[int]:
@@ -269,6 +278,9 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
     that is (or stands for) rank ``r``."""
     n_agents = len(agents)
     BIG = 1 << 62
+    KIND = [a.prog.kind for a in agents]
+    DUR = [a.prog.dur for a in agents]
+    CHILDREN = [a.prog.children for a in agents]
     indeg = [list(a.prog.indeg) for a in agents]
     start = [[-1] * len(a.prog) for a in agents]
     end = [[-1] * len(a.prog) for a in agents]
@@ -279,8 +291,7 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
     ready_comm: list[list[int]] = [[] for _ in agents]
     events: list[tuple[int, int, int, int]] = []
     seq = 0
-    members_cache: dict[object, tuple[int, ...]] = {}
-    participants: dict[object, int] = {}
+    groups: dict[object, _Group] = {}
     issued_on: list[dict[object, int]] = [defaultdict(int) for _ in agents]
     rendezvous: dict[tuple[object, int], list[tuple[int, int, int]]] = {}
     mailbox: dict[tuple[int, int, int], list[int]] = {}
@@ -288,29 +299,32 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
     agent_rank = [a.rank for a in agents]
     heappush, heappop = heapq.heappush, heapq.heappop
 
-    def members(g: object) -> tuple[int, ...]:
-        found = members_cache.get(g)
+    def group(g: object) -> "_Group":
+        found = groups.get(g)
         if found is None:
-            found = members_cache[g] = tuple(members_of(g))
-            participants[g] = len({agent_of_rank(m) for m in found})
+            found = groups[g] = _Group(g, members_of(g), agent_of_rank, agent_rank)
         return found
 
-    def collective_done(g: object, arrived: list[tuple[int, int, int]]) -> None:
+    def collective_done(gr: "_Group", arrived: list[tuple[int, int, int]]) -> None:
         nonlocal seq
         a0, i0, _ = arrived[0]
         prog = agents[a0].prog
-        mem = members(g)
-        issue_at = {a: t for a, _, t in arrived}
-        starts = [issue_at[agent_of_rank(m)] for m in mem]
-        ends = collectives.finish_times(prog.coll[i0] or "", prog.size[i0], None if g == ALL else mem, starts,
-                                        prog.involved[i0])
-        finish_of = dict(zip(mem, ends))
-        if check_symmetry:
-            for m, e in finish_of.items():
-                if e != finish_of.get(agent_rank[agent_of_rank(m)], e):
+        key = (prog.coll[i0], prog.size[i0], prog.involved[i0])
+        run = gr.prepared.get(key)
+        if run is None:
+            run = gr.prepared[key] = collectives.prepared(prog.coll[i0] or "", prog.size[i0],
+                                                          None if gr.id == ALL else gr.members, prog.involved[i0])
+        issue_at = [0] * n_agents
+        for a, _, t in arrived:
+            issue_at[a] = t
+        ends = run([issue_at[a] for a in gr.member_agents])
+        if check_symmetry and gr.stood_for:
+            for e, j in zip(ends, gr.rep_index):
+                if e != ends[j]:
                     raise _Asymmetric
+        pos = gr.position
         for a, i, _ in arrived:
-            heappush(events, (finish_of[agent_rank[a]], seq, a, i))
+            heappush(events, (ends[pos[agent_rank[a]]], seq, a, i))
             seq += 1
 
     def issue_comm(a: int, i: int, now: int) -> None:
@@ -318,23 +332,24 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
         ag = agents[a]
         prog = ag.prog
         start[a][i] = now
-        if prog.kind[i] == K_TIMED:
+        k = prog.kind[i]
+        if k == K_TIMED:
             heappush(events, (now + prog.dur[i], seq, a, i))
             seq += 1
             return
-        if prog.kind[i] == K_COLL:
+        if k == K_COLL:
             g = ag.target[i]
-            k = issued_on[a][g]
-            issued_on[a][g] = k + 1
-            key = (g, k)
+            n = issued_on[a][g]
+            issued_on[a][g] = n + 1
+            key = (g, n)
             arrived = rendezvous.get(key)
             if arrived is None:
                 arrived = rendezvous[key] = []
             arrived.append((a, i, now))
-            members(g)
-            if len(arrived) == participants[g]:
+            gr = group(g)
+            if len(arrived) == gr.participants:
                 del rendezvous[key]
-                collective_done(g, arrived)
+                collective_done(gr, arrived)
             return
         dst = ag.target[i]
         d = net.delay(ag.rank, dst, prog.size[i])  # type: ignore[arg-type]
@@ -362,29 +377,8 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
         else:
             waiting_recv.setdefault(key, []).append((a, i, now))
 
-    def dispatch(a: int, now: int) -> None:
-        """Issue ready nodes in id order while their slot is free."""
-        nonlocal seq
-        rc, rm = ready_comp[a], ready_comm[a]
-        prog = agents[a].prog
-        while True:
-            c = rc[0] if rc and not comp_busy[a] else BIG
-            m = rm[0] if rm and not comm_busy[a] else BIG
-            if c < m:
-                heappop(rc)
-                comp_busy[a] = True
-                start[a][c] = now
-                heappush(events, (now + prog.dur[c], seq, a, c))
-                seq += 1
-            elif m != BIG:
-                heappop(rm)
-                comm_busy[a] = True
-                issue_comm(a, m, now)
-            else:
-                return
-
-    for a, ag in enumerate(agents):
-        kind = ag.prog.kind
+    for a in range(n_agents):
+        kind = KIND[a]
         for i, d in enumerate(indeg[a]):
             if d == 0:
                 k = kind[i]
@@ -394,34 +388,52 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
                     issue_recv(a, i, 0)
                 else:
                     ready_comm[a].append(i)
-        dispatch(a, 0)
+        heappush(events, (0, seq, a, -1))     # the agent's first issue, in agent order
+        seq += 1
 
     while events:
         now, _, a, i = heappop(events)
-        end[a][i] = now
-        left[a] -= 1
-        prog = agents[a].prog
-        kind = prog.kind
-        k = kind[i]
-        if k == K_COMP:
-            comp_busy[a] = False
-        elif k != K_RECV:
-            comm_busy[a] = False
-        deg = indeg[a]
-        for c in prog.children[i]:
-            deg[c] -= 1
-            if deg[c] == 0:
-                kc = kind[c]
-                if kc == K_COMP:
-                    heappush(ready_comp[a], c)
-                elif kc == K_RECV:
-                    issue_recv(a, c, now)
-                else:
-                    heappush(ready_comm[a], c)
-        dispatch(a, now)
+        rc, rm = ready_comp[a], ready_comm[a]
+        if i >= 0:                            # node i has finished
+            end[a][i] = now
+            left[a] -= 1
+            kind = KIND[a]
+            k = kind[i]
+            if k == K_COMP:
+                comp_busy[a] = False
+            elif k != K_RECV:
+                comm_busy[a] = False
+            deg = indeg[a]
+            for c in CHILDREN[a][i]:
+                deg[c] -= 1
+                if deg[c] == 0:
+                    kc = kind[c]
+                    if kc == K_COMP:
+                        heappush(rc, c)
+                    elif kc == K_RECV:
+                        issue_recv(a, c, now)
+                    else:
+                        heappush(rm, c)
+        # issue ready nodes in id order while their slot is free
+        while True:
+            c = rc[0] if rc and not comp_busy[a] else BIG
+            m = rm[0] if rm and not comm_busy[a] else BIG
+            if c < m:
+                heappop(rc)
+                comp_busy[a] = True
+                start[a][c] = now
+                heappush(events, (now + DUR[a][c], seq, a, c))
+                seq += 1
+            elif m != BIG:
+                heappop(rm)
+                comm_busy[a] = True
+                issue_comm(a, m, now)
+            else:
+                break
 
     if any(left):
-        raise _deadlock(agents, start, end, rendezvous, waiting_recv, members, agent_of_rank, name_of)
+        raise _deadlock(agents, start, end, rendezvous, waiting_recv, lambda g: group(g).members, agent_of_rank,
+                        name_of)
     finish, gpu, comm = [], [], []
     for a, ag in enumerate(agents):
         prog = ag.prog
@@ -432,10 +444,28 @@ def replay(agents: Sequence[Agent], members_of: Callable[[object], Sequence[int]
         for s, e in spans:
             if e <= upto:
                 continue
-            total += e - max(s, upto) if upto >= 0 else e - s
+            total += e - max(s, upto)
             upto = e
         comm.append(total)
     return Outcome(finish, gpu, comm, start if record else None, end if record else None, collectives.evaluated)
+
+
+class _Group:
+    """A communicator group as the replay uses it: its members, the agent of each, how many
+    agents take part, and (where agents stand for several members) which member each is checked
+    against."""
+
+    def __init__(self, g: object, members: Sequence[int], agent_of_rank: Callable[[int], int],
+                 agent_rank: Sequence[int]) -> None:
+        self.id = g
+        self.members = tuple(members)
+        self.member_agents = [agent_of_rank(m) for m in self.members]
+        self.participants = len(set(self.member_agents))
+        self.position = {m: j for j, m in enumerate(self.members)}
+        rep_index = [self.position.get(agent_rank[a], j) for j, a in enumerate(self.member_agents)]
+        self.stood_for = any(j != r for j, r in enumerate(rep_index))
+        self.rep_index = rep_index
+        self.prepared: dict[tuple, Callable[[Sequence[int]], list[int]]] = {}
 
 
 def _deadlock(agents: Sequence[Agent], start: list[list[int]], end: list[list[int]],

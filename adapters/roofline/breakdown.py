@@ -23,38 +23,50 @@ def intervals(types: Sequence[str], kinds: Sequence[str], start: Sequence[float]
     for i, t in enumerate(types):
         if t in NOT_CHARGED:
             continue
-        cat = "compute" if t == "COMP" else category_of(kinds[i])
-        cat = cat if cat == "compute" or cat in EXPOSED_PRIORITY else "other"
-        yield start[i], end[i], cat
+        yield start[i], end[i], _category("compute" if t == "COMP" else category_of(kinds[i]))
+
+
+def _category(cat: str) -> str:
+    return cat if cat == "compute" or cat in EXPOSED_PRIORITY else "other"
+
+
+def span_category(node_kind: int, kind: str) -> str | None:
+    """:func:`intervals`' category of an ASTRA-sim replay node (0 compute, 3 receive, else
+    communication of ``kind``); None for a receive."""
+    if node_kind == 3:
+        return None
+    return "compute" if node_kind == 0 else _category(category_of(kind))
+
+
+# Which category an instant goes to: the first active in this order (compute first).
+_CHARGE_ORDER = ("compute",) + EXPOSED_PRIORITY + ("other",)
+_CHARGED_TO = {"compute": "compute", **{k: f"exposed_{k}" for k in EXPOSED_PRIORITY + ("other",)}}
 
 
 def charge(spans: Iterable[tuple[float, float, str]], lo: float, hi: float, waiting: str) -> dict[str, float]:
     """Seconds by category over [lo, hi] (they add up to hi - lo)."""
     events: list[tuple[float, int, str]] = []
+    add = events.append
     for s, e, cat in spans:
-        s, e = max(s, lo), min(e, hi)
+        if s < lo:
+            s = lo
+        if e > hi:
+            e = hi
         if e > s:
-            events += [(s, 1, cat), (e, -1, cat)]
+            add((s, 1, cat))
+            add((e, -1, cat))
     events.sort()
     out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
-    active: dict[str, int] = {}
+    active = dict.fromkeys(_CHARGE_ORDER, 0)
     prev = lo
-
-    def account(t0: float, t1: float) -> None:
-        if t1 <= t0:
-            return
-        if active.get("compute"):
-            out["compute"] += t1 - t0
-            return
-        for kind in EXPOSED_PRIORITY + ("other",):
-            if active.get(kind):
-                out[f"exposed_{kind}"] += t1 - t0
-                return
-        out[waiting] += t1 - t0
-
-    for t, delta, cat in events:
-        account(prev, t)
-        active[cat] = active.get(cat, 0) + delta
-        prev = t
-    account(prev, hi)
+    for t, delta, cat in events + [(hi, 0, "other")]:
+        if t > prev:
+            for kind in _CHARGE_ORDER:
+                if active[kind]:
+                    out[_CHARGED_TO[kind]] += t - prev
+                    break
+            else:
+                out[waiting] += t - prev
+            prev = t
+        active[cat] += delta
     return out

@@ -121,7 +121,8 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     every node of the step (default only where needed: the astra network model, whose single
     communication slot per rank couples passes, and full per-rank replays); otherwise each
     pass template is simulated once and the pipeline is replayed pass by pass (fast path).
-    Replay and programs are returned for exact runs (timelines), None otherwise.
+    Replay and programs are returned for exact runs (timelines), None otherwise (for the astra
+    model, which always replays every node: when ``exact`` is True).
 
     The ``astra`` model predicts what ASTRA-sim prints for this workload's export with the
     same ``astra_settings`` (every system.json field) and ``compute_mode``, to the nanosecond.
@@ -129,7 +130,7 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     check_fits(cluster, w.mesh)
     w.check_gpu(cluster.gpu)
     if network_model == "astra":
-        return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode)
+        return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode, views=exact is True)
     compute = ComputeModel(cluster.gpu)
     network = make_network(network_model, cluster)
     if exact is None:
@@ -157,12 +158,13 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     return _result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step), rep, programs
 
 
-def _simulate_astra(w: Workload, cluster: Cluster, symmetric: bool, settings, compute_mode: str  # noqa: ANN001
-                    ) -> tuple[SimResult, Replay, list[AgentProgram]]:
-    from stage_cosim.adapters.roofline.astra import engine_view, replay_workload
+def _simulate_astra(w: Workload, cluster: Cluster, symmetric: bool, settings, compute_mode: str,  # noqa: ANN001
+                    views: bool) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
+    """The astra model: ASTRA-sim's replay of this workload's export. ``views``: also return the
+    replay as engine programs and times (timelines)."""
+    from stage_cosim.adapters.roofline.astra import deadlock_message, engine_view, replay_workload
     from stage_cosim.adapters.roofline.astra_replay import Deadlock
-
-    from stage_cosim.adapters.roofline.astra import deadlock_message
+    from stage_cosim.adapters.roofline.breakdown import charge
 
     from stage_cosim.adapters.astra_sim.export import check_compute_mode
 
@@ -172,17 +174,26 @@ def _simulate_astra(w: Workload, cluster: Cluster, symmetric: bool, settings, co
         done = replay_workload(w, cluster, system, symmetric=symmetric, record=True)
     except Deadlock as d:
         raise UserError("workload", deadlock_message(d)) from None
-    programs, rep = engine_view(done)
-    step = max(rep.finish)
+    out = done.outcome
+    assert out.start is not None and out.end is not None
+    step_ns = max(out.finish)
+    waiting = "pipeline_bubble" if w.parallel.pp > 1 else "idle"
     finish_of: dict[int, float] = {}
     bd_of: dict[int, dict[str, float]] = {}
-    for a, prog in enumerate(programs):
-        stage = w.role_of(prog.rank)
-        if stage not in bd_of:
-            finish_of[stage] = rep.finish[a]
-            bd_of[stage] = breakdown(prog, rep, a, step, w.parallel.pp > 1)
-    result = _result(w, cluster, "astra", done.symmetric, True, finish_of, bd_of, step)
+    for a, ag in enumerate(done.agents):
+        stage = w.role_of(ag.rank)
+        if stage in bd_of:
+            continue
+        finish_of[stage] = out.finish[a] * 1e-9
+        cats = ag.prog.breakdown_categories
+        ns = charge(((s, e, c) for s, e, c in zip(out.start[a], out.end[a], cats) if c is not None),
+                    0, step_ns, waiting)
+        bd_of[stage] = {k: v * 1e-9 for k, v in ns.items()}
+    result = _result(w, cluster, "astra", done.symmetric, True, finish_of, bd_of, step_ns * 1e-9)
     result.config["astra_sim"] = {"compute": compute_mode, "system": _system_doc(system)}
+    if not views:
+        return result, None, None
+    programs, rep = engine_view(done)
     return result, rep, programs
 
 

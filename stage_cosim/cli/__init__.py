@@ -6,6 +6,7 @@ User mistakes (a :class:`~stage_cosim.errors.UserError` or a bad flag) print one
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -16,30 +17,43 @@ from stage_cosim.adapters.astra_sim.run import AstraSimError
 from stage_cosim.trace.chakra import TraceFormatError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _LazyGroup(click.Group):
+    """Subcommands imported when they are used (or listed), so that one command does not pay
+    for importing every other (synthesis, the search, the bridge)."""
+
+    def __init__(self, *args, lazy: dict[str, str], **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy and name not in self.commands:
+            module, attr = self.lazy[name].rsplit(".", 1)
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+
+COMMANDS = {
+    "synth": "stage_cosim.cli.synth_cmd.synth",
+    "simulate": "stage_cosim.cli.simulate_cmd.simulate",
+    "optimize": "stage_cosim.cli.optimize_cmd.optimize",
+    "explore": "stage_cosim.cli.explore_cmd.explore",
+    "astra-sim": "stage_cosim.cli.astra_cmd.astra_sim",
+    "validate": "stage_cosim.cli.validate_cmd.validate",
+    "models": "stage_cosim.cli.models_cmd.models",
+    "clusters": "stage_cosim.cli.clusters_cmd.clusters",
+    "serve": "stage_cosim.cli.bridge_cmd.serve",
+    "remote": "stage_cosim.cli.bridge_cmd.remote",
+}
+
+
+@click.group(cls=_LazyGroup, lazy=COMMANDS,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="stage-cosim")
 def cli() -> None:
     """Synthesize, simulate and optimize distributed LLM training workloads."""
-
-
-def _register() -> None:
-    from stage_cosim.cli import (
-        astra_cmd, bridge_cmd, clusters_cmd, explore_cmd, models_cmd, optimize_cmd, simulate_cmd, synth_cmd, validate_cmd,
-    )
-
-    cli.add_command(synth_cmd.synth)
-    cli.add_command(simulate_cmd.simulate)
-    cli.add_command(optimize_cmd.optimize)
-    cli.add_command(explore_cmd.explore)
-    cli.add_command(astra_cmd.astra_sim)
-    cli.add_command(validate_cmd.validate)
-    cli.add_command(models_cmd.models)
-    cli.add_command(clusters_cmd.clusters)
-    cli.add_command(bridge_cmd.serve)
-    cli.add_command(bridge_cmd.remote)
-
-
-_register()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
-from google.protobuf.internal.decoder import _DecodeVarint32
 from google.protobuf.message import DecodeError
 
 from stage_cosim.errors import UserError
+from stage_cosim.runtime import gc_paused
 from stage_cosim.trace import et_def_pb2 as pb
 from stage_cosim.trace.chakra import TRACE_NAME, TraceFormatError, TraceNode, kind_of, read_comm_groups
 
@@ -160,20 +160,35 @@ def _hashable(v: object) -> object:
 
 # -- from Chakra files ------------------------------------------------------------------------
 
-def _frames(data: bytes, path: Path) -> list[tuple[int, int]]:
-    """(start, end) of every length-prefixed message, the prefix included."""
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """A base-128 varint at ``pos``: (value, position after it). IndexError when truncated."""
+    b = data[pos]
+    if b < 0x80:
+        return b, pos + 1
+    value, shift = b & 0x7F, 7
+    pos += 1
+    while True:
+        b = data[pos]
+        value |= (b & 0x7F) << shift
+        pos += 1
+        if b < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _frames(data: bytes, path: Path) -> list[tuple[int, int, int]]:
+    """(start, body start, end) of every length-prefixed message."""
     out = []
     pos, n = 0, len(data)
-    while pos < n:
-        start = pos
-        try:
-            size, pos = _DecodeVarint32(data, pos)
-        except (IndexError, DecodeError) as exc:
-            raise TraceFormatError(f"{path}: bad length prefix at byte {start}") from exc
-        if pos + size > n:
-            raise TraceFormatError(f"{path}: truncated message at byte {start}")
-        pos += size
-        out.append((start, pos))
+    try:
+        while pos < n:
+            size, body = _varint(data, pos)
+            if body + size > n:
+                raise TraceFormatError(f"{path}: truncated message at byte {pos}")
+            out.append((pos, body, body + size))
+            pos = body + size
+    except IndexError:
+        raise TraceFormatError(f"{path}: bad length prefix at byte {pos}") from None
     if not out:
         raise TraceFormatError(f"{path}: empty file (no GlobalMetadata)")
     return out
@@ -212,96 +227,238 @@ def _canonical(n: pb.Node) -> tuple[bytes, Attr | None]:
     return n.SerializeToString(), value
 
 
-def _parse_table(data: bytes, path: Path) -> tuple[NodeTable, list[Attr | None]]:
+_ATTR_TAG = 0x52          # Node.attr: field 10, length-delimited
+
+
+class _NodeReader:
+    """Decodes nodes: the fields the simulator reads by a walk over the wire format, the
+    attributes once per distinct encoding (a kernel's attributes repeat every micro-batch, so
+    their decoded dict is shared). Nodes in another field order go through protobuf."""
+
+    def __init__(self) -> None:
+        self.attr_sets: dict[bytes, dict[str, Attr] | None] = {}
+
+    def head(self, body: bytes) -> tuple[int, str, int, list[int], list[int], int, int] | None:
+        """(id, name, type, data_deps, ctrl_deps, duration_micros, where the attributes start)
+        when the attributes come last; None for anything this walk does not know."""
+        nid = typ = dur = 0
+        name = ""
+        data_deps: list[int] = []
+        ctrl_deps: list[int] = []
+        pos, n = 0, len(body)
+        while pos < n:
+            tag = body[pos]
+            if tag == _ATTR_TAG:
+                return nid, name, typ, data_deps, ctrl_deps, dur, pos
+            v = body[pos + 1]                      # most varints here are one byte
+            if v < 0x80:
+                pos += 2
+            else:
+                v, pos = _varint(body, pos + 1)
+            if tag == 0x08:
+                nid = v
+            elif tag == 0x12:
+                name = body[pos:pos + v].decode()
+                pos += v
+            elif tag == 0x18:
+                typ = v
+            elif tag == 0x22 or tag == 0x2A:       # ctrl_deps / data_deps, packed
+                end = pos + v
+                deps = ctrl_deps if tag == 0x22 else data_deps
+                while pos < end:
+                    d = body[pos]
+                    if d < 0x80:
+                        pos += 1
+                    else:
+                        d, pos = _varint(body, pos)
+                    deps.append(d)
+            elif tag == 0x20 or tag == 0x28:       # the same, one unpacked element
+                (ctrl_deps if tag == 0x20 else data_deps).append(v)
+            elif tag == 0x38:
+                dur = v
+            elif tag != 0x30:                      # start_time_micros is skipped
+                return None
+        return nid, name, typ, data_deps, ctrl_deps, dur, n
+
+    def attrs(self, blob: bytes) -> dict[str, Attr] | None:
+        """The attributes encoded in ``blob`` (None if it holds anything but attributes)."""
+        try:
+            return self.attr_sets[blob]
+        except KeyError:
+            pass
+        n = pb.Node.FromString(blob)
+        found = _attrs(n) if all(fd.name == "attr" for fd, _ in n.ListFields()) else None
+        self.attr_sets[blob] = found
+        return found
+
+
+def _varying_span(body: bytes, name: str) -> tuple[int, int] | None:
+    """Where the attribute ``name`` is encoded in a node's bytes (its whole field entry), when
+    its entry starts with its name (as protobuf writes it); None otherwise."""
+    head = b"\x0a" + bytes([len(name)]) + name.encode()
+    pos, n = 0, len(body)
+    try:
+        while pos < n:
+            start = pos
+            tag, pos = _varint(body, pos)
+            wire = tag & 7
+            if wire == 0:
+                _, pos = _varint(body, pos)
+            elif wire == 2:
+                ln, pos = _varint(body, pos)
+                if tag == _ATTR_TAG and body.startswith(head, pos):
+                    return start, pos + ln
+                pos += ln
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _parse_table(data: bytes, path: Path, reader: _NodeReader) -> tuple[NodeTable, list[Attr | None]]:
     """Decode a whole file into a class (and its own hole values)."""
     frames = _frames(data, path)
     ids, names, types, ddeps, cdeps, durs, attrs, holes = [], [], [], [], [], [], [], []
     runs: list[bytes] = []
     canon: list[bytes] = []
+    raw: list[bytes] = []
+    spans: list[tuple[int, int] | None] = []   # where each hole's varying attribute is
     values: list[Attr | None] = []
     run_start = 0
-    header_start, header_end = frames[0]
     try:
-        pb.GlobalMetadata.FromString(data[header_end - _body_len(data, header_start):header_end])
+        pb.GlobalMetadata.FromString(data[frames[0][1]:frames[0][2]])
     except DecodeError as exc:
         raise TraceFormatError(f"{path}: undecodable GlobalMetadata") from exc
-    for start, end in frames[1:]:
-        n = _parse_node(data[end - _body_len(data, start):end], path, start)
-        i = len(ids)
-        ids.append(n.id)
-        names.append(n.name)
-        types.append(n.type)
-        ddeps.append(list(n.data_deps))
-        cdeps.append(list(n.ctrl_deps))
-        durs.append(n.duration_micros)
-        a = _attrs(n)
-        if n.type in VARYING:
-            holes.append(i)
-            name = VARYING[n.type]
-            values.append(a.pop(name, None))
-            runs.append(data[run_start:start])
-            canon.append(_canonical(n)[0])
-            run_start = end
+    for start, body_at, end in frames[1:]:
+        body = data[body_at:end]
+        try:
+            head = reader.head(body)
+        except (IndexError, UnicodeDecodeError):
+            head = None
+        a = None
+        if head is not None and head[2] not in VARYING:
+            a = reader.attrs(body[head[6]:])
+        if a is not None:
+            nid, name, typ, dd, cd, dur, _ = head  # type: ignore[misc]
+        else:
+            n = _parse_node(body, path, body_at)
+            nid, name, typ, dd, cd, dur = n.id, n.name, n.type, list(n.data_deps), list(n.ctrl_deps), n.duration_micros
+            a = _attrs(n)
+            if typ in VARYING:
+                holes.append(len(ids))
+                values.append(a.pop(VARYING[typ], None))
+                runs.append(data[run_start:start])
+                canon.append(_canonical(n)[0])
+                raw.append(body)
+                spans.append(_varying_span(body, VARYING[typ]))
+                run_start = end
+        ids.append(nid)
+        names.append(name)
+        types.append(typ)
+        ddeps.append(dd)
+        cdeps.append(cd)
+        durs.append(dur)
         attrs.append(a)
     runs.append(data[run_start:])
     table = NodeTable(ids, names, types, ddeps, cdeps, durs, attrs, holes, runs=runs, hole_canon=canon)
+    # for the matcher: each hole's bytes before and after its varying attribute
+    table.hole_fast = [(raw[k][:sp[0]], raw[k][sp[1]:], VARYING[types[i]]) if sp else None  # type: ignore[attr-defined]
+                       for k, (i, sp) in enumerate(zip(holes, spans))]
     return table, values
 
 
-def _body_len(data: bytes, start: int) -> int:
-    size, _ = _DecodeVarint32(data, start)
-    return size
-
-
 class _Matcher:
-    """Matches files against known classes; decoded hole nodes are shared across files (the
-    same collective of one communicator group has the same bytes in every member's file)."""
+    """Matches files against known classes. A hole whose bytes equal the class's but for the
+    varying attribute costs two comparisons and a lookup of that attribute's bytes (the same
+    group or peer recurs all over a file); any other hole is decoded and compared whole."""
+
+    _INVALID = ("", object())
 
     def __init__(self) -> None:
         self.holes: dict[bytes, tuple[bytes, Attr | None]] = {}
+        self.middles: dict[bytes, Attr | None | tuple] = {}
+
+    def _middle(self, mid: bytes, name: str) -> Attr | None | tuple:
+        found = self.middles.get(mid, self)
+        if found is not self:
+            return found  # type: ignore[return-value]
+        value: Attr | None | tuple = self._INVALID
+        try:
+            n = pb.Node.FromString(mid)
+            if len(n.attr) == 1 and n.attr[0].name == name and len(n.ListFields()) == 1:
+                value = _attrs(n)[name]
+        except DecodeError:
+            pass
+        self.middles[mid] = value
+        return value
 
     def match(self, table: NodeTable, data: bytes, path: Path) -> list[Attr | None] | None:
         runs, canon = table.runs, table.hole_canon
         assert runs is not None and canon is not None
+        fast = table.hole_fast  # type: ignore[attr-defined]
         pos = 0
         values: list[Attr | None] = []
-        cache = self.holes
+        append = values.append
+        cache, middles, invalid = self.holes, self.middles, self._INVALID
         n = len(data)
+        startswith, endswith = data.startswith, data.endswith
         for k, expected in enumerate(canon):
             run = runs[k]
-            if not data.startswith(run, pos):
+            if not startswith(run, pos):
                 return None
             pos += len(run)
-            if pos >= n:
-                return None
             try:
-                size, body = _DecodeVarint32(data, pos)
-            except (IndexError, DecodeError):
+                size = data[pos]
+                if size < 0x80:
+                    body = pos + 1
+                else:
+                    size, body = _varint(data, pos)
+            except IndexError:
                 return None
             end = body + size
+            if end > n:
+                return None
+            f = fast[k]
+            if f is not None:
+                before, after, name = f
+                cut = end - len(after)
+                if cut >= body + len(before) and startswith(before, body) and endswith(after, body, end):
+                    mid = data[body + len(before):cut]
+                    v = middles.get(mid, invalid)
+                    if v is invalid:
+                        v = self._middle(mid, name)
+                    if v is not invalid:
+                        append(v)  # type: ignore[arg-type]
+                        pos = end
+                        continue
             raw = data[body:end]
             hit = cache.get(raw)
             if hit is None:
-                if end > n:
-                    return None
                 node = _parse_node(raw, path, pos)
                 if node.type not in VARYING:
                     return None
                 hit = cache[raw] = _canonical(node)
             if hit[0] != expected:
                 return None
-            values.append(hit[1])
+            append(hit[1])
             pos = end
         last = runs[-1]
-        return values if len(data) - pos == len(last) and data.startswith(last, pos) else None
+        return values if n - pos == len(last) and data.startswith(last, pos) else None
 
 
+@gc_paused()
 def read_files(files: Mapping[int, Path], groups: dict[str, list[int]] | None, source: str) -> TraceSet:
     """Read ``rank -> .et file``; files of a known class cost a byte comparison and their holes."""
     classes: list[NodeTable] = []
     class_of: dict[int, int] = {}
     values: dict[int, list[Attr | None]] = {}
     matcher = _Matcher()
+    reader = _NodeReader()
     last = 0
     for rank in sorted(files):
         path = files[rank]
@@ -317,7 +474,7 @@ def read_files(files: Mapping[int, Path], groups: dict[str, list[int]] | None, s
                 values[rank] = v
                 break
         if found is None:
-            table, v = _parse_table(data, path)
+            table, v = _parse_table(data, path, reader)
             found = len(classes)
             classes.append(table)
             values[rank] = v

@@ -78,23 +78,49 @@ def issue_order(t: NodeTable) -> tuple[list[int], bool]:
     return out, len(out) != len(t)
 
 
-def _int_attr(t: NodeTable, i: int, name: str, found: list[str], *, required: bool,
-              positive: bool = False) -> int | None:
-    a = t.attrs[i].get(name)
+def _int_attr(attrs: dict, name: str, found: list[str], node_type: int, *, required: bool) -> int | None:
+    a = attrs.get(name)
     if a is None:
         if required:
-            found.append(f"{NODE_TYPE_NAMES.get(t.types[i], t.types[i])} lacks attribute {name}")
+            found.append(f"{NODE_TYPE_NAMES.get(node_type, node_type)} lacks attribute {name}")
         return None
     if a[0] not in INT_FIELDS:
         found.append(f"attribute {name} must be an integer field, is {a[0] or 'unset'}")
         return None
-    v = int(a[1])  # type: ignore[arg-type]
-    if positive and v <= 0:
-        found.append(f"attribute {name} must be positive, is {v}")
-    return v
+    return int(a[1])  # type: ignore[arg-type]
 
 
-def _class_problems(t: NodeTable) -> list[tuple[int | None, str]]:
+def _node_problems(typ: int, attrs: dict) -> list[str]:
+    """What is wrong with one node's type and attributes (the same for every node that shares
+    them: kernels repeat each micro-batch)."""
+    msgs: list[str] = []
+    if typ in (0, 1):
+        msgs.append(f"node type {NODE_TYPE_NAMES.get(typ, typ)} is not runnable (unset types stall, METADATA aborts)")
+    elif typ == COMP:
+        size = _int_attr(attrs, "tensor_size", msgs, typ, required=False)
+        _int_attr(attrs, "num_ops", msgs, typ, required=False)
+        if size == 0:
+            msgs.append("tensor_size 0 makes the simulator skip the node and stall its dependents")
+    elif typ == COLL:
+        # A collective of 0 bytes runs (every chunk has at least a byte per rank) except an
+        # all-gather, whose chunks are then empty.
+        ctype = _int_attr(attrs, "comm_type", msgs, typ, required=True)
+        size = _int_attr(attrs, "comm_size", msgs, typ, required=True)
+        if ctype is not None and ctype not in SUPPORTED_COLLECTIVES and ctype != BROADCAST:
+            msgs.append(f"collective {COLLECTIVE_NAMES.get(ctype, ctype)} is not simulated (the simulator aborts)")
+        if size is not None and size < 0:
+            msgs.append(f"attribute comm_size must not be negative, is {size}")
+        if ctype == ALL_GATHER and size == 0:
+            msgs.append("an ALL_GATHER of 0 B never completes (its chunks are empty)")
+    elif typ in (SEND, RECV):
+        _int_attr(attrs, "comm_tag", msgs, typ, required=True)
+        size = _int_attr(attrs, "comm_size", msgs, typ, required=True)
+        if size is not None and size <= 0:
+            msgs.append(f"a message of {size} B (the simulator asserts on empty messages)")
+    return msgs
+
+
+def _class_problems(t: NodeTable, cyclic: bool) -> list[tuple[int | None, str]]:
     """(node id or None, message) of everything wrong with one class's graph."""
     out: list[tuple[int | None, str]] = []
     seen: set[int] = set()
@@ -102,38 +128,18 @@ def _class_problems(t: NodeTable) -> list[tuple[int | None, str]]:
         if nid in seen:
             out.append((nid, "duplicate node id (the simulator keeps only the last)"))
         seen.add(nid)
+    checked: dict[tuple[int, int], list[str]] = {}
     for i, nid in enumerate(t.ids):
-        msgs: list[str] = []
-        for d in list(t.data_deps[i]) + list(t.ctrl_deps[i]):
-            if d not in seen:
-                msgs.append(f"depends on node {d}, which is not in this rank's file")
-        typ = t.types[i]
-        if typ in (0, 1):
-            msgs.append(f"node type {NODE_TYPE_NAMES.get(typ, typ)} is not runnable (unset types stall, METADATA aborts)")
-        elif typ == COMP:
-            size = _int_attr(t, i, "tensor_size", msgs, required=False)
-            _int_attr(t, i, "num_ops", msgs, required=False)
-            if size == 0:
-                msgs.append("tensor_size 0 makes the simulator skip the node and stall its dependents")
-        elif typ == COLL:
-            # A collective of 0 bytes runs (every chunk has at least a byte per rank) except an
-            # all-gather, whose chunks are then empty.
-            ctype = _int_attr(t, i, "comm_type", msgs, required=True)
-            size = _int_attr(t, i, "comm_size", msgs, required=True)
-            if ctype is not None and ctype not in SUPPORTED_COLLECTIVES and ctype != BROADCAST:
-                msgs.append(f"collective {COLLECTIVE_NAMES.get(ctype, ctype)} is not simulated "
-                            "(the simulator aborts)")
-            if size is not None and size < 0:
-                msgs.append(f"attribute comm_size must not be negative, is {size}")
-            if ctype == ALL_GATHER and size == 0:
-                msgs.append("an ALL_GATHER of 0 B never completes (its chunks are empty)")
-        elif typ in (SEND, RECV):
-            _int_attr(t, i, "comm_tag", msgs, required=True)
-            size = _int_attr(t, i, "comm_size", msgs, required=True)
-            if size is not None and size <= 0:
-                msgs.append(f"a message of {size} B (the simulator asserts on empty messages)")
+        for deps in (t.data_deps[i], t.ctrl_deps[i]):
+            for d in deps:
+                if d not in seen:
+                    out.append((nid, f"depends on node {d}, which is not in this rank's file"))
+        attrs = t.attrs[i]
+        key = (t.types[i], id(attrs))
+        msgs = checked.get(key)
+        if msgs is None:
+            msgs = checked[key] = _node_problems(t.types[i], attrs)
         out += [(nid, m) for m in msgs]
-    _, cyclic = issue_order(t)
     if cyclic:
         out.append((None, "dependency cycle (the simulator drops such nodes silently)"))
     return out
@@ -160,76 +166,112 @@ def validate(t: TraceSet, limit: int = 1000) -> list[Problem]:
     for r in ranks:
         members_of[t.class_of[r]].append(r)
     # class by class: the graph itself, and what each hole needs from a rank's value
-    hole_info: dict[int, list[tuple[int, int, int | None, int | None, int | None]]] = {}
-    coll_order: dict[int, list[int]] = {}
+    shapes: dict[int, _ClassHoles] = {}
     for c, table in enumerate(t.classes):
         if c not in members_of:
             continue
         first, others = members_of[c][0], len(members_of[c]) - 1
-        problems += [Problem(first, nid, msg, others) for nid, msg in _class_problems(table)]
-        info = []
-        for k, i in enumerate(table.holes):
-            info.append((k, table.types[i], table.int_attr(i, "comm_type"), table.int_attr(i, "comm_size"),
-                         table.int_attr(i, "comm_tag")))
-        hole_info[c] = info
-        order, _ = issue_order(table)
-        rank_of_hole = {i: k for k, i in enumerate(table.holes)}
-        coll_order[c] = [rank_of_hole[i] for i in order if table.types[i] == COLL and i in rank_of_hole
-                         and table.int_attr(i, "comm_type") != BROADCAST]     # a broadcast couples no one
+        order, cyclic = issue_order(table)
+        problems += [Problem(first, nid, msg, others) for nid, msg in _class_problems(table, cyclic)]
+        shapes[c] = _ClassHoles(table, order)
         if len(problems) >= limit:
             return problems[:limit]
     # rank by rank: its groups and peers
-    coll_seq: dict[str, dict[int, list[tuple[int, int, int]]]] = defaultdict(dict)
     sends: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
     recvs: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    layout: dict[int, tuple[int, int, dict[str, int]]] = {}
+    patterns: dict[tuple, int] = {}
     for rank in ranks:
         c = t.class_of[rank]
-        table = t.classes[c]
+        h = shapes[c]
         values = t.values_of(rank)
-        pgs: list[str | None] = [None] * len(values)
-        for (k, typ, ctype, size, tag), value in zip(hole_info[c], values):
-            nid = table.ids[table.holes[k]]
-            if typ == COLL:
-                if value is None:
-                    pg = "0"
-                elif value[0] != "string_val":
-                    problems.append(Problem(rank, nid, "attribute pg_name must be a string"))
+        bad: set[object] = set()
+        # collectives: each distinct group value once
+        for value in {values[k] for k in h.coll}:
+            k = next(k for k in h.coll if values[k] == value)
+            nid = h.ids[k]
+            if value is not None and value[0] != "string_val":
+                problems.append(Problem(rank, nid, "attribute pg_name must be a string"))
+                bad.add(value)
+                continue
+            pg = "0" if value is None else (str(value[1]) or "0")
+            if pg != "0":
+                if pg not in groups:
+                    problems.append(Problem(rank, nid, f"communicator group {pg} is not in the group file"))
+                    bad.add(value)
                     continue
+                if rank not in member_sets[pg]:
+                    problems.append(Problem(rank, nid, f"rank is not a member of its group {pg}"))
+        # the order of collectives on each group, in two steps: here, the rank's pattern of
+        # groups over its class's collectives (groups numbered by first use); below, a group whose
+        # members share class, pattern and number needs no more (they issue the same sequence on
+        # it), any other group has its members' sequences compared
+        label: dict[object, int] = {}
+        pattern = tuple(label.setdefault(values[k], len(label)) for k in h.coll_order)
+        layout[rank] = (c, patterns.setdefault(pattern, len(patterns)),
+                        {_pg(v): n for v, n in label.items() if v not in bad})
+        # sends and receives
+        for k in h.p2p:
+            value = values[k]
+            typ, nid = h.types[k], h.ids[k]
+            name = "comm_dst" if typ == SEND else "comm_src"
+            if value is None:
+                problems.append(Problem(rank, nid, f"{NODE_TYPE_NAMES[typ]} lacks attribute {name}"))
+                continue
+            if value[0] not in INT_FIELDS:
+                problems.append(Problem(rank, nid, f"attribute {name} must be an integer field, is {value[0]}"))
+                continue
+            peer = int(value[1])  # type: ignore[arg-type]
+            if not 0 <= peer < world:
+                problems.append(Problem(rank, nid, f"{name} {peer} is not a rank"))
+            elif h.tag[k] is not None and h.size[k] is not None:
+                if typ == SEND:
+                    sends[(rank, peer, h.tag[k])].append((h.size[k], nid))
                 else:
-                    pg = str(value[1] or "0")
-                if pg != "0":
-                    if pg not in groups:
-                        problems.append(Problem(rank, nid, f"communicator group {pg} is not in the group file"))
-                        continue
-                    if rank not in member_sets[pg]:
-                        problems.append(Problem(rank, nid, f"rank is not a member of its group {pg}"))
-                pgs[k] = pg
-            else:
-                name = "comm_dst" if typ == SEND else "comm_src"
-                if value is None:
-                    problems.append(Problem(rank, nid, f"{NODE_TYPE_NAMES[typ]} lacks attribute {name}"))
-                    continue
-                if value[0] not in INT_FIELDS:
-                    problems.append(Problem(rank, nid, f"attribute {name} must be an integer field, is {value[0]}"))
-                    continue
-                peer = int(value[1])  # type: ignore[arg-type]
-                if not 0 <= peer < world:
-                    problems.append(Problem(rank, nid, f"{name} {peer} is not a rank"))
-                elif tag is not None and size is not None:
-                    if typ == SEND:
-                        sends[(rank, peer, tag)].append((size, nid))
-                    else:
-                        recvs[(peer, rank, tag)].append((size, nid))
-        for k in coll_order[c]:
-            pg = pgs[k]
-            _, _, ctype, size, _ = hole_info[c][k]
-            if pg is not None and ctype is not None and size is not None:
-                coll_seq[pg].setdefault(rank, []).append((ctype, size, table.ids[table.holes[k]]))
+                    recvs[(peer, rank, h.tag[k])].append((h.size[k], nid))
         if len(problems) >= limit:
             return problems[:limit]
+    used: set[str] = set()
+    for _, _, pgs in layout.values():
+        used.update(pgs)
+    coll_seq: dict[str, dict[int, list[tuple[int, int, int]]]] = {}
+    for pg in sorted(used):
+        members = list(range(world)) if pg == "0" else groups.get(pg, [])
+        keys = {(layout[m][0], layout[m][1], layout[m][2].get(pg)) if m in layout else None for m in members}
+        if len(keys) == 1 and None not in keys and next(iter(keys))[2] is not None:
+            continue
+        seqs = {}
+        for m in members:
+            if m not in layout:
+                continue
+            h, values = shapes[t.class_of[m]], t.values_of(m)
+            seqs[m] = [(h.ctype[k], h.size[k], h.ids[k]) for k in h.coll_order if _pg(values[k]) == pg]
+        coll_seq[pg] = seqs
     problems += _sequence_problems(coll_seq, groups, world)
     problems += _p2p_problems(sends, recvs)
     return problems[:limit]
+
+
+def _pg(value: object) -> str:
+    """A collective's group: its pg_name, "0" (all ranks) when absent or empty."""
+    return "0" if value is None else (str(value[1]) or "0")  # type: ignore[index]
+
+
+class _ClassHoles:
+    """A class's holes as the per-rank checks read them (k: the hole's index)."""
+
+    def __init__(self, table: NodeTable, order: list[int]) -> None:
+        self.ids = [table.ids[i] for i in table.holes]
+        self.types = [table.types[i] for i in table.holes]
+        self.ctype = [table.int_attr(i, "comm_type") for i in table.holes]
+        self.size = [table.int_attr(i, "comm_size") for i in table.holes]
+        self.tag = [table.int_attr(i, "comm_tag") for i in table.holes]
+        self.coll = [k for k, typ in enumerate(self.types) if typ == COLL]
+        self.p2p = [k for k, typ in enumerate(self.types) if typ != COLL]
+        k_of = {i: k for k, i in enumerate(table.holes)}
+        # collectives in issue order, but for broadcasts (they couple no one)
+        self.coll_order = [k_of[i] for i in order if table.types[i] == COLL and i in k_of
+                           and self.ctype[k_of[i]] != BROADCAST]
 
 
 def _sequence_problems(coll_seq: Mapping[str, dict[int, list[tuple[int, int, int]]]],
