@@ -182,7 +182,11 @@ def _frames(data: bytes, path: Path) -> list[tuple[int, int, int]]:
     pos, n = 0, len(data)
     try:
         while pos < n:
-            size, body = _varint(data, pos)
+            size = data[pos]
+            if size < 0x80:
+                body = pos + 1
+            else:
+                size, body = _varint(data, pos)
             if body + size > n:
                 raise TraceFormatError(f"{path}: truncated message at byte {pos}")
             out.append((pos, body, body + size))
@@ -250,9 +254,12 @@ class _NodeReader:
             tag = body[pos]
             if tag == _ATTR_TAG:
                 return nid, name, typ, data_deps, ctrl_deps, dur, pos
-            v = body[pos + 1]                      # most varints here are one byte
+            v = body[pos + 1]                      # varints here are mostly one or two bytes
             if v < 0x80:
                 pos += 2
+            elif body[pos + 2] < 0x80:
+                v = (v & 0x7F) | body[pos + 2] << 7
+                pos += 3
             else:
                 v, pos = _varint(body, pos + 1)
             if tag == 0x08:
@@ -269,6 +276,9 @@ class _NodeReader:
                     d = body[pos]
                     if d < 0x80:
                         pos += 1
+                    elif body[pos + 1] < 0x80:
+                        d = (d & 0x7F) | body[pos + 1] << 7
+                        pos += 2
                     else:
                         d, pos = _varint(body, pos)
                     deps.append(d)
