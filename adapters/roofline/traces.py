@@ -21,7 +21,7 @@ from typing import Hashable, Sequence
 from stage_cosim.adapters.roofline.astra_model import Network, replay_ns
 from stage_cosim.adapters.roofline.astra_replay import K_COLL, symmetric as is_symmetric, target_of
 from stage_cosim.adapters.roofline.compute import ComputeModel
-from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
+from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.parallel.mesh import DeviceMesh
@@ -175,7 +175,10 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
         from stage_cosim.adapters.roofline.network import CalibratedNetwork
 
         programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, kinds, symmetric)
-        rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
+        try:
+            rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
+        except DeadlockError as exc:
+            raise UserError("traces", f"the traces never finish: {exc}") from None
     else:
         raise UserError("network-model", f"must be calibrated or astra, got {network_model!r}")
     step = max(rep.finish)
