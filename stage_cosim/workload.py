@@ -17,7 +17,9 @@ from stage_cosim.errors import UserError
 from stage_cosim.graph.dims import degree_symbol, model_values
 from stage_cosim.graph.precision import BF16, Precision, resolve_precision
 from stage_cosim.model.config import ModelConfig
-from stage_cosim.parallel.axes import BLOCK_AXES, GROUP, GROUP_KINDS, PIPELINE_AXIS, group_size
+from stage_cosim.parallel.axes import (
+    BLOCK_AXES, DENSE, EXPERT, GROUP, GROUP_KINDS, MESHES, PIPELINE_AXIS, group_mesh, group_size,
+)
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.runtime import gc_paused  # noqa: F401 (also imported from here)
@@ -35,11 +37,12 @@ class Workload:
     or a single role does not build the others.
     """
 
-    def __init__(self, model: ModelConfig, parallel: ParallelConfig, mesh: DeviceMesh,
+    def __init__(self, model: ModelConfig, parallel: ParallelConfig, meshes: dict[str, DeviceMesh],
                  role_args: dict[str, Any], precision: Precision = BF16) -> None:
         self.model = model
         self.parallel = parallel
-        self.mesh = mesh
+        self.meshes = meshes
+        self.mesh = meshes[DENSE]        # the dense mesh names the ranks (the expert mesh re-factors them)
         self.precision = precision
         self._role_args = role_args
         self._roles: dict[int, RoleGraph] = {}
@@ -92,8 +95,11 @@ class Workload:
                 nxt += self._group_count(kind.name)
         return base
 
+    def _mesh(self, kind: str) -> DeviceMesh:
+        return self.meshes[group_mesh(kind)]
+
     def _group_count(self, kind: str) -> int:
-        return self.world_size // math.prod(self.mesh.size[a] for a in GROUP[kind].axes)
+        return self.world_size // math.prod(self._mesh(kind).size[a] for a in GROUP[kind].axes)
 
     @property
     def group_kinds(self) -> list[str]:
@@ -101,11 +107,13 @@ class Workload:
         return list(self.group_base)
 
     def _group_kind_used(self, kind: str) -> bool:
-        if GROUP[kind].endpoints:   # the tied-embedding group of the first and last stage
-            return self.model.tied_embeddings and self.parallel.pp > 1
+        if GROUP[kind].endpoints:   # the embedding group of the first and last stage
+            return self.model.shares_embedding and self.parallel.pp > 1
+        if group_mesh(kind) == EXPERT and not self.model.is_moe:
+            return False
         if GROUP[kind].on_demand:
             return kind in self._groups_in_passes
-        return group_size(kind, self.mesh.size) > 1
+        return group_size(kind, self.parallel.degrees()) > 1
 
     @cached_property
     def _groups_in_passes(self) -> set[str]:
@@ -113,11 +121,11 @@ class Workload:
         return {r[9] for role in self.roles for t in role.templates.values() for r in t.rows if r[1] == COLL}
 
     def group_id(self, rank: int, kind: str) -> int:
-        return self.group_base[kind] + self.mesh.group_index(rank, GROUP[kind].axes)
+        return self.group_base[kind] + self._mesh(kind).group_index(rank, GROUP[kind].axes)
 
     def group_members(self, rank: int, kind: str) -> list[int]:
         g = GROUP[kind]
-        members = self.mesh.group_members(rank, g.axes)
+        members = self._mesh(kind).group_members(rank, g.axes)
         return [members[0], members[-1]] if g.endpoints else members
 
     def communicator_groups(self) -> dict[str, list[int]]:
@@ -125,7 +133,7 @@ class Workload:
         out: dict[str, list[int]] = {}
         for kind, base in self.group_base.items():
             g = GROUP[kind]
-            for i, members in enumerate(self.mesh.groups(g.axes)):
+            for i, members in enumerate(self._mesh(kind).groups(g.axes)):
                 out[str(base + i)] = [members[0], members[-1]] if g.endpoints else members
         return out
 
@@ -217,26 +225,33 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
         precision = precision_for(parallel, gpu)
     padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
     policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
-                            grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision)
-    embedding, layer, head = compiled_blocks(model.switches(), policy)
+                            grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision,
+                            moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall")
+    compiled = compiled_blocks(model.switches(), policy)
     degrees = parallel.degrees()
 
     def costs(block: CompiledBlock, window: int | None = None) -> BlockCosts:
-        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window)
+        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window, parallel.moe_load)
         for axis in BLOCK_AXES:
             values[degree_symbol(axis)] = degrees[axis]
         return block.evaluate(values)
 
-    # One evaluation per distinct layer kind (global attention, each sliding window).
-    layer_costs = {w: costs(layer, w) for w in set(model.layer_windows())}
-    blocks = ModelBlocks((embedding, costs(embedding)),
-                         tuple((layer, layer_costs[w]) for w in model.layer_windows()),
-                         (head, costs(head)))
-    mesh = DeviceMesh.build(degrees, parallel.axis_order)
+    # One evaluation per distinct layer kind (dense or with experts; global attention or each
+    # sliding window).
+    kinds = list(zip(model.moe_layers(), model.layer_windows()))
+    layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, w) for moe, w in set(kinds)}
+    blocks = ModelBlocks((compiled.embedding, costs(compiled.embedding)),
+                         tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)])
+                               for moe, w in kinds),
+                         (compiled.head, costs(compiled.head)))
+    orders = parallel.mesh_orders()
+    meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE])}
+    if model.is_moe:
+        meshes[EXPERT] = DeviceMesh.build({a: degrees[a] for a in MESHES[EXPERT]}, orders[EXPERT])
     role_args = dict(pp=parallel.pp, vp=parallel.vp, schedule=parallel.schedule,
                      num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
-                     zero=parallel.zero, tied_embeddings=model.tied_embeddings,
-                     degrees=parallel.degrees(), overlap_param_gather=parallel.overlap_param_gather,
+                     zero=parallel.zero, tied_embeddings=model.shares_embedding,
+                     degrees=degrees, overlap_param_gather=parallel.overlap_param_gather,
                      tp_comm_overlap=parallel.tp_comm_overlap)
-    return Workload(model, parallel, mesh, role_args, precision)
+    return Workload(model, parallel, meshes, role_args, precision)

@@ -28,9 +28,17 @@ PUBLISHED = {
     "Phi-3-mini-4k-instruct": 3_821_079_552,  # total_size 7,642,159,104 B; model card "3.8B"
 }
 
-# Mixture-of-Experts families: refused until they are modelled (published totals for later:
-# Mixtral-8x7B 46.7B, DeepSeek-V3 671B).
-MOE = {"Mixtral-8x7B-v0.1": "mixtral", "DeepSeek-V3": "deepseek_v3"}
+# Mixture-of-Experts models: (total, active) parameters. Mixtral-8x7B's total is its safetensors
+# count; the others are the published figures at their published precision (model cards and
+# reports: Mixtral 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, DeepSeek-V3 671B / 37B without
+# its multi-token-prediction module, GPT-OSS-120b 116.83B / 5.13B). OpenAI's active count for
+# GPT-OSS leaves out the embedding table (0.58B); the others count it.
+MOE = {  # (total, its tolerance), (active, its tolerance)
+    "Mixtral-8x7B-v0.1": ((46_702_792_704, 0), (12.9e9, 0.05e9)),
+    "Qwen3-30B-A3B": ((30.5e9, 0.05e9), (3.3e9, 0.06e9)),     # ours 3.353B; the card rounds down
+    "DeepSeek-V3": ((671e9, 0.5e9), (37e9, 1e9)),
+    "gpt-oss-120b": ((116.83e9, 0.005e9), (5.13e9 + 201088 * 2880, 0.005e9)),
+}
 
 
 def _cfg(name: str) -> dict:
@@ -49,11 +57,32 @@ def test_published_parameter_count(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(MOE))
-def test_mixture_of_experts_refused(name: str) -> None:
+def test_mixture_of_experts_published_parameters(name: str) -> None:
+    m = _read(_cfg(name))
+    (total, tol), (active, atol) = MOE[name]
+    assert m.param_count() == pytest.approx(total, abs=tol)
+    assert m.active_param_count() == pytest.approx(active, abs=atol)
+    assert symbolic_param_count(m) == m.param_count() + m.mtp_param_count()
+
+
+def test_moe_families_read_key_by_key() -> None:
+    ds = _read(_cfg("DeepSeek-V3"))
+    assert ds.multi_latent_attention and (ds.q_lora_rank, ds.kv_lora_rank, ds.qk_head_dim, ds.qk_pos_emb_head_dim,
+                                          ds.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert ds.moe_layers()[:4] == (False, False, False, True) and sum(ds.moe_layers()) == 58
+    assert (ds.num_experts, ds.moe_router_topk, ds.expert_ffn, ds.moe_shared_expert_intermediate_size) == (256, 8, 2048, 2048)
+    assert ds.mtp_num_layers == 1 and ds.kv_heads == ds.heads
+    oss = _read(_cfg("gpt-oss-120b"))
+    assert oss.layer_windows()[:3] == (128, None, 128) and oss.attention_sinks and oss.moe_router_bias
+    qwen = _cfg("Qwen3-30B-A3B")
+    qwen.update(decoder_sparse_step=2, mlp_only_layers=[1])
+    assert _read(qwen).moe_layers()[:6] == (False, False, False, True, False, True)
+
+
+def test_moe_family_without_a_reader_is_named(tmp_path) -> None:
     with pytest.raises(UserError) as exc:
-        _read(_cfg(name))
-    assert exc.value.parameter == "model"
-    assert f'model_type = "{MOE[name]}"' in exc.value.rule and "Mixture-of-Experts" in exc.value.rule
+        _read({"model_type": "dbrx", "hidden_size": 8})
+    assert 'model_type = "dbrx"' in exc.value.rule and "Mixture-of-Experts" in exc.value.rule
 
 
 def test_issue_table_no_longer_silently_wrong() -> None:
@@ -69,9 +98,9 @@ def test_issue_table_no_longer_silently_wrong() -> None:
 
 
 @pytest.mark.parametrize("cfg, needle", [
-    ({"model_type": "falcon", "hidden_size": 8}, 'model_type = "falcon": not a known model type (known: gemma2'),
+    ({"model_type": "falcon", "hidden_size": 8}, 'model_type = "falcon": not a known model type (known: deepseek_v2'),
     ({"architectures": ["BloomForCausalLM"]}, "not a known architecture (known: GPT2LMHeadModel"),
-    ({"hidden_size": 8}, "no model_type or architectures (known model types: gemma2, gpt2"),
+    ({"hidden_size": 8}, "no model_type or architectures (known model types: deepseek_v2, deepseek_v3, gemma2"),
     ({"model_type": 3}, "model_type = 3: not a known model type"),
 ])
 def test_unknown_families_refused_with_the_known_list(cfg: dict, needle: str) -> None:
@@ -176,7 +205,9 @@ def test_biases_and_partial_rotary_in_newer_files() -> None:
     assert _read(llama).rotary_percent == 0.5
 
 
-def test_cli_refuses_a_moe_config_in_one_line(run_cli, tmp_path) -> None:
-    code, out, err = run_cli("simulate", "--model", str(HF / "Mixtral-8x7B-v0.1"), "--cluster", "dgx-h100:8")
+def test_cli_refuses_an_unmodelled_moe_config_in_one_line(run_cli, tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "dbrx", "d_model": 6144}))
+    code, out, err = run_cli("simulate", "--model", str(path), "--cluster", "dgx-h100:8")
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert err.startswith("error: model: ") and "mixtral" in err
+    assert err.startswith("error: model: ") and "dbrx" in err

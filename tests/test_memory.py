@@ -40,8 +40,8 @@ def test_activation_formula_one_layer(gpt_small) -> None:
     from stage_cosim.sharding.numeric import compiled_blocks
     from stage_cosim.sharding.propagate import ShardingPolicy
     from stage_cosim.graph.dims import degree_symbol, model_values
-    _, layer, _ = compiled_blocks(m.switches(), ShardingPolicy())
-    values = model_values(m, b, s) | {degree_symbol("tp"): 1, degree_symbol("dp"): 1}
+    layer = compiled_blocks(m.switches(), ShardingPolicy()).layer
+    values = model_values(m, b, s) | {degree_symbol(a): d for a, d in ParallelConfig().degrees().items()}
     saved = layer.evaluate(values).saved_bytes
     assert saved == s * b * h * (34 + 5 * a * s / h) + 16 * s * b
     assert w.memory(0).activations > saved  # plus the embedding and the loss

@@ -35,7 +35,7 @@ def test_gpt3_is_175b() -> None:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_graph_weights_equal_closed_form(name: str) -> None:
     m = PRESETS[name]
-    assert symbolic_param_count(m) == m.param_count()
+    assert symbolic_param_count(m) == m.param_count() + m.mtp_param_count()   # MTP modules: graph only
 
 
 def test_hf_gpt2_config(tmp_path) -> None:
@@ -74,3 +74,31 @@ def test_malformed_hf_config(tmp_path, content: str, needle: str) -> None:
 def test_unknown_preset() -> None:
     with pytest.raises(UserError, match="unknown preset"):
         resolve_model("gpt5-10t")
+
+
+# Mixture-of-Experts presets: (total, active) as published, to their published precision
+# (Mixtral 8x7B's total is its safetensors count; GPT-OSS's active count leaves out the
+# embedding table, 201088 x 2880, which ours includes).
+PUBLISHED_MOE = {
+    "mixtral-8x7b": ((46_702_792_704, 0), (12.9e9, 0.05e9)),
+    "mixtral-8x22b": ((141e9, 0.5e9), (39e9, 0.5e9)),
+    "qwen3-30b-a3b": ((30.5e9, 0.05e9), (3.3e9, 0.06e9)),
+    "qwen3-235b-a22b": ((235e9, 0.5e9), (22e9, 0.5e9)),
+    "gpt-oss-120b": ((116.83e9, 0.005e9), (5.13e9 + 201088 * 2880, 0.005e9)),
+    "deepseek-v3": ((671e9, 0.5e9), (37e9, 1e9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MOE))
+def test_moe_presets_total_and_active_match_published(name: str) -> None:
+    (total, tol), (active, atol) = PUBLISHED_MOE[name]
+    m = PRESETS[name]
+    assert m.param_count() == pytest.approx(total, abs=tol)
+    assert m.active_param_count() == pytest.approx(active, abs=atol)
+
+
+def test_deepseek_v3_mtp_module_is_its_14b_beyond_671b() -> None:
+    """The released checkpoint holds 685B: 671B plus the MTP module (with its own copy of the
+    embedding and output tables, shared in training)."""
+    m = PRESETS["deepseek-v3"]
+    assert m.param_count() + m.mtp_param_count() + 2 * m.vocab * m.hidden == pytest.approx(685e9, abs=1e9)

@@ -4,11 +4,12 @@
 
 GEMMs run on tensor cores at the dense peak of their number format (BF16, or FP8 / MXFP8 for
 the GEMMs an FP8 recipe quantizes): achievable = peak * efficiency * F / (F + half_flops), so
-small GEMMs fall off smoothly (wave quantization, launch). FP8 GEMMs have their own efficiency
-and half-efficiency size. Fused (flash) attention kernels reach their own fraction of peak,
-attention_efficiency, of the format they compute in (softmax and masking inside the kernel keep
-them below GEMMs). Everything else runs at the vector (CUDA-core) rate. Memory-bound kernels
-reach peak HBM bandwidth * memory_efficiency.
+small GEMMs fall off smoothly (wave quantization, launch); a grouped GEMM of g equal GEMMs (the
+local experts of an MoE layer) reaches what one GEMM of F/g does, so small experts fall off too.
+FP8 GEMMs have their own efficiency and half-efficiency size. Fused (flash) attention kernels
+reach their own fraction of peak, attention_efficiency, of the format they compute in (softmax
+and masking inside the kernel keep them below GEMMs). Everything else runs at the vector
+(CUDA-core) rate. Memory-bound kernels reach peak HBM bandwidth * memory_efficiency.
 """
 
 from __future__ import annotations
@@ -42,23 +43,25 @@ class ComputeModel:
             eff, half = g.fp8_matmul_efficiency, g.fp8_matmul_half_flops
         return peak * 1e12 * eff * flops / (flops + half)
 
-    def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False) -> float:
+    def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
+                   groups: int = 1) -> float:
+        """``groups``: the equal GEMMs of a grouped GEMM (each runs at its own shape's rate)."""
         g = self.gpu
         fmt = matmul_format(matmul)
         if attention and flops > 0:
             rate = g.peak_tflops(fmt or "bf16") * 1e12 * g.attention_efficiency
         elif fmt and flops > 0:
-            rate = self.matmul_rate(flops, fmt)
+            rate = self.matmul_rate(flops / max(1, groups), fmt)
         else:
             rate = g.vector_peak_tflops * 1e12
         t_flops = flops / rate if flops > 0 else 0.0
         t_mem = nbytes / (g.hbm_GBps * 1e9 * g.memory_efficiency)
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
 
-    def duration_of(self, flops: float, nbytes: float, op_kind: str) -> float:
+    def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1) -> float:
         """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector;
         with the number format where it is not BF16: matmul_fp8 …)."""
         from stage_cosim.schedule.program import parse_op_kind
 
         base, fmt = parse_op_kind(op_kind)
-        return self.duration_s(flops, nbytes, fmt, base == "attention")
+        return self.duration_s(flops, nbytes, fmt, base == "attention", groups)

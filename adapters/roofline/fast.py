@@ -72,18 +72,19 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
     for j, item in enumerate(rows_or_nodes):
         i = nw + j
         if isinstance(item, tuple):
-            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, cat, *_ = item
+            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, cat, _, _, groups = item
         else:
-            typ, flops, mem, matmul, coll, cbytes, group, cat = (item.type, item.flops, item.mem_bytes, item.matmul,
-                                                                 item.coll, item.comm_bytes, item.group, item.category)
+            typ, flops, mem, matmul, coll, cbytes, group, cat, groups = (
+                item.type, item.flops, item.mem_bytes, item.matmul, item.coll, item.comm_bytes, item.group,
+                item.category, item.groups)
         prog.types.append(typ)
         prog.deps.append(deps[j])
         if typ == COMP:
             attention = cat in ATTENTION_KINDS
-            key = (flops, mem, matmul, attention)
+            key = (flops, mem, matmul, attention, groups)
             d = durations.get(key)
             if d is None:
-                d = durations[key] = compute.duration_s(flops, mem, matmul, attention)
+                d = durations[key] = compute.duration_s(flops, mem, matmul, attention, groups)
             prog.duration[i] = d
             prog.streams.append("compute")
         else:

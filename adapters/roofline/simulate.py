@@ -58,10 +58,10 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
 
     def duration(n) -> float:  # noqa: ANN001
         attention = n.category in ATTENTION_KINDS
-        key = (n.flops, n.mem_bytes, n.matmul, attention)
+        key = (n.flops, n.mem_bytes, n.matmul, attention, n.groups)
         d = durations.get(key)
         if d is None:
-            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul, attention)
+            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul, attention, n.groups)
         return d
 
     participants: dict[Hashable, int] = {}

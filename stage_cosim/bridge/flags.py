@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from stage_cosim.cli.options import MODEL_DIMENSIONS, PRECISION_FLAGS, resolve_model_options, resolve_parallel_options
+from stage_cosim.cli.options import (
+    MODEL_DIMENSIONS, MOE_PARALLEL, PRECISION_FLAGS, resolve_model_options, resolve_parallel_options,
+)
 from stage_cosim.errors import UserError
 from stage_cosim.model.config import MODEL_SWITCHES
 
 MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES)
 PARALLEL_FLAGS = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute",
-                  "schedule", "pp_layers", "axis_order", *PRECISION_FLAGS)
+                  "schedule", "pp_layers", "axis_order", *PRECISION_FLAGS, *MOE_PARALLEL)
 
 
 def check_locally(kw: dict[str, Any], parallel: bool = True) -> tuple[Any, Any]:

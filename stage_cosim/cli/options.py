@@ -15,8 +15,12 @@ from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel.config import (
-    DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, ParallelConfig,
+    DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, TOKEN_DISPATCHERS, ParallelConfig,
 )
+
+# The Mixture-of-Experts fields of a parallel configuration (flags of the same names).
+MOE_PARALLEL = ("ep", "expert_tp", "moe_token_dispatcher", "moe_capacity_factor", "moe_pad_to_capacity",
+                "moe_imbalance")
 
 MODEL_DIMENSIONS = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq")
 
@@ -42,6 +46,9 @@ model_options = _compose(
                  help="Loss kernels: Megatron's unfused vocabulary-parallel cross-entropy (default) or one fused kernel."),
     click.option("--causal-flops/--full-attention-flops", "causal_flops", default=None,
                  help="Count attention FLOPs over the causal half of the score matrix."),
+    click.option("--moe-shared-expert-overlap/--no-moe-shared-expert-overlap", "moe_shared_expert_overlap",
+                 default=None, help="Compute the shared experts while the routed tokens are dispatched "
+                                    "(default: after the routed experts)."),
 )
 
 # The precision flags (ParallelConfig fields of the same names).
@@ -93,6 +100,18 @@ parallel_options = _compose(
     click.option("--axis-order", default=",".join(DEFAULT_AXIS_ORDER), show_default=True,
                  help="Mesh axes innermost first (rank mapping)."),
     precision_options(),
+    click.option("--ep", type=int, default=1, show_default=True,
+                 help="Expert-parallel degree (expert layers re-factor the tp*dp ranks as expert-tp x ep x edp)."),
+    click.option("--expert-tp", "expert_tp", type=int, default=None,
+                 help="Tensor-parallel degree inside each expert (default: tp)."),
+    click.option("--moe-token-dispatcher", "moe_token_dispatcher", type=click.Choice(TOKEN_DISPATCHERS),
+                 default="alltoall", show_default=True, help="How routed tokens reach their experts."),
+    click.option("--moe-capacity-factor", "moe_capacity_factor", type=float, default=None,
+                 help="Drop tokens beyond this multiple of an expert's balanced share (default: dropless)."),
+    click.option("--moe-pad-to-capacity/--no-moe-pad-to-capacity", "moe_pad_to_capacity", default=False,
+                 help="Pad every expert's tokens to its capacity."),
+    click.option("--moe-imbalance", "moe_imbalance", type=float, default=1.0, show_default=True,
+                 help="Tokens on the busiest expert rank over the mean (1: balanced routing)."),
 )
 
 
@@ -131,7 +150,7 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
             raise UserError("pp-layers", f"must be comma-separated integers, got {pp_layers!r}") from None
     order = tuple(a.strip() for a in kw.pop("axis_order").split(","))
     names = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero",
-             "recompute", "schedule", *PRECISION_FLAGS)
+             "recompute", "schedule", *PRECISION_FLAGS, *MOE_PARALLEL)
     return ParallelConfig(**{n: kw.pop(n) for n in names}, pp_layers=layers, axis_order=order)
 
 cluster_option = click.option(

@@ -27,6 +27,14 @@ def describe_precision(p: dict) -> str:
               if p.get(key)]
     layout = "transposed FP8 copies" if p.get("transposes") else "no transposes"
     return ", ".join([f"fp8 {p.get('recipe')} ({p.get('format')}, {layout})", *extras])
+def _experts_line(par: dict) -> str:
+    cap = par.get("moe_capacity_factor")
+    drop = par.get("moe_dropped_fraction") or 0.0
+    routing = "dropless" if cap is None else f"capacity factor {cap}"
+    if drop:
+        routing += f", {100 * drop:.1f} % of its tokens dropped"
+    return (f"ep{par['ep']} expert-tp{par['expert_tp']} edp{par['edp']} {par['moe_token_dispatcher']} dispatcher;"
+            f" busiest expert rank at {par['moe_load']:.2f}x the mean ({routing})")
 
 
 def print_summary(r: SimResult) -> None:
@@ -47,6 +55,8 @@ def print_summary(r: SimResult) -> None:
                    f" zero{par['zero']} recompute={par['recompute']} micro-batch {par['micro_batch']}"
                    f" x {par['num_microbatches']} on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']}"
                    f" ({cfg['network_model']} network)")
+        if (cfg.get("model") or {}).get("num_experts"):
+            click.echo(f"experts          {_experts_line(par)}")
     keys = [k for k in r.breakdown if any(role.breakdown.get(k) for role in r.roles)]
     click.echo("")
     click.echo(f"{'stage':>5} {'finish s':>9} " + " ".join(f"{k.replace('exposed_', 'exp_'):>12}" for k in keys)

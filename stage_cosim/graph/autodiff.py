@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from stage_cosim.graph.dims import LABEL_SIZE
 from stage_cosim.graph.ir import UNFUSED_CROSS_ENTROPY_PASSES, Block, Op, Tensor
 
 GRAD_DTYPE = "bf16"
@@ -53,12 +54,12 @@ class _State:
 def _grad_tensor(t: Tensor) -> Tensor:
     if t.kind == "weight":
         return Tensor(f"d({t.name})", t.labels, WEIGHT_GRAD_DTYPE, "weight_grad",
-                      tp_shard=t.tp_shard, grad_of=t)
-    return Tensor(f"d({t.name})", t.labels, GRAD_DTYPE, "grad", residual=t.residual, grad_of=t)
+                      tp_shard=t.tp_shard, grad_of=t, mesh=t.mesh)
+    return Tensor(f"d({t.name})", t.labels, GRAD_DTYPE, "grad", residual=t.residual, grad_of=t, mesh=t.mesh)
 
 
 def _needs_grad(t: Tensor) -> bool:
-    return t.kind != "input"
+    return t.kind not in ("input", "index")
 
 
 # -- rules ----------------------------------------------------------------------------------
@@ -125,11 +126,11 @@ def _softmax(op: Op, douts: list[Tensor | None], st: _State) -> None:
 
 
 def _attention(op: Op, douts: list[Tensor | None], st: _State) -> None:
-    dq, dk, dv = (_grad_tensor(t) for t in op.inputs)
-    st.ops.append(Op(f"{op.name}.grad", "attention_grad", [douts[0], *op.saves], [dq, dk, dv],
+    grads = [_grad_tensor(t) for t in op.inputs]      # q, k (and a shared rotary key), v
+    st.ops.append(Op(f"{op.name}.grad", "attention_grad", [douts[0], *op.saves], grads, spec=op.spec,
                      unsharded=op.unsharded, grad_of=op, attention_core=True, causal=op.causal,
                      softcap=op.softcap))
-    for t, g in zip(op.inputs, (dq, dk, dv)):
+    for t, g in zip(op.inputs, grads):
         st.contribute(t, g)
 
 
@@ -159,9 +160,42 @@ def _view(op: Op, douts: list[Tensor | None], st: _State) -> None:
         st.contribute(t, g)
 
 
+def _mesh_change(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    """Gradients go back to the mesh their tensors came from (no data moves either way)."""
+    pairs = [(x, d) for x, d in zip(op.inputs, douts) if d is not None and _needs_grad(x)]
+    grads = [_grad_tensor(x) for x, _ in pairs]
+    if grads:
+        st.ops.append(Op(f"{op.name}.grad", "mesh_change", [d for _, d in pairs], grads, grad_of=op))
+    for (x, _), g in zip(pairs, grads):
+        st.contribute(x, g)
+
+
+def _permute(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    """Dispatch: each token's gradient is the sum of its copies' (an unpermutation)."""
+    tokens, routing = op.inputs
+    dx = _grad_tensor(tokens)
+    st.ops.append(Op(f"{op.name}.grad", "unpermute", [douts[0], routing], [dx],
+                     flops_per_element=LABEL_SIZE["k"], grad_of=op))
+    st.contribute(tokens, dx)
+
+
+def _unpermute(op: Op, douts: list[Tensor | None], st: _State) -> None:
+    """Combine: the copies' gradient is the token's, weighted (a permutation); the routing
+    weights' gradient is each copy's dot product with the token's gradient."""
+    slots, probs = op.inputs
+    dslots, dprobs = _grad_tensor(slots), _grad_tensor(probs)
+    st.ops.append(Op(f"{op.name}.grad[{slots.name}]", "permute", [douts[0], probs], [dslots],
+                     flops_per_element=1, grad_of=op))
+    st.ops.append(Op(f"{op.name}.grad[{probs.name}]", "unpermute", [douts[0], slots], [dprobs],
+                     flops_per_element=2 * LABEL_SIZE["h"], grad_of=op))
+    st.contribute(slots, dslots)
+    st.contribute(probs, dprobs)
+
+
 RULES: dict[str, Callable[[Op, list[Tensor | None], _State], None]] = {
     "einsum": _einsum, "pointwise": _pointwise, "norm": _norm, "softmax": _softmax,
     "attention": _attention, "lookup": _lookup, "cross_entropy": _cross_entropy, "view": _view,
+    "mesh_change": _mesh_change, "permute": _permute, "unpermute": _unpermute,
 }
 
 

@@ -37,8 +37,11 @@ def causal_fraction() -> sp.Expr:
 
 
 def attention_flops(op: Op, local: LocalSize) -> sp.Expr:
-    """QK^T and PV over the score matrix (s x s for global attention, s x w with a window)."""
-    return 4 * attention_scores(op, local) * local("d")
+    """QK^T and PV over the score matrix (s x s for global attention, s x w with a window):
+    the scores over the query/key head dimension, the values over the value head dimension
+    (the same label but in multi-latent attention)."""
+    qk, v = op.spec.split(",") if op.spec else ("d", "d")
+    return 2 * attention_scores(op, local) * (local(qk) + local(v))
 
 
 def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.Expr]:

@@ -16,10 +16,21 @@ B, S, H, F, G, Q, D, V, P = sp.symbols("b s h f g q d v p", positive=True, integ
 # in a sliding-window layer. Not a tensor dimension (keys and values still hold the whole
 # sequence), only the extent of the score matrix a fused kernel computes; bound per layer.
 W = sp.Symbol("w", positive=True, integer=True)
+# Mixture of Experts: experts, experts per token, a routed expert's and the shared experts'
+# intermediate sizes, and the load of the busiest expert rank over the mean (1: balanced
+# routing; the imbalance or the capacity factor otherwise; not an integer).
+E, K, FI, FJ = sp.symbols("e k f_e f_s", positive=True, integer=True)
+L = sp.Symbol("moe_load", positive=True)
+# Multi-latent attention: the query and key/value latent ranks, the query/key head dimension
+# without and with the rotary part, the rotary part alone.
+LQ, LKV, NOPE, ROPE = sp.symbols("q_lora kv_lora qk_nope qk_rope", positive=True, integer=True)
 
 MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "micro_batch": B, "seq": S, "hidden": H, "ffn": F, "kv_heads": G,
     "query_groups": Q, "head_dim": D, "vocab": V, "max_seq": P, "attention_span": W,
+    "num_experts": E, "moe_router_topk": K, "moe_ffn_hidden_size": FI,
+    "moe_shared_expert_intermediate_size": FJ, "moe_load": L, "q_lora_rank": LQ, "kv_lora_rank": LKV,
+    "qk_head_dim": NOPE, "qk_pos_emb_head_dim": ROPE,
 }
 
 def degree_symbol(axis: str) -> sp.Symbol:
@@ -42,12 +53,33 @@ LABEL_SIZE: dict[str, sp.Expr] = {
     "d": D,            # head dimension
     "v": V,            # vocabulary
     "p": P,            # learned position table
+    # Mixture of Experts. On the expert mesh a micro-batch's tokens are one label, "n" (the
+    # same tokens as b x s on the dense mesh); routed to experts they become "e" x "c".
+    "n": B * degree_symbol("dp") * S,   # tokens
+    "k": K,            # experts each token is routed to
+    "e": E,            # routed experts
+    "c": B * degree_symbol("dp") * S * K * L / E,   # token slots per expert (balanced: n k / e)
+    "i": FI,           # a routed expert's intermediate size
+    "j": FJ,           # the shared experts' intermediate size
+    # Multi-latent attention ("d" is the value head dimension there).
+    "l": LQ,           # query latent
+    "m": LKV,          # key/value latent
+    "o": ROPE,         # rotary part of a query/key head (the key's is shared by all heads)
+    "x": NOPE,         # query/key head without the rotary part
+    "a": NOPE + ROPE,  # query/key head
+    "y": LKV + ROPE,   # key/value down-projection: latent and the rotary key
+    "z": NOPE + D,     # key/value up-projection per head: the key without rotary part, the value
+    "w": H,            # hidden, as the output of a projection from hidden-sized inputs (MTP)
 }
 
 LABEL_MEANING: dict[str, str] = {
     "b": "micro-batch", "s": "sequence", "t": "key sequence", "h": "hidden", "f": "ffn",
     "u": "gate/up", "g": "kv heads", "q": "queries per kv head", "r": "qkv slots",
-    "d": "head dim", "v": "vocab", "p": "positions",
+    "d": "head dim", "v": "vocab", "p": "positions", "n": "tokens", "k": "routed slots per token",
+    "e": "experts", "c": "tokens per expert", "i": "expert ffn", "j": "shared expert ffn",
+    "l": "query latent", "m": "key/value latent", "o": "rotary head dim", "x": "query/key head dim without rotary",
+    "a": "query/key head dim", "y": "key/value latent and rotary key", "z": "key without rotary and value",
+    "w": "hidden (projected)",
 }
 
 DTYPE_BYTES: dict[str, int | sp.Rational] = {
@@ -61,8 +93,17 @@ DTYPE_BYTES: dict[str, int | sp.Rational] = {
 
 
 def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821
-                 window: int | None = None) -> dict[sp.Symbol, int]:
-    """Bind the model and batch symbols to numbers (for a layer with sliding ``window``, if given)."""
+                 window: int | None = None, moe_load: float = 1.0) -> dict[sp.Symbol, float]:
+    """Bind the model and batch symbols to numbers (for a layer with sliding ``window``, if
+    given; with the busiest expert rank's load ``moe_load``). Symbols a model does not use
+    (no experts, no latent attention) are bound to 1."""
+    moe = model.num_experts is not None
+    shared = model.moe_shared_expert_intermediate_size
+    mla = model.multi_latent_attention
     return {B: micro_batch, S: seq, H: model.hidden, F: model.ffn, G: model.kv_heads,
-            Q: model.query_groups, D: model.head_dim, V: model.vocab, P: model.max_seq,
-            W: seq if window is None else min(seq, window)}
+            Q: model.query_groups, D: model.v_head_dim if mla else model.head_dim, V: model.vocab,
+            P: model.max_seq, W: seq if window is None else min(seq, window),
+            E: model.num_experts if moe else 1, K: model.moe_router_topk if moe else 1,
+            FI: model.expert_ffn if moe else 1, FJ: shared if moe and shared else 1, L: moe_load,
+            LQ: model.q_lora_rank if mla and model.q_lora_rank else 1, LKV: model.kv_lora_rank if mla else 1,
+            NOPE: model.qk_head_dim if mla else 1, ROPE: model.qk_pos_emb_head_dim if mla else 1}

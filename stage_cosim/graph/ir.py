@@ -22,7 +22,11 @@ from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE
 # Backward: scale the saved probabilities in place, cast the gradient to bf16.
 UNFUSED_CROSS_ENTROPY_PASSES = (6, 2)
 
-TensorKind = Literal["input", "activation", "weight", "grad", "weight_grad"]
+# "index": integer activations (the routing map of a Mixture-of-Experts router): no gradient.
+TensorKind = Literal["input", "activation", "weight", "grad", "weight_grad", "index"]
+
+# The meshes a tensor can live on (see :mod:`stage_cosim.parallel.axes`).
+DENSE, EXPERT = "dense", "expert"
 
 # Op kinds. "einsum" and "attention" are the matmul-class ops the FLOP conventions count.
 OpKind = Literal[
@@ -33,6 +37,10 @@ OpKind = Literal[
     # optionally with the transposed copy), a transpose of quantized data, the absolute-maximum
     # reduction a current-scaling cast needs first, a cast back to bf16
     "quantize", "transpose", "amax", "dequantize",
+    # Mixture of Experts: a tensor's tokens re-read on the other mesh (no data moves), and the
+    # token permutation into expert order and back (memory-bound kernels; the collectives
+    # around them follow from placements).
+    "mesh_change", "permute", "unpermute",
 ]
 
 
@@ -50,6 +58,8 @@ class Tensor:
     residual: bool = False
     # For gradients: the forward tensor this is the gradient of.
     grad_of: "Tensor | None" = None
+    # The mesh it lives on: the dense mesh, or (expert weights and routed tokens) the expert mesh.
+    mesh: str = DENSE
 
     def numel(self) -> sp.Expr:
         return sp.Mul(*(LABEL_SIZE[label] for label in self.labels))
@@ -75,7 +85,7 @@ class Op:
     spec: str = ""
     # Pointwise and normalization work per output element (memory-bound ops; rough is fine).
     # A fraction where only part of the element is touched (partial rotary embeddings).
-    flops_per_element: int | sp.Rational = 0
+    flops_per_element: int | sp.Expr = 0
     # Runs in the residual-stream layout.
     residual: bool = False
     # Labels that this op cannot have sharded (a normalization over h, a softmax over t …).
@@ -109,9 +119,18 @@ class Op:
     # transpose of an all-gathered FP8 tensor runs on the gathered tensor).
     replicated_over: tuple[str, ...] = ()
 
+    # Control dependencies: tensors whose producers must finish before this op starts, though
+    # it does not read them (a shared expert run after the routed ones).
+    after: list[Tensor] = field(default_factory=list)
+
     def einsum_operands(self) -> tuple[list[str], str]:
         lhs, out = self.spec.split("->")
         return lhs.split(","), out
+
+    @property
+    def mesh(self) -> str:
+        """The mesh the op runs on: where its results live."""
+        return self.outputs[0].mesh
 
     def __repr__(self) -> str:
         return f"Op({self.kind}:{self.name})"
@@ -142,6 +161,8 @@ class BlockBuilder:
         self.ops: list[Op] = []
         self.weights: list[Tensor] = []
         self.inputs: list[Tensor] = []
+        self.mesh = DENSE           # where new weights and activations live
+        self.prefix = ""            # names of new ops, activations and weights start with it
 
     # -- tensors --------------------------------------------------------------------------
 
@@ -152,7 +173,7 @@ class BlockBuilder:
         return t
 
     def weight(self, name: str, labels: str, tp_shard: str | None = None) -> Tensor:
-        w = Tensor(name, labels, self.dtype, "weight", tp_shard=tp_shard)
+        w = Tensor(self.prefix + name, labels, self.dtype, "weight", tp_shard=tp_shard, mesh=self.mesh)
         self.weights.append(w)
         return w
 
@@ -162,9 +183,13 @@ class BlockBuilder:
         return w
 
     def _act(self, name: str, labels: str, dtype: str | None = None, residual: bool = False) -> Tensor:
-        return Tensor(name, labels, dtype or self.dtype, "activation", residual=residual)
+        return Tensor(name, labels, dtype or self.dtype, "activation", residual=residual, mesh=self.mesh)
 
     def _add(self, op: Op) -> Op:
+        if self.prefix:
+            op.name = self.prefix + op.name
+            for t in op.outputs:
+                t.name = self.prefix + t.name
         self.ops.append(op)
         return op
 
@@ -230,12 +255,20 @@ class BlockBuilder:
         return outs
 
     def attention(self, name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-                  softcap: bool = False) -> Tensor:
-        """Fused (flash) attention: never materializes the score matrix."""
-        out = self._act(name, q.labels)
-        lse = Tensor(name + ".lse", "bgqs", "fp32", "activation")
-        self._add(Op(name, "attention", [q, k, v], [out, lse], unsharded="sd",
-                     saves=[q, k, v, out, lse], attention_core=True, causal=causal, softcap=softcap))
+                  softcap: bool = False, rotary_key: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
+        """Fused (flash) attention: never materializes the score matrix. The last label of q
+        and of v is the head dimension of the scores and of the values (they may differ:
+        multi-latent attention). ``rotary_key``: a rotary key part shared by every head, read
+        alongside ``k`` (multi-latent attention); ``sinks``: a learned logit per head that joins
+        every softmax (GPT-OSS)."""
+        qk, vd = q.labels[-1], v.labels[-1]
+        out = self._act(name, q.labels[:-1] + vd)
+        lse = Tensor(name + ".lse", q.labels[:-1], "fp32", "activation")
+        keys = [k] if rotary_key is None else [k, rotary_key]
+        extra = [sinks] if sinks is not None else []
+        self._add(Op(name, "attention", [q, *keys, v, *extra], [out, lse], spec=f"{qk},{vd}",
+                     unsharded="s" + "".join(sorted({qk, vd})),
+                     saves=[q, *keys, v, out, lse], attention_core=True, causal=causal, softcap=softcap))
         return out
 
     def lookup(self, name: str, table: Tensor, ids: Tensor) -> Tensor:
@@ -251,6 +284,38 @@ class BlockBuilder:
                      saves=[probs, labels_in],
                      memory_passes=1 if fused else UNFUSED_CROSS_ENTROPY_PASSES[0]))
         return loss
+
+    # -- Mixture of Experts -----------------------------------------------------------------
+
+    def mesh_change(self, name: str, tensors: list[Tensor], labels: list[str], mesh: str) -> list[Tensor]:
+        """The same tokens read on ``mesh`` (``labels``: each tensor's labels there, b x s <-> n)."""
+        outs = [Tensor(f"{t.name}@{mesh}", l, t.dtype, "index" if t.kind == "index" else "activation", mesh=mesh)
+                for t, l in zip(tensors, labels)]
+        self._add(Op(name, "mesh_change", list(tensors), outs))
+        return outs
+
+    def router(self, name: str, logits: Tensor, *, topk_flops: sp.Expr) -> tuple[Tensor, Tensor]:
+        """Scores and top-k of the router logits (fp32): the routing weights and the routing map
+        (``topk_flops`` per routing weight)."""
+        probs = self._act(f"{name}.probs", logits.labels.replace("e", "k"), "fp32")
+        routing = Tensor(f"{name}.map", logits.labels.replace("e", "k"), "i32", "index", mesh=self.mesh)
+        self._add(Op(name, "pointwise", [logits], [probs, routing], flops_per_element=topk_flops,
+                     unsharded="e", saves=[probs]))
+        return probs, routing
+
+    def permute(self, name: str, tokens: Tensor, routing: Tensor, out_labels: str) -> Tensor:
+        """Tokens copied into expert order, one copy per expert each goes to (dispatch)."""
+        out = self._act(name, out_labels)
+        self._add(Op(name, "permute", [tokens, routing], [out], saves=[routing]))
+        return out
+
+    def unpermute(self, name: str, slots: Tensor, probs: Tensor, out_labels: str) -> Tensor:
+        """Expert outputs back in token order, each token's copies summed with its routing
+        weights (combine)."""
+        out = self._act(name, out_labels)
+        self._add(Op(name, "unpermute", [slots, probs], [out], flops_per_element=2 * LABEL_SIZE["k"],
+                     saves=[slots, probs]))
+        return out
 
     def build(self, outputs: list[Tensor]) -> Block:
         return Block(self.name, self.kind, self.ops, self.inputs, outputs, self.weights)

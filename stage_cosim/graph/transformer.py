@@ -1,4 +1,5 @@
-"""Forward graphs of the three block kinds of a decoder-only transformer.
+"""Forward graphs of the block kinds of a decoder-only transformer: the embedding, a layer
+(dense, or with a Mixture-of-Experts MLP), the head (with multi-token prediction modules).
 
 Weights carry the label that Megatron-style tensor parallelism shards (``tp_shard``): the QKV
 and first MLP projections are column-parallel (sharded on their output heads / ffn), the
@@ -13,8 +14,11 @@ from functools import lru_cache
 
 import sympy as sp
 
+from typing import NamedTuple
+
 from stage_cosim.graph.cost import SOFTCAP_FLOPS_PER_SCORE as SOFTCAP_FLOPS
-from stage_cosim.graph.ir import Block, BlockBuilder, Tensor
+from stage_cosim.graph.dims import LABEL_SIZE, NOPE, ROPE
+from stage_cosim.graph.ir import DENSE, EXPERT, Block, BlockBuilder, Tensor
 from stage_cosim.model.config import ArchSwitches, ModelConfig
 
 
@@ -23,6 +27,8 @@ ROPE_FLOPS = 6            # two multiplies and an add per rotated pair, both hal
 SWIGLU_FLOPS = 6          # SiLU (exp, add, divide, multiply) times the up projection
 GEGLU_FLOPS = 9           # tanh-approximated GELU times the up projection
 GELU_FLOPS = 8
+# The router's score function and top-k selection, per expert score of a token.
+ROUTER_FLOPS_PER_SCORE = 6
 
 
 def _norm(b: BlockBuilder, name: str, x: Tensor, model: ModelConfig | ArchSwitches, *, over: str = "h",
@@ -57,7 +63,8 @@ def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
         q = b.pointwise("rope_q", [q], q.labels, flops_per_element=rope)
         k = b.pointwise("rope_k", [k], k.labels, flops_per_element=rope)
     if a.attention == "fused":
-        ctx = b.attention("attention", q, k, v, causal=a.causal_flops, softcap=a.attn_softcap)
+        ctx = b.attention("attention", q, k, v, causal=a.causal_flops, softcap=a.attn_softcap,
+                          sinks=b.weight("attention.sinks", "gq", tp_shard="g") if a.attention_sinks else None)
     else:
         # Materialized scores: the whole s x s matrix, masked (a sliding window saves nothing here).
         scores = b.einsum("scores", "bsgqd,btgd->bgqst", q, k, attention_core=True)
@@ -71,20 +78,98 @@ def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
     return b.einsum("proj", "bsgqd,gqdh->bsh", ctx, b.weight("proj.weight", "gqdh", tp_shard="g"))
 
 
-def _mlp(b: BlockBuilder, y: Tensor, a: ArchSwitches) -> Tensor:
-    """The MLP from its (normalized) input up to the row-parallel GEMM's output."""
-    if a.gated:
-        up = b.einsum("fc1", "bsh,huf->bsuf", y, b.weight("fc1.weight", "huf", tp_shard="f"))
-        if a.mlp_bias:
-            up = _bias(b, "fc1.bias", up, "uf", "f")
-        flops = SWIGLU_FLOPS if a.mlp == "swiglu" else GEGLU_FLOPS
-        act = b.pointwise(a.mlp, [up], "bsf", flops_per_element=flops, saves=[up])
+def _latent_attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
+    """Multi-latent attention (DeepSeek-V2/V3, as Megatron-Core builds it): the down projections
+    are replicated over tp (each rank projects its own tokens), the up projections
+    column-parallel over heads; the rotary key part is shared by every head (gathered over tp
+    with sequence parallelism, as Megatron does)."""
+    y = _norm(b, "input_norm", x, a)
+    if a.q_lora:
+        latent_q = b.einsum("q_down", "bsh,hl->bsl", y, b.weight("q_down.weight", "hl"))
+        latent_q = _norm(b, "q_norm", latent_q, a, over="l", residual=False)
+        q = b.einsum("q_up", "bsl,lga->bsga", latent_q, b.weight("q_up.weight", "lga", tp_shard="g"))
     else:
-        up = b.einsum("fc1", "bsh,hf->bsf", y, b.weight("fc1.weight", "hf", tp_shard="f"))
+        q = b.einsum("q_proj", "bsh,hga->bsga", y, b.weight("q_proj.weight", "hga", tp_shard="g"))
+    kv = b.einsum("kv_down", "bsh,hy->bsy", y, b.weight("kv_down.weight", "hy"))
+    latent, k_rope = b.view("split_kv", [kv], ["bsm", "bso"], ["kv_latent", "k_rope"])
+    latent = _norm(b, "kv_norm", latent, a, over="m", residual=False)
+    kv = b.einsum("kv_up", "bsm,mgz->bsgz", latent, b.weight("kv_up.weight", "mgz", tp_shard="g"))
+    k, v = b.view("split_kv_up", [kv], ["bsgx", "bsgd"], ["k", "v"])
+    # RoPE on the rotary part of each query head and on the shared rotary key.
+    q = b.pointwise("rope_q", [q], q.labels, flops_per_element=ROPE_FLOPS * ROPE / (NOPE + ROPE))
+    k_rope = b.pointwise("rope_k", [k_rope], k_rope.labels, flops_per_element=ROPE_FLOPS)
+    if a.attention != "fused":
+        raise ValueError("multi-latent attention is modelled with fused attention only")
+    ctx = b.attention("attention", q, k, v, causal=a.causal_flops, rotary_key=k_rope)
+    return b.einsum("proj", "bsgd,gdh->bsh", ctx, b.weight("proj.weight", "gdh", tp_shard="g"))
+
+
+def _mlp(b: BlockBuilder, y: Tensor, a: ArchSwitches, ffn: str = "f", name: str = "") -> Tensor:
+    """The MLP from its (normalized) input up to the row-parallel GEMM's output (``ffn``: the
+    label of its intermediate size; ``name``: a prefix for its ops and weights)."""
+    if a.gated:
+        up = b.einsum(f"{name}fc1", f"bsh,hu{ffn}->bsu{ffn}", y,
+                      b.weight(f"{name}fc1.weight", f"hu{ffn}", tp_shard=ffn))
         if a.mlp_bias:
-            up = _bias(b, "fc1.bias", up, "f", "f")
-        act = b.pointwise("gelu", [up], "bsf", flops_per_element=GELU_FLOPS, saves=[up])
-    return b.einsum("fc2", "bsf,fh->bsh", act, b.weight("fc2.weight", "fh", tp_shard="f"))
+            up = _bias(b, f"{name}fc1.bias", up, f"u{ffn}", ffn)
+        flops = SWIGLU_FLOPS if a.mlp == "swiglu" else GEGLU_FLOPS
+        act = b.pointwise(f"{name}{a.mlp}", [up], f"bs{ffn}", flops_per_element=flops, saves=[up])
+    else:
+        up = b.einsum(f"{name}fc1", f"bsh,h{ffn}->bs{ffn}", y, b.weight(f"{name}fc1.weight", f"h{ffn}", tp_shard=ffn))
+        if a.mlp_bias:
+            up = _bias(b, f"{name}fc1.bias", up, ffn, ffn)
+        act = b.pointwise(f"{name}gelu", [up], f"bs{ffn}", flops_per_element=GELU_FLOPS, saves=[up])
+    return b.einsum(f"{name}fc2", f"bs{ffn},{ffn}h->bsh", act, b.weight(f"{name}fc2.weight", f"{ffn}h", tp_shard=ffn))
+
+
+def _experts(b: BlockBuilder, slots: Tensor, a: ArchSwitches) -> Tensor:
+    """The routed experts on their tokens: grouped GEMMs over the local experts (``e``, sharded
+    over ep), each column- then row-parallel over expert_tp (``i``)."""
+    gated = a.gated
+    u = "u" if gated else ""
+    up = b.einsum("experts.fc1", f"ech,eh{u}i->ec{u}i", slots, b.weight("experts.fc1.weight", f"eh{u}i", tp_shard="i"))
+    if a.mlp_bias:
+        up = _bias(b, "experts.fc1.bias", up, f"e{u}i", "i")
+    flops = (SWIGLU_FLOPS if a.mlp == "swiglu" else GEGLU_FLOPS) if gated else GELU_FLOPS
+    act = b.pointwise(f"experts.{a.mlp}", [up], "eci", flops_per_element=flops, saves=[up])
+    down = b.einsum("experts.fc2", "eci,eih->ech", act, b.weight("experts.fc2.weight", "eih", tp_shard="i"))
+    if a.mlp_bias:
+        down = _bias(b, "experts.fc2.bias", down, "eh", None)
+    return down
+
+
+def _moe(b: BlockBuilder, y: Tensor, a: ArchSwitches) -> Tensor:
+    """A Mixture-of-Experts MLP (Megatron-Core's MoELayer): the router's GEMM and top-k, the
+    tokens read on the expert mesh and permuted into expert order (dispatch), the experts, the
+    weighted unpermutation (combine) back to token order on the dense mesh; the shared experts
+    (a dense MLP) beside them. Dispatch and combine move no data themselves: the all-to-all
+    (or all-gather / reduce-scatter) between them and the experts are placement changes of the
+    routed tokens, derived like every other collective."""
+    logits = b.einsum("router", "bsh,he->bse", y, b.weight("router.weight", "he"))
+    if a.moe_router_bias:
+        logits = _bias(b, "router.bias", logits, "e", None)
+    probs, routing = b.router("router.topk", logits,
+                              topk_flops=ROUTER_FLOPS_PER_SCORE * LABEL_SIZE["e"] / LABEL_SIZE["k"])
+    tokens, probs, routing = b.mesh_change("to_experts", [y, probs, routing], ["nh", "nk", "nk"], EXPERT)
+    b.mesh = EXPERT
+    slots = b.permute("dispatch", tokens, routing, "ech")
+    out = b.unpermute("combine", _experts(b, slots, a), probs, "nh")
+    b.mesh = DENSE
+    (routed,) = b.mesh_change("from_experts", [out], ["bsh"], DENSE)
+    if not a.moe_shared_expert:
+        return routed
+    first = len(b.ops)
+    shared = _mlp(b, y, a, ffn="j", name="shared_experts.")
+    if not a.moe_shared_expert_overlap:
+        b.ops[first].after.append(routed)     # Megatron runs them after the routed experts
+    if a.moe_shared_expert_gate:
+        gate = b.einsum("shared_experts.gate", "bsh,h->bs", y, b.weight("shared_experts.gate.weight", "h"))
+        shared = b.pointwise("shared_experts.gated", [shared, gate], "bsh", flops_per_element=5, saves=[gate])
+    return b.add("moe_sum", routed, shared, residual=False)
+
+
+def _ffn(b: BlockBuilder, y: Tensor, a: ArchSwitches, moe: bool) -> Tensor:
+    return _moe(b, y, a) if moe else _mlp(b, y, a)
 
 
 def _sublayer_out(b: BlockBuilder, out: Tensor, bias: str | None, post_norm: str | None,
@@ -100,29 +185,36 @@ def _sublayer_out(b: BlockBuilder, out: Tensor, bias: str | None, post_norm: str
     return out
 
 
-def build_layer(model: ModelConfig | ArchSwitches) -> Block:
-    a = model.switches() if isinstance(model, ModelConfig) else model
-    b = BlockBuilder("layer", "layer")
-    x = b.input("x", "bsh")
+def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool) -> Tensor:
+    """One transformer layer from its input (the residual stream) to its output."""
     drop = a.hidden_dropout
+    attention = _latent_attention if a.multi_latent_attention else _attention
     if a.parallel_residual:
         # x + attention(norm1(x)) + mlp(norm2(x)): the two row-parallel outputs are summed while
         # still partial over tp (a sum of partial sums), so one reduction serves both.
-        attn = _attention(b, x, a)
-        down = _mlp(b, _norm(b, "mlp_norm", x, a), a)
+        attn = attention(b, x, a)
+        down = _ffn(b, _norm(b, "mlp_norm", x, a), a, moe)
         both = b.add("branch_sum", attn, down, residual=False)
         if a.attention_bias:
             both = _bias(b, "proj.bias", both, "h", None, residual=True)
-        both = _sublayer_out(b, both, "fc2.bias" if a.mlp_bias else None, None,
+        both = _sublayer_out(b, both, "fc2.bias" if a.mlp_bias and not moe else None, None,
                              "residual_dropout" if drop else None, a)
-        return b.build([b.add("residual", x, both)])
-    attn = _sublayer_out(b, _attention(b, x, a), "proj.bias" if a.attention_bias else None,
+        return b.add("residual", x, both)
+    attn = _sublayer_out(b, attention(b, x, a), "proj.bias" if a.attention_bias else None,
                          "post_attention_norm" if a.sandwich_norm else None, "proj_dropout" if drop else None, a)
     x = b.add("attention_residual", x, attn)
-    down = _mlp(b, _norm(b, "mlp_norm", x, a), a)
-    down = _sublayer_out(b, down, "fc2.bias" if a.mlp_bias else None,
+    down = _ffn(b, _norm(b, "mlp_norm", x, a), a, moe)
+    down = _sublayer_out(b, down, "fc2.bias" if a.mlp_bias and not moe else None,
                          "post_mlp_norm" if a.sandwich_norm else None, "mlp_dropout" if drop else None, a)
-    return b.build([b.add("mlp_residual", x, down)])
+    return b.add("mlp_residual", x, down)
+
+
+def build_layer(model: ModelConfig | ArchSwitches, moe: bool = False) -> Block:
+    """A transformer layer; ``moe``: its MLP is a Mixture of Experts."""
+    a = model.switches() if isinstance(model, ModelConfig) else model
+    b = BlockBuilder("layer", "layer")
+    x = b.input("x", "bsh")
+    return b.build([_layer(b, x, a, moe=moe)])
 
 
 def build_embedding(model: ModelConfig | ArchSwitches) -> Block:
@@ -142,32 +234,66 @@ def build_embedding(model: ModelConfig | ArchSwitches) -> Block:
 
 
 def build_head(model: ModelConfig | ArchSwitches, embedding: Block | None = None) -> Block:
-    """Final norm, output projection and vocabulary-parallel cross-entropy.
+    """Final norm, output projection and vocabulary-parallel cross-entropy; then the
+    multi-token-prediction modules, if any (DeepSeek-V3): each embeds the next tokens (with the
+    embedding's table), joins them to the previous hidden states (two norms, a projection from
+    2h to h), runs one more layer and a loss through the shared output layer.
 
-    With tied embeddings the output projection reuses the embedding block's table; pass that
-    block so both blocks hold the same weight object.
+    With tied embeddings (or multi-token prediction) the head reuses the embedding block's
+    table; pass that block so both blocks hold the same weight object.
     """
     a = model.switches() if isinstance(model, ModelConfig) else model
     b = BlockBuilder("head", "head")
     x = b.input("x", "bsh")
     labels = b.input("labels", "bs", "i64", residual=False)
-    y = _norm(b, "final_norm", x, a)
-    if a.tied_embeddings:
+    table = None
+    if a.tied_embeddings or a.mtp_layers:
         table = embedding.weights[0] if embedding is not None else build_embedding(a).weights[0]
-        w = b.shared_weight(table)
-    else:
+    loss, w = _loss(b, x, None if not a.tied_embeddings else b.shared_weight(table), labels, a)
+    losses = [loss]
+    if a.mtp_layers:
+        if not a.tied_embeddings:
+            b.shared_weight(table)
+        tokens = b.input("tokens", "bs", "i64", residual=False)
+        hidden = x
+        for k in range(a.mtp_layers):
+            b.prefix = f"mtp{k}."
+            emb = _norm(b, "enorm", b.lookup("embedding", table, tokens), a)
+            joined = b.view("join", [emb, _norm(b, "hnorm", hidden, a)], ["bsuh"], ["joined"])[0]
+            proj = b.einsum("eh_proj", "bsuh,uhw->bsw", joined, b.weight("eh_proj.weight", "uhw"))
+            (h,) = b.view("as_hidden", [proj], ["bsh"], ["hidden"])
+            hidden = _layer(b, h, a, moe=a.mtp_moe)
+            losses.append(_loss(b, hidden, w, labels, a)[0])
+        b.prefix = ""
+    return b.build(losses)
+
+
+def _loss(b: BlockBuilder, x: Tensor, w: Tensor | None, labels: Tensor, a: ArchSwitches) -> tuple[Tensor, Tensor]:
+    """Final norm, logits through the output layer ``w`` (None: a new one), cross-entropy
+    against ``labels``; the loss and the output layer."""
+    y = _norm(b, "final_norm", x, a)
+    if w is None:
         w = b.weight("output.weight", "vh", tp_shard="v")
     logits = b.einsum("logits", "bsh,vh->bsv", y, w)
     if a.final_softcap:
         # cap * tanh(logits / cap) over the (vocabulary-sharded) logits; the backward reads its output.
         logits = b.pointwise("logit_softcap", [logits], logits.labels, flops_per_element=SOFTCAP_FLOPS,
                              saves_output=True)
-    loss = b.cross_entropy("cross_entropy", logits, labels, fused=a.cross_entropy == "fused")
-    return b.build([loss])
+    return b.cross_entropy("cross_entropy", logits, labels, fused=a.cross_entropy == "fused"), w
 
 
-def build_blocks(model: ModelConfig | ArchSwitches) -> tuple[Block, Block, Block]:
-    """The embedding, the (repeated) layer and the head of ``model``.
+class ModelGraph(NamedTuple):
+    """The blocks of a model: the embedding, a dense layer, a Mixture-of-Experts layer (None
+    without experts), the head."""
+
+    embedding: Block
+    layer: Block
+    head: Block
+    moe_layer: Block | None = None
+
+
+def build_blocks(model: ModelConfig | ArchSwitches) -> ModelGraph:
+    """The embedding, the (repeated) layer kinds and the head of ``model``.
 
     Sizes live in the symbols, so the graph depends only on the architecture switches and is
     built once per family of models.
@@ -176,20 +302,26 @@ def build_blocks(model: ModelConfig | ArchSwitches) -> tuple[Block, Block, Block
 
 
 @lru_cache(maxsize=64)
-def _build_blocks(arch: ArchSwitches) -> tuple[Block, Block, Block]:
+def _build_blocks(arch: ArchSwitches) -> ModelGraph:
     embedding = build_embedding(arch)
-    return embedding, build_layer(arch), build_head(arch, embedding)
+    return ModelGraph(embedding, build_layer(arch), build_head(arch, embedding),
+                      build_layer(arch, moe=True) if arch.moe else None)
 
 
 def symbolic_param_count(model: ModelConfig) -> int:
-    """Parameters summed over the graph's weight tensors (tied tables counted once)."""
+    """Parameters summed over the graph's weight tensors (tied tables counted once), the
+    multi-token-prediction modules included."""
     from stage_cosim.graph.dims import model_values
 
-    embedding, layer, head = build_blocks(model)
+    g = build_blocks(model)
     values = model_values(model, 1, 1)
+    moe_layers = sum(model.moe_layers())
     seen: set[int] = set()
     total = 0
-    for block, repeat in ((embedding, 1), (layer, model.layers), (head, 1)):
+    blocks = [(g.embedding, 1), (g.layer, model.layers - moe_layers), (g.head, 1)]
+    if g.moe_layer is not None:
+        blocks.append((g.moe_layer, moe_layers))
+    for block, repeat in blocks:
         for w in block.weights:
             if id(w) in seen:
                 continue

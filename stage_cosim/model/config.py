@@ -12,7 +12,7 @@ Arch = Literal["gpt", "llama"]
 AttentionImpl = Literal["fused", "unfused"]
 CrossEntropyImpl = Literal["fused", "unfused"]
 # Implementation switches a user sets one by one (command-line flags and request fields alike).
-MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy")
+MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy", "moe_shared_expert_overlap")
 
 NORMS = ("layernorm", "rmsnorm")
 # "gelu": one up-projection and a GELU; "swiglu" / "geglu": gated (gate and up projections,
@@ -51,6 +51,19 @@ class ArchSwitches:
     scale_embeddings: bool = False
     attn_softcap: bool = False
     final_softcap: bool = False
+    # Mixture of Experts: which parts the MoE layer has (sizes are symbols).
+    moe: bool = False
+    moe_shared_expert: bool = False
+    moe_shared_expert_gate: bool = False
+    moe_router_bias: bool = False
+    moe_shared_expert_overlap: bool = False
+    # Multi-latent attention, with or without the low-rank query path.
+    multi_latent_attention: bool = False
+    q_lora: bool = False
+    attention_sinks: bool = False
+    # Multi-token prediction modules in the head, and whether their layer has experts.
+    mtp_layers: int = 0
+    mtp_moe: bool = False
 
     @property
     def qkv_bias(self) -> bool:
@@ -131,6 +144,44 @@ class ModelConfig:
     # sliding_window is set, and none when it is not.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    # A learned per-head logit that joins every softmax of the attention scores ("attention
+    # sinks", GPT-OSS): one parameter per head and layer.
+    attention_sinks: bool = False
+    # -- Mixture of Experts (Megatron-Core's names) ---------------------------------------------
+    # Routed experts per MoE layer (None: every MLP is dense); each token goes to the
+    # moe_router_topk experts its router scores highest.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    # Each routed expert's intermediate size (default: ffn, as Mixtral's experts are full MLPs).
+    moe_ffn_hidden_size: int | None = None
+    # The shared experts' intermediate size, all of them together (DeepSeek: n_shared_experts x
+    # moe_intermediate_size; Qwen2-MoE: shared_expert_intermediate_size); None: no shared expert.
+    moe_shared_expert_intermediate_size: int | None = None
+    # A sigmoid gate on the shared experts' output (Qwen2-MoE).
+    moe_shared_expert_gate: bool = False
+    # A bias on the router's logits (GPT-OSS).
+    moe_router_bias: bool = False
+    # Megatron-Core's --moe-shared-expert-overlap: the shared experts compute while the routed
+    # tokens are dispatched (otherwise they run after the routed experts).
+    moe_shared_expert_overlap: bool = False
+    # Which layers are MoE layers: every k-th (an integer: layer i when i % k == 0) or a 0/1
+    # pattern with one entry per layer (DeepSeek's first dense layers, Qwen's mlp_only_layers).
+    # Dense layers keep an MLP of size ffn.
+    moe_layer_freq: int | tuple[int, ...] = 1
+    # -- Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's MLATransformerConfig) ----------
+    # Queries and keys/values go through low-rank latents (q_lora_rank; None: a direct query
+    # projection) and kv_lora_rank; each head's query/key has qk_head_dim dimensions without
+    # position plus qk_pos_emb_head_dim rotated ones (the rotated key is shared by all heads),
+    # its value v_head_dim.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # -- Multi-token prediction (DeepSeek-V3): modules after the last layer, each predicting one
+    # more token with one more layer (of the last layer's kind), sharing embedding and head.
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq"):
@@ -160,6 +211,35 @@ class ModelConfig:
             _choice(t, "layer-types", LAYER_TYPES)
         require(self.sliding_window is not None or SLIDING_ATTENTION not in self.layer_types, "layer-types",
                 "has sliding_attention layers but sliding-window is not set")
+        self._check_moe()
+        if self.multi_latent_attention:
+            if self.q_lora_rank is not None:
+                positive_int(self.q_lora_rank, "q-lora-rank")
+            for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+                positive_int(getattr(self, name), name.replace("_", "-"))
+        require(isinstance(self.mtp_num_layers, int) and not isinstance(self.mtp_num_layers, bool)
+                and self.mtp_num_layers >= 0, "mtp-num-layers",
+                f"must be a non-negative integer, got {self.mtp_num_layers!r}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            return
+        positive_int(self.num_experts, "num-experts")
+        positive_int(self.moe_router_topk, "moe-router-topk")
+        require(self.moe_router_topk <= self.num_experts, "moe-router-topk",
+                f"must not exceed num-experts ({self.num_experts}), got {self.moe_router_topk}")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None:
+                positive_int(getattr(self, name), name.replace("_", "-"))
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            object.__setattr__(self, "moe_layer_freq", tuple(freq))
+            require(len(freq) == self.layers, "moe-layer-freq",
+                    f"a pattern needs one entry per layer ({self.layers}), got {len(freq)}")
+            require(all(x in (0, 1) and not isinstance(x, bool) for x in freq), "moe-layer-freq",
+                    "pattern entries must be 0 (dense) or 1 (MoE)")
+        else:
+            positive_int(freq, "moe-layer-freq")
 
     # -- derived quantities -------------------------------------------------------------------
 
@@ -179,22 +259,97 @@ class ModelConfig:
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(self.layer_window(i) for i in range(self.layers))
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` has routed experts (Megatron's moe_layer_freq)."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            return bool(freq[layer])
+        return layer % freq == 0
+
+    def moe_layers(self) -> tuple[bool, ...]:
+        return tuple(self.is_moe_layer(i) for i in range(self.layers))
+
+    @property
+    def shares_embedding(self) -> bool:
+        """Whether the last pipeline stage reads the embedding table too (tied output layer,
+        or multi-token prediction embedding the next tokens)."""
+        return self.tied_embeddings or self.mtp_num_layers > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each routed expert's intermediate size."""
+        return self.moe_ffn_hidden_size or self.ffn
+
     def param_count(self) -> int:
-        """Exact parameter count, in closed form (checked against the symbolic graph's weights)."""
-        h, f, d = self.hidden, self.ffn, self.head_dim
+        """Exact parameter count, in closed form (checked against the symbolic graph's weights).
+        Multi-token-prediction modules are not counted (as published totals do not count them;
+        see :meth:`mtp_param_count`)."""
+        return self._count(active=False)
+
+    def active_param_count(self) -> int:
+        """Parameters a token uses: everything but the routed experts it is not sent to
+        (the embedding table and the output layer included)."""
+        return self._count(active=True)
+
+    def mtp_param_count(self) -> int:
+        """Parameters of the multi-token-prediction modules (embedding and head shared)."""
+        h = self.hidden
+        per_norm = 2 if self.norm == "layernorm" else 1
+        last = self.layers - 1
+        module = 2 * h * per_norm + 2 * h * h + self._layer_params(last, active=False) + h * per_norm
+        return self.mtp_num_layers * module
+
+    def _count(self, *, active: bool) -> int:
+        h = self.hidden
+        per_norm = 2 if self.norm == "layernorm" else 1
+        layers = sum(self._layer_params(i, active=active) for i in range(self.layers))
+        return layers + self.embedding_param_count() + h * per_norm
+
+    def _attention_params(self) -> int:
+        h, d = self.hidden, self.head_dim
         sw = self.switches()
+        per_norm = 2 if self.norm == "layernorm" else 1
+        sinks = self.heads if self.attention_sinks else 0
+        if self.multi_latent_attention:
+            qk = self.qk_head_dim + self.qk_pos_emb_head_dim
+            if self.q_lora_rank is None:
+                q = h * self.heads * qk
+            else:
+                q = h * self.q_lora_rank + self.q_lora_rank * per_norm + self.q_lora_rank * self.heads * qk
+            kv = (h * (self.kv_lora_rank + self.qk_pos_emb_head_dim) + self.kv_lora_rank * per_norm
+                  + self.kv_lora_rank * self.heads * (self.qk_head_dim + self.v_head_dim))
+            out = self.heads * self.v_head_dim * h + h * self.attention_bias
+            return q + kv + out + sinks
         qkv_width = (self.heads + 2 * self.kv_heads) * d
         qkv = h * qkv_width + qkv_width * sw.qkv_bias
         out = self.heads * d * h + h * self.attention_bias
-        mlp_in_width = 2 * f if sw.gated else f
-        mlp = h * mlp_in_width + f * h + (mlp_in_width + h) * self.mlp_bias
+        qk_norms = 2 * d * per_norm if self.qk_layernorm else 0
+        return qkv + out + qk_norms + sinks
+
+    def _mlp_params(self, ffn: int) -> int:
+        h = self.hidden
+        width = 2 * ffn if self.mlp in ("swiglu", "geglu") else ffn
+        return h * width + ffn * h + (width + h) * self.mlp_bias
+
+    def _layer_params(self, layer: int, *, active: bool) -> int:
+        h = self.hidden
         per_norm = 2 if self.norm == "layernorm" else 1
         norms = h * per_norm * (4 if self.sandwich_norm else 2)
-        qk_norms = 2 * d * per_norm if self.qk_layernorm else 0
-        layer = qkv + out + mlp + norms + qk_norms
-        embed = self.vocab * h + (self.max_seq * h if self.position == "learned" else 0)
-        head = 0 if self.tied_embeddings else self.vocab * h
-        return self.layers * layer + embed + head + h * per_norm
+        if not self.is_moe_layer(layer):
+            return self._attention_params() + self._mlp_params(self.ffn) + norms
+        e = self.num_experts
+        experts = (self.moe_router_topk if active else e) * self._mlp_params(self.expert_ffn)
+        router = h * e + e * self.moe_router_bias
+        shared = 0
+        if self.moe_shared_expert_intermediate_size is not None:
+            shared = self._mlp_params(self.moe_shared_expert_intermediate_size) + h * self.moe_shared_expert_gate
+        return self._attention_params() + router + experts + shared + norms
 
     def embedding_param_count(self) -> int:
         """Parameters of the embedding tables and the untied output layer."""
@@ -211,7 +366,15 @@ class ModelConfig:
             rotary_percent=Fraction(str(self.rotary_percent)) if self.position == "rope" else Fraction(1),
             parallel_residual=self.parallel_residual, sandwich_norm=self.sandwich_norm,
             scale_embeddings=self.scale_embeddings, attn_softcap=self.attn_logit_softcapping is not None,
-            final_softcap=self.final_logit_softcapping is not None)
+            final_softcap=self.final_logit_softcapping is not None, moe=self.is_moe,
+            moe_shared_expert=self.is_moe and self.moe_shared_expert_intermediate_size is not None,
+            moe_shared_expert_gate=self.is_moe and self.moe_shared_expert_gate,
+            moe_router_bias=self.is_moe and self.moe_router_bias,
+            moe_shared_expert_overlap=self.is_moe and self.moe_shared_expert_overlap,
+            mtp_layers=self.mtp_num_layers, mtp_moe=self.mtp_num_layers > 0 and self.is_moe_layer(self.layers - 1),
+            multi_latent_attention=self.multi_latent_attention,
+            q_lora=self.multi_latent_attention and self.q_lora_rank is not None,
+            attention_sinks=self.attention_sinks)
 
     def with_overrides(self, **overrides: Any) -> "ModelConfig":
         """A copy with the given fields replaced (None values are ignored)."""
@@ -224,6 +387,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
+        if isinstance(self.moe_layer_freq, tuple):
+            d["moe_layer_freq"] = list(self.moe_layer_freq)
         return d
 
     @staticmethod

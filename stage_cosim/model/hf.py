@@ -7,8 +7,8 @@ windows, soft-capping, tied embeddings, dropout) and either models it or refuses
 with one line naming the key and its value. A key absent from the file takes Hugging Face's
 default for that family. Keys the implementation never reads do not change the model and are
 ignored, as Hugging Face ignores them. A ``model_type`` (or ``architectures`` entry) without a
-reader is refused with the list of those that have one; Mixture-of-Experts families are named
-as such.
+reader is refused with the list of those that have one; Mixture-of-Experts families without a
+reader are named as such.
 """
 
 from __future__ import annotations
@@ -228,6 +228,102 @@ def _phi3(c: HFConfig) -> dict[str, Any]:
                        hidden_dropout=c.dropout("resid_pdrop", "embd_pdrop"))
 
 
+# -- Mixture-of-Experts families --------------------------------------------------------------
+
+def _experts(c: HFConfig, *, experts: tuple[str, ...], topk: str = "num_experts_per_tok",
+             expert_ffn: str | None = None, **kw: Any) -> dict[str, Any]:
+    """The routed experts: their count (the first of ``experts`` present), how many a token
+    goes to, each one's intermediate size (``expert_ffn``; absent: intermediate_size)."""
+    key = next((k for k in experts if k in c.cfg), experts[0])
+    out = dict(num_experts=c.int(key), moe_router_topk=c.int(topk))
+    if expert_ffn is not None:
+        out["moe_ffn_hidden_size"] = c.int(expert_ffn)
+    if out["moe_router_topk"] > out["num_experts"]:
+        raise c.error(topk, out["moe_router_topk"], f"must not exceed {key} ({out['num_experts']})")
+    out.update(kw)
+    return out
+
+
+def _sparse_layers(c: HFConfig, layers: int) -> tuple[int, ...]:
+    """Qwen-MoE: layer i has experts unless it is in mlp_only_layers, every decoder_sparse_step-th."""
+    step = c.int("decoder_sparse_step", 1)
+    only = c.cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise c.error("mlp_only_layers", only, "must be a list of layer indices")
+    pattern = tuple(int(i not in only and (i + 1) % step == 0) for i in range(layers))
+    return 1 if all(pattern) else pattern
+
+
+def _no_qwen_moe_windows(c: HFConfig) -> None:
+    # The Qwen MoE implementations have changed which layers slide across versions; the published
+    # models train without windows.
+    c.refuse_if("use_sliding_window", lambda v: v is True,
+                f"sliding windows are not modelled for {c.model_type} (their layout differs across versions)")
+
+
+def _mixtral(c: HFConfig) -> dict[str, Any]:
+    window = c.int("sliding_window", None, nullable=True)    # every layer when set, as in Mistral
+    return _llama_like(c, max_seq=4096 * 32, tied=False, sliding_window=window,
+                       **_experts(c, experts=("num_local_experts",)))
+
+
+def _qwen2_moe(c: HFConfig) -> dict[str, Any]:
+    _no_qwen_moe_windows(c)
+    layers = c.int("num_hidden_layers")
+    shared = c.int("shared_expert_intermediate_size", 5632, nullable=True, minimum=0)
+    return _llama_like(c, max_seq=32768, tied=False, add_qkv_bias=c.flag("qkv_bias", True),
+                       **_experts(c, experts=("num_experts", "num_local_experts"), expert_ffn="moe_intermediate_size",
+                                  moe_layer_freq=_sparse_layers(c, layers),
+                                  moe_shared_expert_intermediate_size=shared or None,
+                                  moe_shared_expert_gate=bool(shared)))
+
+
+def _qwen3_moe(c: HFConfig) -> dict[str, Any]:
+    _no_qwen_moe_windows(c)
+    layers = c.int("num_hidden_layers")
+    return _llama_like(c, max_seq=32768, tied=False, qk_layernorm=True,
+                       attention_bias=c.flag("attention_bias", False),
+                       **_experts(c, experts=("num_experts", "num_local_experts"), expert_ffn="moe_intermediate_size",
+                                  moe_layer_freq=_sparse_layers(c, layers)))
+
+
+def _deepseek(c: HFConfig, *, mtp: bool) -> dict[str, Any]:
+    """DeepSeek-V2/V3: multi-latent attention; layers from first_k_dense_replace on (every
+    moe_layer_freq-th) are MoE with n_shared_experts shared experts of the routed size."""
+    c.refuse_if("attention_bias", lambda v: v is True, "biases in multi-latent attention are not modelled")
+    layers = c.int("num_hidden_layers")
+    first_dense = c.int("first_k_dense_replace", 0, minimum=0)
+    freq = c.int("moe_layer_freq", 1)
+    expert_ffn = c.int("moe_intermediate_size")
+    shared = c.int("n_shared_experts", None, nullable=True, minimum=0) or 0
+    heads = c.int("num_attention_heads")
+    fields = _llama_like(
+        c, max_seq=163840 if mtp else 2048, tied=False, head_dim=c.int("v_head_dim"),
+        multi_latent_attention=True, q_lora_rank=c.int("q_lora_rank", None, nullable=True),
+        kv_lora_rank=c.int("kv_lora_rank"), qk_head_dim=c.int("qk_nope_head_dim"),
+        qk_pos_emb_head_dim=c.int("qk_rope_head_dim"), v_head_dim=c.int("v_head_dim"),
+        mtp_num_layers=c.int("num_nextn_predict_layers", 0, minimum=0) if mtp else 0,
+        **_experts(c, experts=("n_routed_experts",), expert_ffn="moe_intermediate_size",
+                   moe_layer_freq=tuple(int(i >= first_dense and i % freq == 0) for i in range(layers)),
+                   moe_shared_expert_intermediate_size=shared * expert_ffn or None))
+    fields["kv_heads"] = heads      # multi-latent attention: every head has its own key and value
+    return fields
+
+
+def _gpt_oss(c: HFConfig) -> dict[str, Any]:
+    layers = c.int("num_hidden_layers")
+    window = c.int("sliding_window", 128, nullable=True)
+    # Even layers slide, odd layers attend globally (HF's default pattern for GPT-OSS).
+    windows = _windowed(c, layers, window, lambda n: tuple(
+        SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(n)))
+    # The experts' SwiGLU is clamped (swiglu_limit): the same cost as a SwiGLU.
+    fields = _llama_like(c, max_seq=131072, tied=False, head_dim=64,
+                         attention_bias=c.flag("attention_bias", True), attention_sinks=True,
+                         mlp_bias=True, **windows,
+                         **_experts(c, experts=("num_local_experts", "num_experts"), moe_router_bias=True))
+    return fields
+
+
 def _gpt2(c: HFConfig) -> dict[str, Any]:
     c.refuse_if("add_cross_attention", bool, "cross-attention is not modelled")
     hidden, heads = c.int("n_embd"), c.int("n_head")
@@ -260,13 +356,16 @@ def _gpt_neox(c: HFConfig) -> dict[str, Any]:
 READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
     "gpt2": _gpt2, "gpt_neox": _gpt_neox, "llama": _llama, "mistral": _mistral, "qwen2": _qwen2,
     "qwen3": _qwen3, "gemma2": _gemma2, "phi3": _phi3,
+    "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": lambda c: _deepseek(c, mtp=False), "deepseek_v3": lambda c: _deepseek(c, mtp=True),
+    "gpt_oss": _gpt_oss,
 }
 
 ARCHITECTURES: dict[str, str] = {
     "GPT2LMHeadModel": "gpt2", "GPTNeoXForCausalLM": "gpt_neox", "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
-    # Mixture-of-Experts families (refused below until they are modelled)
+    # Mixture-of-Experts families (those without a reader are refused as such)
     "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss", "DbrxForCausalLM": "dbrx", "OlmoeForCausalLM": "olmoe",
@@ -277,11 +376,22 @@ MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", 
              "phimoe", "jamba", "granitemoe", "granitemoeshared", "jetmoe", "llama4", "minimax", "glm4_moe",
              "qwen3_next", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "bailing_moe", "step3p5")
 
+# Storage formats of released weights that are the models' own (DeepSeek-V3 trains and ships in
+# block-wise FP8, GPT-OSS ships its experts in MXFP4): the file still describes the model that
+# is trained, so the architecture is read; a run's precision is its own choice.
+_NATIVE_QUANTIZATION = {"deepseek_v3": "fp8", "gpt_oss": "mxfp4"}
+
+
+def _quantized(c: HFConfig) -> bool:
+    q = c.cfg.get("quantization_config")
+    if q is None:
+        return False
+    return not (isinstance(q, dict) and q.get("quant_method") == _NATIVE_QUANTIZATION.get(c.model_type))
+
+
 # Keys of any family that ask for something this tool does not model.
 _GENERAL_REFUSALS = (
     ("is_encoder_decoder", bool, "encoder-decoder models are not modelled"),
-    ("quantization_config", lambda v: v is not None,
-     "quantized checkpoints are not modelled (training runs in bf16); remove the key for the bf16 model"),
 )
 
 
@@ -317,9 +427,9 @@ def model_type_of(cfg: dict[str, Any], file: Path) -> str:
         if model_type is None:
             raise UserError("model", f"{file}: architectures = {json.dumps(archs)}: not a known architecture "
                                      f"(known: {', '.join(a for a, t in ARCHITECTURES.items() if t in READERS)})")
-    if model_type in MOE_TYPES:
+    if model_type in MOE_TYPES and model_type not in READERS:
         raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: Mixture-of-Experts models are "
-                                 f"not modelled yet (dense model types: {known})")
+                                 f"not modelled (known model types: {known})")
     if not isinstance(model_type, str) or model_type not in READERS:
         raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: not a known model type "
                                  f"(known: {known})")
@@ -335,6 +445,9 @@ def model_from_hf_dict(cfg: object, file: Path | str = "config") -> ModelConfig:
     c = HFConfig(cfg, file, model_type)
     for key, refused, rule in _GENERAL_REFUSALS:
         c.refuse_if(key, refused, rule)
+    if _quantized(c):
+        raise c.error("quantization_config", cfg["quantization_config"],
+                      "quantized checkpoints are not modelled (training runs in bf16); remove the key for the bf16 model")
     fields = READERS[model_type](c)
     name = str(cfg.get("_name_or_path") or model_type or file.parent.name or "hf-model")
     try:

@@ -23,6 +23,33 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.1-405b": ModelConfig.build("llama3.1-405b", "llama", layers=126, hidden=16384,
                                        ffn=53248, heads=128, kv_heads=8, vocab=128256,
                                        max_seq=131072),
+    # Mixture-of-Experts models, from their config.json files (the same dimensions the Hugging
+    # Face readers take from them).
+    "mixtral-8x7b": ModelConfig.build("mixtral-8x7b", "llama", layers=32, hidden=4096, ffn=14336, heads=32,
+                                      kv_heads=8, vocab=32000, max_seq=32768, num_experts=8, moe_router_topk=2),
+    "mixtral-8x22b": ModelConfig.build("mixtral-8x22b", "llama", layers=56, hidden=6144, ffn=16384, heads=48,
+                                       kv_heads=8, vocab=32768, max_seq=65536, num_experts=8, moe_router_topk=2),
+    "qwen3-30b-a3b": ModelConfig.build("qwen3-30b-a3b", "llama", layers=48, hidden=2048, ffn=6144, heads=32,
+                                       kv_heads=4, head_dim=128, vocab=151936, max_seq=40960, qk_layernorm=True,
+                                       num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768),
+    "qwen3-235b-a22b": ModelConfig.build("qwen3-235b-a22b", "llama", layers=94, hidden=4096, ffn=12288, heads=64,
+                                         kv_heads=4, head_dim=128, vocab=151936, max_seq=40960, qk_layernorm=True,
+                                         num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536),
+    # Alternating 128-token sliding-window and full attention, attention sinks, biases on the
+    # attention projections, the experts and the router.
+    "gpt-oss-120b": ModelConfig.build("gpt-oss-120b", "llama", layers=36, hidden=2880, ffn=2880, heads=64,
+                                      kv_heads=8, head_dim=64, vocab=201088, max_seq=131072, attention_bias=True,
+                                      mlp_bias=True, attention_sinks=True, sliding_window=128,
+                                      layer_types=("sliding_attention", "full_attention"), num_experts=128,
+                                      moe_router_topk=4, moe_router_bias=True),
+    # Multi-latent attention, 3 dense layers then 58 MoE layers (256 routed experts, top 8, one
+    # shared expert), one multi-token-prediction module.
+    "deepseek-v3": ModelConfig.build("deepseek-v3", "llama", layers=61, hidden=7168, ffn=18432, heads=128,
+                                     head_dim=128, vocab=129280, max_seq=163840, multi_latent_attention=True,
+                                     q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                                     v_head_dim=128, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
+                                     moe_shared_expert_intermediate_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
+                                     mtp_num_layers=1),
 }
 
 DEFAULT_MODEL = "llama3-8b"

@@ -6,10 +6,14 @@ communicator groups exist, the schedule which group reduces a weight's gradient,
 where a group's exposed time is charged. A new parallelism is a row here (and, if it needs
 one, its rule in :mod:`stage_cosim.sharding.propagate`), not a branch in every stage.
 
-One set of ranks can carry several named meshes over it, as Megatron-Core's MoE parallel
-folding does: the *dense* mesh that attention and dense MLPs run on, and (with experts) an
-*expert* mesh over the same ranks. An axis belongs to one mesh; the pipeline axis ``pp`` is
-shared by all of them and is not a block axis (it splits layers, not tensors).
+One set of ranks carries two named meshes, as Megatron-Core's MoE parallel folding does: the
+*dense* mesh (tp, dp, pp) that attention and dense MLPs run on, and the *expert* mesh
+(expert_tp, ep, edp, pp) that expert layers run on, over the same ranks: the tp x dp ranks of
+a pipeline stage are re-factored as expert_tp x ep x edp (innermost first, in the dense mesh's
+rank order). An axis belongs to one mesh; the pipeline axis ``pp`` is shared by both and is
+not a block axis (it splits layers, not tensors). A tensor lives on one mesh; its tokens can be
+read on the other (each axis names the label its tokens are split on there), which is how
+routed tokens move between attention and the experts.
 """
 
 from __future__ import annotations
@@ -36,25 +40,53 @@ class MeshAxis:
     # axes together (one communicator group); ZeRO shards weights, gradients and optimizer
     # states over that same group.
     data_parallel: bool = False
+    # The label a micro-batch's tokens are split on over this axis in the residual-stream
+    # layout (every rank of a stage holding its own tokens): dp the batch, tp the sequence
+    # (sequence parallelism), the expert axes the token label n.
+    tokens: str = ""
     meaning: str = ""
 
 
 # Block axes, mesh by mesh, in redistribution order: when a tensor changes placement on
 # several axes, reductions go first (they shrink the data), then the axes in this order.
 AXES: tuple[MeshAxis, ...] = (
-    MeshAxis("tp", "dense", shards=None, meaning="tensor parallelism (Megatron column/row-parallel layers)"),
-    MeshAxis("dp", "dense", shards="b", data_parallel=True, meaning="data parallelism over the batch"),
+    MeshAxis("tp", "dense", shards=None, tokens="s",
+             meaning="tensor parallelism (Megatron column/row-parallel layers)"),
+    MeshAxis("dp", "dense", shards="b", data_parallel=True, tokens="b", meaning="data parallelism over the batch"),
+    # Expert layers: ep holds a share of the experts (the expert label e), expert_tp shards each
+    # expert's GEMMs as tp does, edp holds replicas of the experts and splits their tokens
+    # (slots c). Dispatch and combine are placement changes on ep and expert_tp.
+    MeshAxis("ep", "expert", shards="e", tokens="n", meaning="expert parallelism over the experts"),
+    MeshAxis("expert_tp", "expert", shards=None, tokens="n", meaning="tensor parallelism inside each expert"),
+    MeshAxis("edp", "expert", shards="c", data_parallel=True, tokens="n",
+             meaning="expert data parallelism (the ranks left over: tp*dp / (expert_tp*ep))"),
 )
 
 # The axes of each mesh, innermost first in the default rank mapping (tp groups are
 # consecutive ranks, inside a scale-up domain; pp outermost).
 MESHES: dict[str, tuple[str, ...]] = {
     "dense": ("tp", "dp", PIPELINE_AXIS),
+    "expert": ("expert_tp", "ep", "edp", PIPELINE_AXIS),
 }
-DENSE = "dense"
+DENSE, EXPERT = "dense", "expert"
 
 AXIS: dict[str, MeshAxis] = {a.name: a for a in AXES}
 BLOCK_AXES: tuple[str, ...] = tuple(a.name for a in AXES)
+
+
+def mesh_of(axis: str) -> str:
+    """The mesh an axis belongs to (the pipeline axis: the dense mesh, which names ranks)."""
+    return AXIS[axis].mesh if axis in AXIS else DENSE
+
+
+def expert_order(dense_order: tuple[str, ...]) -> tuple[str, ...]:
+    """The expert mesh's axis order over the same ranks: the dense mesh's block axes (a
+    contiguous run in its order) re-factored as expert_tp, ep, edp, innermost first."""
+    block = [i for i, a in enumerate(dense_order) if a != PIPELINE_AXIS]
+    if block != list(range(block[0], block[0] + len(block))):
+        raise ValueError("the dense axes of a stage are not contiguous in the rank order")
+    experts = tuple(a for a in MESHES[EXPERT] if a != PIPELINE_AXIS)
+    return dense_order[:block[0]] + experts + dense_order[block[-1] + 1:]
 
 
 def mesh_axes(mesh: str) -> tuple[str, ...]:
@@ -90,6 +122,9 @@ GROUP_KINDS: tuple[GroupKind, ...] = (
     GroupKind("embedding", (PIPELINE_AXIS,), "embedding", endpoints=True),
     # Megatron's amax-reduction group of delayed FP8 scaling: every rank of a pipeline stage.
     GroupKind("tp_dp", ("tp", "dp"), "other", on_demand=True),
+    GroupKind("ep", ("ep",), "ep"),
+    GroupKind("expert_tp", ("expert_tp",), "tp"),
+    GroupKind("edp", ("edp",), "dp"),
 )
 GROUP: dict[str, GroupKind] = {g.name: g for g in GROUP_KINDS}
 _BY_AXES: dict[tuple[str, ...], str] = {g.axes: g.name for g in GROUP_KINDS if not g.endpoints}
@@ -114,6 +149,11 @@ def resolve_group(axes: tuple[str, ...], degrees: Mapping[str, int]) -> str | No
 def group_size(kind: str, degrees: Mapping[str, int]) -> int:
     g = GROUP[kind]
     return 2 if g.endpoints else prod(degrees[a] for a in g.axes)
+
+
+def group_mesh(kind: str) -> str:
+    """The mesh whose ranks a group kind's axes are coordinates of."""
+    return mesh_of(GROUP[kind].axes[0])
 
 
 def spans_stages(kind: str) -> bool:

@@ -8,11 +8,12 @@ from typing import Any
 
 from stage_cosim.errors import positive_int, require
 from stage_cosim.model.config import ModelConfig
-from stage_cosim.parallel.axes import DENSE, MESHES
+from stage_cosim.parallel.axes import DENSE, EXPERT, MESHES, expert_order
 
 MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given on
 DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp8")
 # Megatron-LM's --fp8-recipe choices (Transformer Engine recipes): per-tensor delayed scaling
@@ -60,10 +61,43 @@ class ParallelConfig:
     fp8_dispatch: bool = False
     fp8_amax_history_len: int = 1024
     te_layernorm_mlp: bool = False
+    # -- Mixture of Experts (Megatron-Core's MoE parallel folding) -------------------------------
+    # Expert layers re-factor the tp*dp ranks of a stage as expert_tp x ep x edp: ep shares
+    # out the experts, expert_tp (default: tp) shards each expert, the expert-data-parallel
+    # degree edp is what is left.
+    ep: int = 1
+    expert_tp: int | None = None
+    # How routed tokens reach their experts: all-to-all over ep (then all-gather over
+    # expert_tp), or all-gather over ep and expert_tp (and reduce-scatter back).
+    moe_token_dispatcher: str = "alltoall"
+    # Token dropping: each expert takes at most capacity_factor x its balanced share (None:
+    # dropless); with pad_to_capacity every expert computes exactly that many.
+    moe_capacity_factor: float | None = None
+    moe_pad_to_capacity: bool = False
+    # Tokens on the busiest expert rank over the mean (1: balanced routing, the steady state
+    # of aux-loss or bias balancing); every rank waits for that one at each exchange.
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "vp", "micro_batch", "seq_len"):
             positive_int(getattr(self, name), name.replace("_", "-"))
+        if self.expert_tp is None:
+            object.__setattr__(self, "expert_tp", self.tp)
+        for name in ("ep", "expert_tp"):
+            positive_int(getattr(self, name), name.replace("_", "-"))
+        require(self.ep * self.expert_tp <= self.tp * self.dp and (self.tp * self.dp) % (self.ep * self.expert_tp) == 0,
+                "ep", f"expert-tp*ep = {self.expert_tp}*{self.ep} must divide tp*dp = {self.tp}*{self.dp} "
+                      "(expert layers re-factor the same ranks)")
+        require(self.moe_token_dispatcher in TOKEN_DISPATCHERS, "moe-token-dispatcher",
+                f"must be one of {', '.join(TOKEN_DISPATCHERS)}, got {self.moe_token_dispatcher!r}")
+        cf = self.moe_capacity_factor
+        require(cf is None or (isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf > 0),
+                "moe-capacity-factor", f"must be a positive number, got {cf!r}")
+        require(not self.moe_pad_to_capacity or cf is not None, "moe-pad-to-capacity",
+                "needs --moe-capacity-factor")
+        imb = self.moe_imbalance
+        require(isinstance(imb, (int, float)) and not isinstance(imb, bool) and imb >= 1, "moe-imbalance",
+                f"must be a number >= 1 (the busiest expert rank's tokens over the mean), got {imb!r}")
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.dp * self.micro_batch)
         positive_int(self.global_batch, "global-batch")
@@ -128,15 +162,48 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.degrees().values())
+        return math.prod(getattr(self, axis) for axis in MESH_AXES)
 
     @property
     def virtual_stages(self) -> int:
         return self.pp * self.vp
 
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel degree: the ranks of a stage over expert_tp x ep."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
+
     def degrees(self) -> dict[str, int]:
-        """The degree of every mesh axis (each axis is a field of this config)."""
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
+        """The degree of every axis of every mesh (dense axes are fields of this config, edp
+        is derived)."""
+        return {axis: getattr(self, axis) for mesh in (DENSE, EXPERT) for axis in MESHES[mesh]}
+
+    def mesh_orders(self) -> dict[str, tuple[str, ...]]:
+        """Each mesh's axes, innermost first: the dense mesh in ``axis_order``, the expert mesh
+        over the same ranks (see :func:`~stage_cosim.parallel.axes.expert_order`)."""
+        try:
+            experts = expert_order(self.axis_order)
+        except ValueError:
+            experts = None
+        return {DENSE: self.axis_order, EXPERT: experts}
+
+    @property
+    def moe_load(self) -> float:
+        """Token slots on the busiest expert rank over the balanced mean, as computed: the
+        imbalance, capped at the capacity factor (tokens beyond it are dropped), or exactly
+        the capacity factor when padding to it."""
+        if self.moe_capacity_factor is None:
+            return float(self.moe_imbalance)
+        if self.moe_pad_to_capacity:
+            return float(self.moe_capacity_factor)
+        return float(min(self.moe_imbalance, self.moe_capacity_factor))
+
+    @property
+    def moe_dropped_fraction(self) -> float:
+        """The share of the busiest expert rank's routed tokens dropped at capacity."""
+        if self.moe_capacity_factor is None or self.moe_imbalance <= self.moe_capacity_factor:
+            return 0.0
+        return 1.0 - self.moe_capacity_factor / self.moe_imbalance
 
     def padded_vocab(self, vocab: int) -> int:
         multiple = VOCAB_PAD * self.tp
@@ -186,6 +253,25 @@ class ParallelConfig:
                 "FP8 attention is a fused attention kernel (cuDNN); the model uses --attention unfused")
         require(not self.fp8_dispatch or getattr(model, "num_experts", None), "fp8-dispatch",
                 f"sends the token dispatch of MoE layers in FP8; {model.name} has no experts")
+        self._check_experts(model)
+
+    def _check_experts(self, model: ModelConfig) -> None:
+        if not model.is_moe:
+            require(self.ep == 1, "ep", f"needs a Mixture-of-Experts model ({model.name} has no experts)")
+            require(self.expert_tp == self.tp, "expert-tp",
+                    f"needs a Mixture-of-Experts model ({model.name} has no experts)")
+            return
+        require(model.num_experts % self.ep == 0, "ep", f"must divide num-experts ({model.num_experts}), got {self.ep}")
+        require(model.expert_ffn % self.expert_tp == 0, "expert-tp",
+                f"must divide the experts' ffn ({model.expert_ffn}), got {self.expert_tp}")
+        shared = model.moe_shared_expert_intermediate_size
+        require(shared is None or shared % self.tp == 0, "tp",
+                f"must divide the shared experts' ffn ({shared}), got {self.tp}")
+        require(not (self.ep > 1 and self.tp > 1) or self.sp, "sp",
+                "sequence parallelism is required when ep and tp are both > 1 (as in Megatron-Core)")
+        require(self.mesh_orders()[EXPERT] is not None, "axis-order",
+                f"the dense axes must be contiguous in the rank order for expert layers (pp first or last), "
+                f"got {','.join(self.axis_order)}")
 
     def with_overrides(self, **kw: Any) -> "ParallelConfig":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -196,4 +282,7 @@ class ParallelConfig:
         d["pp_layers"] = list(self.pp_layers) if self.pp_layers is not None else None
         d["num_microbatches"] = self.num_microbatches
         d["world_size"] = self.world_size
+        d["edp"] = self.edp
+        d["moe_load"] = self.moe_load
+        d["moe_dropped_fraction"] = self.moe_dropped_fraction
         return d

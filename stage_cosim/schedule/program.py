@@ -64,13 +64,13 @@ class Node:
 
     __slots__ = ("id", "name", "type", "deps", "ctrl", "flops", "model_flops", "mem_bytes", "matmul",
                  "coll", "comm_bytes", "group", "peer", "tag", "phase", "micro_batch", "chunk",
-                 "block", "category")
+                 "block", "category", "groups")
 
     def __init__(self, id: int, name: str, type: str, deps: list[int], *, ctrl: list[int] | None = None,
-                 flops: int = 0, model_flops: int = 0, mem_bytes: int = 0, matmul: bool = False,
+                 flops: int = 0, model_flops: int = 0, mem_bytes: int = 0, matmul: bool | str = False,
                  coll: Collective | None = None, comm_bytes: int = 0, group: str = "",
                  peer: int = 0, tag: int = 0, phase: str = "", micro_batch: int = -1,
-                 chunk: int = 0, block: str = "", category: str = "") -> None:
+                 chunk: int = 0, block: str = "", category: str = "", groups: int = 1) -> None:
         self.id = id
         self.name = name
         self.type = type
@@ -90,6 +90,7 @@ class Node:
         self.chunk = chunk
         self.block = block
         self.category = category
+        self.groups = groups      # a grouped GEMM: its equal GEMMs (one per local expert)
 
     def __repr__(self) -> str:
         return f"Node({self.id} {self.type} {self.name})"
@@ -346,7 +347,7 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
 
     out: list[tuple] = []
     for j, r in enumerate(rows):
-        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label = r
+        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups = r
         if j not in split:
             out.append((name, typ, tuple(sorted({d if d < 0 else last[d] for d in deps})), *r[3:]))
             continue
@@ -360,7 +361,7 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
             if i > 0:
                 ds.add(first[j] + i - 1)
             out.append((f"{name}#{i + 1}/{k}", typ, tuple(sorted(ds)), _ceil(flops / k), _ceil(mflops / k),
-                        _ceil(mem / k), matmul, coll, _ceil(cbytes / k), group, cat, phase, label))
+                        _ceil(mem / k), matmul, coll, _ceil(cbytes / k), group, cat, phase, label, groups))
     return out, first, last
 
 
@@ -402,13 +403,14 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             name = f"{inst.label}.{st.name}"
             if st.kind == "compute":
                 rows.append((name, COMP, tuple(sorted(set(deps))), _ceil(sc.flops[i]), _ceil(sc.model_flops[i]),
-                             _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label))
+                             _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label,
+                             max(1, round(sc.groups[i]))))
                 ids.append([len(rows) - 1])
             elif (group := resolve_group(st.axes, degrees)) is None:
                 ids.append(sorted(set(deps)))  # a collective over one rank is nothing
             else:
                 rows.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, False, st.collective,
-                             _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label))
+                             _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1))
                 ids.append([len(rows) - 1])
             if st.prologue:
                 last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
@@ -447,12 +449,12 @@ def _amax_reduction(rows: list[tuple], insts: list[_Instance], phase: str, degre
     group = resolve_group(mesh_axes(DENSE), degrees)
     if group is not None:
         rows.append((f"{phase}.fp8_amax_ar", COLL, deps, 0, 0, 0, "", Collective.ALL_REDUCE,
-                     FP32_BYTES * entries, group, group, phase, "fp8"))
+                     FP32_BYTES * entries, group, group, phase, "fp8", 1))
         deps = (len(rows) - 1,)
     # reads the reduced amaxes and the histories, writes the rolled histories, scales, inverses
     nbytes = FP32_BYTES * entries * (2 * precision.amax_history_len + 3)
     rows.append((f"{phase}.fp8_scale_update", COMP, deps, entries * precision.amax_history_len, 0, nbytes, "",
-                 None, 0, "", "amax", phase, "fp8"))
+                 None, 0, "", "amax", phase, "fp8", 1))
 
 
 def amax_history_bytes(inst_modules: int, history_len: int) -> int:
@@ -466,7 +468,7 @@ def _place(nodes: list[Node | None], d: _Deferred) -> None:
     base, entry, chain, ctrl, params = d.base, d.entry, d.chain, d.ctrl, d.params
     micro_batch, chunk = d.micro_batch, d.chunk
     new = Node.__new__
-    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label) in enumerate(
+    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups) in enumerate(
             d.template.rows):
         node_ctrl: list[int] = []
         if rel and rel[0] < 0:   # markers sort first
@@ -489,6 +491,7 @@ def _place(nodes: list[Node | None], d: _Deferred) -> None:
         n.flops, n.model_flops, n.mem_bytes, n.matmul = flops, mflops, mem, matmul
         n.coll, n.comm_bytes, n.group, n.peer, n.tag = coll, cbytes, group, 0, 0
         n.phase, n.micro_batch, n.chunk, n.block, n.category = phase, micro_batch, chunk, label, cat
+        n.groups = groups
         nodes[base + i] = n
 
 

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import sympy as sp
 
-from stage_cosim.graph.dims import B, D, F, G, H, P, Q, S, V, W, degree_symbol
+from stage_cosim.graph.dims import B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, V, W, degree_symbol
 from stage_cosim.graph.transformer import build_blocks
 from stage_cosim.model.config import ArchSwitches
 from stage_cosim.parallel.axes import BLOCK_AXES
 from stage_cosim.sharding.propagate import ShardedBlock, ShardingPolicy, shard_block
 
-SYMBOLS: tuple[sp.Symbol, ...] = (B, S, H, F, G, Q, D, V, P, W) + tuple(degree_symbol(a) for a in BLOCK_AXES)
+SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE)
+                                  + tuple(degree_symbol(a) for a in BLOCK_AXES))
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class StepCosts:
     model_flops: tuple[float, ...]
     mem_bytes: tuple[float, ...]
     comm_bytes: tuple[float, ...]
+    groups: tuple[float, ...]          # GEMMs per kernel (local experts of a grouped GEMM)
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,8 @@ class CompiledBlock:
             pos += n
             return out
 
-        fwd = StepCosts(take(nf), take(nf), take(nf), take(nf))
-        bwd = StepCosts(take(nb), take(nb), take(nb), take(nb))
+        fwd = StepCosts(take(nf), take(nf), take(nf), take(nf), take(nf))
+        bwd = StepCosts(take(nb), take(nb), take(nb), take(nb), take(nb))
         saved, workspace, boundary, cached = take(4)
         params = take(nw)
         syncs = tuple(take(n) for n in sync_lens)
@@ -73,7 +75,7 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
     exprs: list[sp.Expr] = []
     for steps in (sb.fwd, sb.bwd):
         exprs += [s.flops for s in steps] + [s.model_flops for s in steps]
-        exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps]
+        exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps] + [s.groups for s in steps]
     exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes]
     exprs += [w.params for w in sb.weight_syncs]
     for w in sb.weight_syncs:
@@ -84,14 +86,25 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
     return CompiledBlock(sb, fn, layout)
 
 
+class CompiledGraph(NamedTuple):
+    """The compiled blocks of an architecture (see :class:`~stage_cosim.graph.transformer.ModelGraph`)."""
+
+    embedding: CompiledBlock
+    layer: CompiledBlock
+    head: CompiledBlock
+    moe_layer: CompiledBlock | None = None
+
+
 @lru_cache(maxsize=128)
-def compiled_blocks(arch: ArchSwitches, policy: ShardingPolicy) -> tuple[CompiledBlock, CompiledBlock, CompiledBlock]:
-    """The embedding, layer and head of an architecture, sharded under ``policy`` and compiled.
+def compiled_blocks(arch: ArchSwitches, policy: ShardingPolicy) -> CompiledGraph:
+    """The embedding, layer kinds and head of an architecture, sharded under ``policy`` and
+    compiled.
 
     Recomputation applies to transformer layers only (as in Megatron): the embedding and the
     output layer keep their activations.
     """
-    embedding, layer, head = build_blocks(arch)
+    g = build_blocks(arch)
     edges = replace(policy, recompute="none")
-    return (compile_block(shard_block(embedding, edges)), compile_block(shard_block(layer, policy)),
-            compile_block(shard_block(head, edges)))
+    return CompiledGraph(compile_block(shard_block(g.embedding, edges)), compile_block(shard_block(g.layer, policy)),
+                         compile_block(shard_block(g.head, edges)),
+                         compile_block(shard_block(g.moe_layer, policy)) if g.moe_layer is not None else None)

@@ -10,7 +10,17 @@ that axis (Megatron's strategy, stated as two rules):
   parallelism, nothing without); otherwise whatever label an activation input is already
   sharded on.
 
-An op that cannot run with that label sharded (a norm over ``h``) gets none.
+An op that cannot run with that label sharded (a norm over ``h``) gets none. An op runs on
+the mesh its results live on (the dense mesh, or for expert layers the expert mesh) and only
+that mesh's axes shard it; a tensor's placement on the other mesh's axes is None.
+
+Tokens cross between the meshes unmoved: a ``mesh_change`` re-reads a tensor split by tokens
+(every rank of a stage holding its own) on the other mesh. The routed tokens' permutation into
+expert order (``permute``, dispatch) and back (``unpermute``, combine) require and produce the
+layouts of the token dispatcher: with ``alltoall`` every expert axis splits the token slots,
+so the experts' need for their own experts' tokens (``Shard(e)`` over ep) is an all-to-all and
+expert_tp's for all of them an all-gather; with ``allgather`` the tokens are gathered over ep
+and expert_tp before the permutation, and the combined outputs are partial sums reduced after.
 
 Each operand must then be ``Shard(label)`` if it has the label and ``Replicate()`` if not, and
 the result is ``Shard(label)`` if it keeps the label and ``Partial()`` if the op summed it away.
@@ -34,7 +44,7 @@ import sympy as sp
 
 from stage_cosim.graph.autodiff import differentiate
 from stage_cosim.graph.cost import op_flops
-from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, degree_symbol
+from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, L, degree_symbol
 from stage_cosim.graph.ir import Block, Op, Tensor
 from stage_cosim.graph.precision import BF16, Precision, apply_precision
 from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, DENSE, data_parallel_axes, group_name
@@ -43,11 +53,19 @@ from stage_cosim.sharding.placement import (
 )
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+# The expert axes over which each token dispatcher gathers the tokens before permuting them
+# (the others exchange permuted token slots).
+_GATHERED: dict[str, tuple[str, ...]] = {"alltoall": (), "allgather": ("ep", "expert_tp")}
 # Whether each block axis holds weight replicas, in BLOCK_AXES order.
 _DATA_PARALLEL = tuple(AXIS[a].data_parallel for a in BLOCK_AXES)
 
-# Per-axis placements of one tensor, in BLOCK_AXES order.
-Placements = tuple[Placement, ...]
+# Per-axis placements of one tensor, in BLOCK_AXES order (None: an axis of another mesh).
+Placements = tuple[Placement | None, ...]
+
+
+def _on(mesh: str) -> tuple[bool, ...]:
+    return tuple(AXIS[a].mesh == mesh for a in BLOCK_AXES)
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,7 @@ class ShardingPolicy:
     grad_reduce_dtype: str = "fp32"
     # BF16, or the FP8 recipe that rewrites the layers' GEMMs and inserts their casts.
     precision: Precision = BF16
+    moe_token_dispatcher: str = "alltoall"
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -88,6 +107,9 @@ class Step:
     # Matmul-class kernels: the tensor-core number format ("bf16", "fp8", "mxfp8"); "" for
     # every other kernel. (Truthy exactly for the FLOPs the published formulas count.)
     matmul: str = ""
+    # A grouped GEMM: this many equal GEMMs in one kernel (one per local expert), each as
+    # efficient as its own shape allows.
+    groups: sp.Expr = sp.Integer(1)
     prologue: bool = False     # gathers the block's weights (ZeRO-3): may run a block ahead
     first_microbatch: bool = False   # runs in the first micro-batch's forward only (FP8 weight cache)
 
@@ -130,10 +152,12 @@ def _degree(axis: str) -> sp.Symbol:
 def compute_placement(w: Tensor) -> Placements:
     """Where a weight is when an op reads it: sharded on its tensor-parallel label (or on a
     label axis's label it has, other than over data-parallel axes), replicated elsewhere."""
-    out: list[Placement] = []
+    out: list[Placement | None] = []
     for axis in BLOCK_AXES:
         rule = AXIS[axis]
-        if rule.shards is None:
+        if rule.mesh != w.mesh:
+            out.append(None)
+        elif rule.shards is None:
             out.append(Shard(w.tp_shard) if w.tp_shard else REPLICATE)
         elif not rule.data_parallel and rule.shards in w.labels:
             out.append(Shard(rule.shards))
@@ -144,7 +168,14 @@ def compute_placement(w: Tensor) -> Placements:
 
 def weight_replicas(w: Tensor) -> tuple[str, ...]:
     """The data-parallel axes that hold replicas of ``w`` (its gradient and ZeRO group)."""
-    return data_parallel_axes(DENSE)
+    return data_parallel_axes(w.mesh)
+
+
+def token_layout(t: Tensor) -> Placements:
+    """``t`` split by tokens over every axis of its mesh (each axis shards its token label,
+    if ``t`` has it): the layout in which a stage's ranks each hold their own tokens."""
+    return tuple(None if AXIS[a].mesh != t.mesh else
+                 Shard(AXIS[a].tokens) if AXIS[a].tokens in t.labels else REPLICATE for a in BLOCK_AXES)
 
 
 def local_numel(t: Tensor, pl: Placements) -> sp.Expr:
@@ -170,6 +201,10 @@ class _Pass:
         self.steps: list[Step] = []
         self.producers: dict[Tensor, tuple[int, ...]] = {}
         self.memo: dict[tuple[int, Placements], Tensor] = {}
+        self.gathered: dict[tuple[int, Placements], bool] = {}   # did an all-gather make it
+        self.origin: dict[tuple[int, Placements], Tensor] = {}   # what it was made from here
+        self.reads: dict[int, dict[int, Tensor]] = {}             # tensor -> what it was read from
+        self.aliases: dict[int, Tensor] = {}                      # a mesh change's output -> its data
         self.weights = weights
         if policy.zero == 3 and weights:
             # ZeRO-3 keeps parameters sharded over their data-parallel group and gathers a
@@ -193,7 +228,7 @@ class _Pass:
         """Where a weight lives between uses: as computed, and under ZeRO-3 also sharded (on
         its first label) over the data-parallel axes."""
         zero3 = self.policy.zero == 3
-        return tuple(Shard(w.labels[0]) if zero3 and dpar else p
+        return tuple(Shard(w.labels[0]) if zero3 and dpar and p is not None else p
                      for p, dpar in zip(compute_placement(w), _DATA_PARALLEL))
 
     def placement(self, t: Tensor) -> Placements:
@@ -214,33 +249,70 @@ class _Pass:
         return idx
 
     def redistribute(self, t: Tensor, want: Placements, phase: str) -> Tensor:
+        """``t`` moved to placement ``want`` (None entries: left as they are), one collective per
+        axis that changes. Every intermediate placement is remembered, so another op needing
+        part of the way reuses it (and the backward reuses what the forward kept)."""
         have = self.placement(t)
         if have == want:
+            self._read(t, t)
             return t
         key = (id(t), want)
         if key in self.memo:
+            self._read(t, self.origin[key])
             return self.memo[key]
-        cur, cur_pl, deps = t, have, self.producers.get(t, ())
         # Reductions first (they shrink the data: a reduce-scatter before an all-to-all moves
         # less), then the axes in table order.
         order = sorted(range(len(BLOCK_AXES)), key=lambda i: not isinstance(have[i], Partial))
+        path: list[tuple[int, Placements]] = []
+        cur_pl = have
         for i in order:
-            axis = BLOCK_AXES[i]
-            if cur_pl[i] == want[i]:
+            if want[i] is None or cur_pl[i] == want[i]:
                 continue
-            coll = collective_for(cur_pl[i], want[i])
-            new_pl = cur_pl[:i] + (want[i],) + cur_pl[i + 1:]
-            nxt = Tensor(f"{t.name}@{axis}:{want[i]!r}", t.labels, t.dtype, t.kind, t.tp_shard,
-                         t.residual, t.grad_of)
+            cur_pl = cur_pl[:i] + (want[i],) + cur_pl[i + 1:]
+            path.append((i, cur_pl))
+        start, cur, cur_pl, origin = 0, t, have, t
+        for j in range(len(path) - 1, -1, -1):
+            if (id(t), path[j][1]) in self.memo:
+                start, cur, cur_pl = j + 1, self.memo[(id(t), path[j][1])], path[j][1]
+                origin = self.origin[(id(t), cur_pl)]
+                break
+        self._read(t, origin)
+        deps = self.producers.get(cur, ())
+        gathered = self.gathered.get((id(t), cur_pl), False)
+        for i, new_pl in path[start:]:
+            axis = BLOCK_AXES[i]
+            coll = collective_for(cur_pl[i], new_pl[i])
+            nxt = Tensor(f"{t.name}@{axis}:{new_pl[i]!r}", t.labels, t.dtype, t.kind, t.tp_shard,
+                         t.residual, t.grad_of, mesh=t.mesh)
             if coll is not None:
                 idx = self._collective(f"{t.name}.{coll.short.lower()}_{axis}", coll, (axis,),
                                        local_bytes(cur, cur_pl), deps, phase)
                 deps = (idx,)
+            gathered = gathered or coll is Collective.ALL_GATHER
             self.placements[nxt] = new_pl
             self.producers[nxt] = deps
+            self.memo[(id(t), new_pl)] = nxt
+            self.gathered[(id(t), new_pl)] = gathered
+            self.origin[(id(t), new_pl)] = origin
             cur, cur_pl = nxt, new_pl
-        self.memo[key] = cur
         return cur
+
+    def _read(self, t: Tensor, origin: Tensor) -> None:
+        """``t`` was read starting from ``origin`` (itself, or a redistributed copy kept)."""
+        self.reads.setdefault(id(t), {})[id(origin)] = origin
+
+    def reuse(self, kept: dict[tuple[int, Placements], Tensor], gathered: dict) -> None:
+        """Start from the forward's kept redistributions (see :meth:`kept`)."""
+        for key, tensor in kept.items():
+            self.memo[key] = tensor
+            self.gathered[key] = gathered[key]
+            self.origin[key] = tensor
+
+    def kept(self, replayed: set[int]) -> dict[tuple[int, Placements], Tensor]:
+        """The redistributed forward tensors the backward reuses rather than redistributes
+        again: all but those an all-gather made (those are gathered again, keeping only the
+        shard, as Megatron's sequence-parallel layers do) and those recomputation replays."""
+        return {k: v for k, v in self.memo.items() if not self.gathered[k] and k[0] not in replayed}
 
     # -- the sharded label of an op on each axis ---------------------------------------------
 
@@ -263,6 +335,9 @@ class _Pass:
         all_letters = set("".join(l for _, l in operands) + "".join(self._out_letters(op)))
         chosen: list[str | None] = []
         for i, axis in enumerate(BLOCK_AXES):
+            if AXIS[axis].mesh != op.mesh:
+                chosen.append(None)
+                continue
             label = AXIS[axis].shards
             if label is None:
                 label = self._tensor_parallel_label(op, operands, i)
@@ -297,17 +372,24 @@ class _Pass:
         if op.kind == "view":
             self._view(op)
             return
+        if op.kind == "mesh_change":
+            self._mesh_change(op, phase)
+            return
+        if op.kind in ("permute", "unpermute"):
+            self._route(op, phase)
+            return
         labels = self.choose(op)
         operands = self._operands(op)
         partial = self._partial_axes(op, labels)
+        on = _on(op.mesh)
         local_inputs: list[Tensor] = []
-        deps: list[int] = []
+        deps: list[int] = [i for t in op.after for i in self.producers.get(t, ())]
         for t, letters in operands:
-            want = tuple(PARTIAL if keep else
+            want = tuple(None if not here else PARTIAL if keep else
                          Shard(t.labels[letters.index(l)]) if l is not None and l in letters else REPLICATE
-                         for l, keep in zip(labels, partial))
+                         for l, keep, here in zip(labels, partial, on))
             if t.kind == "weight":   # replicas over the data-parallel axes (ZeRO-3 gathered them)
-                want = tuple(REPLICATE if dpar else w for w, dpar in zip(want, _DATA_PARALLEL))
+                want = tuple(REPLICATE if dpar and w is not None else w for w, dpar in zip(want, _DATA_PARALLEL))
             lt = self.redistribute(t, want, phase)
             local_inputs.append(lt)
             deps.extend(self.producers.get(lt, ()))
@@ -322,9 +404,11 @@ class _Pass:
         out_letters = self._out_letters(op)
         out_pls: list[Placements] = []
         for out, letters in zip(op.outputs, out_letters):
-            pl = []
-            for l, keep in zip(labels, partial):
-                if keep:
+            pl: list[Placement | None] = []
+            for l, keep, here in zip(labels, partial, on):
+                if not here:
+                    pl.append(None)
+                elif keep:
                     pl.append(PARTIAL)
                 elif l is None:
                     pl.append(REPLICATE)
@@ -340,14 +424,14 @@ class _Pass:
 
         out_numel = local_numel(op.outputs[0], out_pls[0])
         flops, model_flops = op_flops(op, local, out_numel)
-        mem = op.memory_passes * sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
-                                        *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
-        idx = len(self.steps)
-        matmul = (op.precision or "bf16") if op.kind in ("einsum", "attention", "attention_grad") else ""
-        self.steps.append(Step(idx, op.name, phase, "compute", op.kind, flops,
-                               model_flops if phase != "recompute" else sp.Integer(0), mem,
-                               tuple(sorted(set(deps))), matmul=matmul,
-                               first_microbatch=op.cached and phase == "fwd"))
+        # Model FLOPs count each distinct computation once: an op that no model-parallel axis
+        # shards (a router without sequence parallelism) is repeated on every rank of it.
+        for axis, l, here in zip(BLOCK_AXES, labels, on):
+            if here and l is None and not AXIS[axis].data_parallel:
+                model_flops = model_flops / _degree(axis)
+        idx = self._compute(op, phase, local_inputs, out_pls, flops, model_flops, deps)
+        if op.kind == "einsum" and "e" in "".join(op.einsum_operands()[0]) and op.mesh != "dense":
+            self.steps[idx].groups = local("e")     # the experts this rank holds
         last = (idx,)
         if op.amax_group:
             # current scaling of a tensor gathered over a group: one max all-reduce of its amax
@@ -371,6 +455,76 @@ class _Pass:
             self.placements[out] = pl
             reduced = out is op.outputs[0] if not op.amax_group else out is op.outputs[-1]
             self.producers[out] = last if reduced else (idx,)
+
+    def _compute(self, op: Op, phase: str, local_inputs: list[Tensor], out_pls: list[Placements],
+                 flops: sp.Expr, model_flops: sp.Expr, deps: list[int]) -> int:
+        """The kernel step of ``op``: its FLOPs, and the bytes of its local inputs and outputs."""
+        mem = op.memory_passes * sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
+                                        *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
+        # Model FLOPs count balanced routing: the busiest expert rank's extra load is time, not work.
+        model_flops = model_flops.subs(L, 1) if model_flops.has(L) else model_flops
+        idx = len(self.steps)
+        matmul = (op.precision or "bf16") if op.kind in ("einsum", "attention", "attention_grad") else ""
+        self.steps.append(Step(idx, op.name, phase, "compute", op.kind, flops,
+                               model_flops if phase != "recompute" else sp.Integer(0), mem,
+                               tuple(sorted(set(deps))), matmul=matmul,
+                               first_microbatch=op.cached and phase == "fwd"))
+        return idx
+
+    def _mesh_change(self, op: Op, phase: str) -> None:
+        """Each input in the token layout of its mesh is its output in the token layout of the
+        other: the same data, no step."""
+        deps: list[int] = []
+        for t, out in zip(op.inputs, op.outputs):
+            lt = self.redistribute(t, token_layout(t), phase)
+            deps.extend(self.producers.get(lt, ()))
+            self.placements[out] = token_layout(out)
+            self.aliases[id(out)] = lt
+        for out in op.outputs:
+            self.producers[out] = tuple(sorted(set(deps)))
+
+    def _route(self, op: Op, phase: str) -> None:
+        """Permutation into expert order (``permute``) or back (``unpermute``) on the expert
+        mesh. Token tensors (label ``n``) and token slots (``c``) are split as the dispatcher
+        lays them out; the kernel is memory-bound."""
+        gathered = _GATHERED[self.policy.moe_token_dispatcher]
+        deps: list[int] = []
+        local_inputs: list[Tensor] = []
+        partial = [False] * len(BLOCK_AXES)
+        for t in op.inputs:
+            have = self.placement(t)
+            want: list[Placement | None] = []
+            for i, axis in enumerate(BLOCK_AXES):
+                if AXIS[axis].mesh != t.mesh:
+                    want.append(None)
+                elif axis not in gathered:
+                    want.append(Shard("c") if "c" in t.labels else Shard("n") if "n" in t.labels else REPLICATE)
+                elif "c" in t.labels and isinstance(have[i], Partial):
+                    want.append(PARTIAL)            # a partial sum stays one through the combine
+                    partial[i] = True
+                else:
+                    want.append(Shard("e") if "c" in t.labels and AXIS[axis].shards == "e" else REPLICATE)
+            lt = self.redistribute(t, tuple(want), phase)
+            local_inputs.append(lt)
+            deps.extend(self.producers.get(lt, ()))
+        out_pls: list[Placements] = []
+        for out in op.outputs:
+            pl: list[Placement | None] = []
+            for i, axis in enumerate(BLOCK_AXES):
+                if AXIS[axis].mesh != out.mesh:
+                    pl.append(None)
+                elif axis not in gathered:
+                    pl.append(Shard("c") if "c" in out.labels else Shard("n"))
+                elif "c" in out.labels:
+                    pl.append(Shard("e") if AXIS[axis].shards == "e" else REPLICATE)
+                else:   # tokens summed from the experts held here: the other ranks' are missing
+                    pl.append(PARTIAL if AXIS[axis].shards == "e" or partial[i] else REPLICATE)
+            out_pls.append(tuple(pl))
+        flops = op.flops_per_element * local_numel(op.outputs[0], out_pls[0])
+        idx = self._compute(op, phase, local_inputs, out_pls, flops, sp.Integer(0), deps)
+        for out, pl in zip(op.outputs, out_pls):
+            self.placements[out] = pl
+            self.producers[out] = (idx,)
 
     def _partial_axes(self, op: Op, labels: tuple[str | None, ...]) -> tuple[bool, ...]:
         """Axes on which a sum stays a partial sum: a linear op outside the residual stream whose
@@ -408,8 +562,11 @@ def _residual_label(policy: ShardingPolicy) -> str | None:
 def input_placement(t: Tensor, policy: ShardingPolicy) -> Placements:
     """Block inputs arrive in the residual-stream layout: a label axis shards its label, the
     tensor-parallel axis the residual layout (token ids stay replicated over tp)."""
-    out: list[Placement] = []
+    out: list[Placement | None] = []
     for axis in BLOCK_AXES:
+        if AXIS[axis].mesh != t.mesh:
+            out.append(None)
+            continue
         label = AXIS[axis].shards
         if label is None:
             label = _residual_label(policy) if t.residual else None
@@ -470,6 +627,7 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
         placements[g] = tuple(REPLICATE if isinstance(p, Partial) else p for p in placements[out])
     bwd = _Pass(policy, "bwd", placements, block.weights)
     order, recomputed = _backward_order(block, backward.ops, policy.recompute)
+    bwd.reuse(fwd.kept(recomputed), fwd.gathered)
     for phase, op in order:
         bwd.run(op, phase)
     bwd_exit = tuple(sorted({i for g in backward.input_grads.values() for i in bwd.producers.get(g, ())}))
@@ -477,11 +635,18 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     # Activations the backward reads that it did not recompute: held from forward to backward.
     forward_tensors = {id(t): t for t in block.inputs}
     forward_tensors.update({id(t): t for op in block.ops for t in op.outputs})
+    # a tensor re-read on the other mesh is the same memory as its (local) source
+    alias = fwd.aliases
     saved: dict[int, Tensor] = {}
     for phase, op in order:
         for t in op.inputs:
             if id(t) in forward_tensors and id(t) not in recomputed and t.kind != "weight":
-                saved[id(t)] = t
+                # what is held is what the backward starts from: the tensor, or the copy the
+                # forward redistributed and kept
+                for origin in bwd.reads.get(id(t), {id(t): t}).values():
+                    while id(origin) in alias:
+                        origin = alias[id(origin)]
+                    saved[id(origin)] = origin
     saved_bytes = sp.Add(*(local_bytes(t, placements[t]) for t in saved.values()))
     workspace = sp.Integer(0)
     if policy.recompute == "full":
@@ -511,7 +676,7 @@ def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: 
     for w in block.weights:
         replicas = weight_replicas(w)
         compute = compute_placement(w)
-        optimizer = tuple((Shard(w.labels[0]) if policy.zero >= 1 else REPLICATE) if dpar else p
+        optimizer = tuple((Shard(w.labels[0]) if policy.zero >= 1 else REPLICATE) if dpar and p is not None else p
                           for p, dpar in zip(compute, _DATA_PARALLEL))
         params = local_numel(w, compute)
         g = weight_grads.get(w)
@@ -522,14 +687,15 @@ def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: 
             # Model-parallel axes one by one (a norm weight's gradient under sequence
             # parallelism: an all-reduce over tp) ...
             for i, axis in enumerate(BLOCK_AXES):
-                if _DATA_PARALLEL[i]:
+                if _DATA_PARALLEL[i] or optimizer[i] is None:
                     continue
                 coll = collective_for(cur[i], optimizer[i])
                 if coll is not None:
                     colls.append(((axis,), coll, local_bytes(g32, cur)))
                 cur = cur[:i] + (optimizer[i],) + cur[i + 1:]
             # ... then the data-parallel axes together, over their group.
-            moving = [i for i, dpar in enumerate(_DATA_PARALLEL) if dpar and cur[i] != optimizer[i]]
+            moving = [i for i, dpar in enumerate(_DATA_PARALLEL)
+                      if dpar and optimizer[i] is not None and cur[i] != optimizer[i]]
             if moving:
                 kinds = {collective_for(cur[i], optimizer[i]) for i in moving}
                 assert len(kinds) == 1, f"{w.name}: data-parallel axes change placement differently"

@@ -1,0 +1,226 @@
+"""Mixture of Experts and expert parallelism: FLOPs, all-to-all bytes, gradient bytes and memory
+against closed forms worked out here, for many factorizations of the same ranks."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from stage_cosim.errors import UserError
+from stage_cosim.model import PRESETS, ModelConfig
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.schedule.program import COLL, COMP
+from stage_cosim.workload import synthesize
+
+# A small Mixtral-like model: 8 experts, top-2, GQA; the vocabulary a multiple of 128 * 2 so
+# padding it for tp <= 2 changes nothing.
+TINY = ModelConfig.build("tiny-moe", "llama", layers=4, hidden=256, ffn=512, heads=8, kv_heads=4,
+                         vocab=1024, max_seq=4096, num_experts=8, moe_router_topk=2)
+# A small DeepSeek-like model: latent attention, a dense first layer, shared expert, MTP.
+TINY_MLA = ModelConfig.build("tiny-mla", "llama", layers=3, hidden=256, ffn=768, heads=8, head_dim=32,
+                             vocab=1024, max_seq=4096, multi_latent_attention=True, q_lora_rank=96,
+                             kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
+                             num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+                             moe_shared_expert_intermediate_size=128, moe_layer_freq=(0, 1, 1), mtp_num_layers=1)
+SEQ = 512
+
+
+def _gemm_params_per_token(m: ModelConfig) -> int:
+    """Weights every token multiplies once (GEMMs only: no norms, biases or lookups): attention
+    projections, the dense MLP or the router, top-k routed experts and the shared experts;
+    the output layer; for MTP modules their projection, layer and the output layer again."""
+    h = m.hidden
+
+    def mlp(f: int) -> int:
+        return 3 * h * f                       # SwiGLU: gate and up, down
+
+    if m.multi_latent_attention:
+        qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        attention = (h * m.q_lora_rank + m.q_lora_rank * m.heads * qk
+                     + h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+                     + m.kv_lora_rank * m.heads * (m.qk_head_dim + m.v_head_dim) + m.heads * m.v_head_dim * h)
+    else:
+        attention = h * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * h
+
+    def layer(i: int) -> int:
+        if not m.is_moe_layer(i):
+            return attention + mlp(m.ffn)
+        shared = mlp(m.moe_shared_expert_intermediate_size) if m.moe_shared_expert_intermediate_size else 0
+        return attention + h * m.num_experts + m.moe_router_topk * mlp(m.expert_ffn) + shared
+
+    total = sum(layer(i) for i in range(m.layers)) + m.vocab * h
+    return total + m.mtp_num_layers * (2 * h * h + layer(m.layers - 1) + m.vocab * h)
+
+
+def _attention_flops(m: ModelConfig, batch: int) -> int:
+    """QK^T and PV over the full s x s scores, forward + backward (3x): 12 b s^2 heads d per layer."""
+    d_qk = m.qk_head_dim + m.qk_pos_emb_head_dim if m.multi_latent_attention else m.head_dim
+    d_v = m.v_head_dim if m.multi_latent_attention else m.head_dim
+    per_layer = 3 * 2 * batch * SEQ * SEQ * m.heads * (d_qk + d_v)
+    return (m.layers + m.mtp_num_layers) * per_layer
+
+
+FACTORIZATIONS = [  # dp, tp, pp, ep, expert_tp, sp
+    (8, 1, 1, 1, 1, False), (8, 1, 1, 8, 1, False), (4, 2, 1, 4, 1, True), (4, 2, 1, 2, 2, True),
+    (2, 2, 2, 4, 1, True), (2, 1, 4, 2, 1, False), (4, 2, 1, 8, 1, True), (4, 2, 1, 1, 2, False),
+]
+
+
+@pytest.mark.parametrize("dp, tp, pp, ep, etp, sp", FACTORIZATIONS)
+def test_moe_model_flops_are_six_active_params_per_token(dp, tp, pp, ep, etp, sp) -> None:
+    """Summed over ranks, model FLOPs = 6 * (active GEMM weights) * tokens + attention, however
+    the experts are spread (the imbalance of the busiest rank is time, not model FLOPs)."""
+    for m in (TINY, TINY_MLA):
+        gb = 16
+        if pp > m.layers:
+            continue
+        par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, expert_tp=etp, sp=sp, micro_batch=1, global_batch=gb,
+                             seq_len=SEQ, moe_imbalance=1.5)
+        w = synthesize(m, par)
+        expect = 6 * _gemm_params_per_token(m) * gb * SEQ + _attention_flops(m, gb)
+        assert w.total_model_flops() == pytest.approx(expect, rel=1e-9), m.name
+
+
+def _nodes(w, stage: int = 0):
+    return w.role(stage).nodes
+
+
+@pytest.mark.parametrize("dp, tp, ep, etp", [(8, 1, 8, 1), (8, 1, 4, 1), (4, 2, 4, 1), (4, 2, 2, 2), (2, 2, 4, 1)])
+def test_all_to_all_bytes_per_layer(dp, tp, ep, etp) -> None:
+    """Per MoE layer and micro-batch, dispatch and combine move 2 * tokens_local * topk * h * 2 B
+    * (ep - 1) / ep off each rank in the forward, and as much in the backward."""
+    m = TINY.with_overrides(layers=1)
+    par = ParallelConfig(dp=dp, tp=tp, ep=ep, expert_tp=etp, sp=tp > 1, micro_batch=2, global_batch=2 * dp,
+                         seq_len=SEQ)
+    w = synthesize(m, par)
+    tokens_local = 2 * SEQ // tp            # sequence parallelism: each tp rank its own tokens
+    closed = 2 * tokens_local * m.moe_router_topk * m.hidden * 2 * (ep - 1) / ep
+    for phase in ("fwd", "bwd"):
+        a2a = [n for n in _nodes(w) if n.type == COLL and n.coll.value == "ALL_TO_ALL" and n.phase == phase]
+        assert all(n.group == "ep" for n in a2a)
+        assert len(a2a) == (2 if ep > 1 else 0)
+        assert sum(n.comm_bytes for n in a2a) * (ep - 1) / ep == pytest.approx(closed)
+
+
+def test_imbalance_scales_the_busiest_ranks_exchange_and_gemms() -> None:
+    m = TINY.with_overrides(layers=1)
+    base = dict(dp=8, ep=8, micro_batch=1, global_batch=8, seq_len=SEQ)
+    even, skew = (synthesize(m, ParallelConfig(**base, moe_imbalance=f)) for f in (1.0, 2.0))
+
+    def expert_work(w):
+        nodes = _nodes(w)
+        return (sum(n.comm_bytes for n in nodes if n.type == COLL and n.group == "ep"),
+                sum(n.flops for n in nodes if n.type == COMP and n.name.startswith("layer0.experts.") and n.matmul))
+
+    assert expert_work(skew)[0] == 2 * expert_work(even)[0]
+    assert expert_work(skew)[1] == pytest.approx(2 * expert_work(even)[1])
+    assert skew.total_model_flops() == even.total_model_flops()
+    capped = ParallelConfig(**base, moe_imbalance=2.0, moe_capacity_factor=1.25)
+    assert (capped.moe_load, capped.moe_dropped_fraction) == (1.25, pytest.approx(0.375))
+    padded = ParallelConfig(**base, moe_capacity_factor=1.25, moe_pad_to_capacity=True)
+    assert padded.moe_load == 1.25 and padded.moe_dropped_fraction == 0.0
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_expert_gradients_reduce_the_ranks_expert_shard_once_per_step(zero) -> None:
+    """Expert weights' gradients reduce over edp, once per step, as many fp32 bytes as the rank
+    holds expert parameters; dense weights' over dp."""
+    m = TINY.with_overrides(layers=2)
+    par = ParallelConfig(dp=8, tp=1, ep=4, zero=zero, micro_batch=1, global_batch=32, seq_len=SEQ)
+    w = synthesize(m, par)
+    assert par.edp == 2
+    expert_params = m.layers * m.num_experts * 3 * m.hidden * m.expert_ffn // par.ep
+    edp = [n for n in _nodes(w) if n.type == COLL and n.group == "edp" and n.phase == "step" and "grad" in n.name]
+    assert sum(n.comm_bytes for n in edp) == 4 * expert_params
+    assert {n.coll.value for n in edp} == {"ALL_REDUCE" if zero == 0 else "REDUCE_SCATTER"}
+    dense = [n for n in _nodes(w) if n.type == COLL and n.group == "dp" and n.phase == "step" and "grad" in n.name]
+    assert sum(n.comm_bytes for n in dense) == 4 * (m.param_count() - m.layers * m.num_experts * 3 * m.hidden * m.expert_ffn)
+
+
+def test_model_states_and_routed_activations_of_a_small_case() -> None:
+    """Worked by hand: one MoE layer, ep 2, dp 4 (edp 2), ZeRO 1. Dense weights are replicated
+    over dp (optimizer states over 4), experts split over ep (optimizer states over edp 2).
+    The routed tokens' activations: per token, top-k copies of the tokens (in expert order, and
+    the experts' outputs back), the SwiGLU input (2i) and output (i), routing weights and map."""
+    m = TINY.with_overrides(layers=1)
+    par = ParallelConfig(dp=4, ep=2, zero=1, micro_batch=1, global_batch=4, seq_len=SEQ)
+    w = synthesize(m, par)
+    h, f, k, e, v = m.hidden, m.expert_ffn, m.moe_router_topk, m.num_experts, m.vocab
+    experts = e * 3 * h * f // 2                                   # per rank
+    dense = m.param_count() - e * 3 * h * f
+    mem = w.memory(0)
+    assert mem.weights == 2 * (dense + experts)
+    assert mem.gradients == 4 * (dense + experts)
+    assert mem.optimizer == pytest.approx(12 * dense / 4 + 12 * experts / 2, abs=1)
+    # the layer's activations, against the same layer with a dense MLP of size f
+    moe_layer, dense_layer = (synthesize(x, ParallelConfig(dp=4, ep=par.ep if x.is_moe else 1, micro_batch=1,
+                                                           global_batch=4, seq_len=SEQ))
+                              for x in (m, replace(m, num_experts=None, ffn=f)))
+    saved = [x._role_args["blocks"].layers[0][1].saved_bytes for x in (moe_layer, dense_layer)]
+    t = SEQ
+    routed = t * k * (2 * h + 2 * h + 2 * 2 * f + 2 * f) + t * k * (4 + 4)   # bf16 copies; fp32 weights, i32 map
+    assert saved[0] - saved[1] == routed - t * (2 * 2 * f + 2 * f)            # minus the dense MLP's own
+
+
+@pytest.mark.parametrize("kw, parameter, needle", [
+    (dict(dp=8, ep=3), "ep", "must divide"),                     # 3 does not divide tp*dp = 8
+    (dict(dp=4, ep=16), "ep", "must divide tp*dp"),
+    (dict(dp=16, ep=16), "ep", "must divide num-experts (8)"),
+    (dict(dp=4, tp=2, ep=2), "sp", "sequence parallelism is required"),
+    (dict(dp=4, tp=2, ep=4, expert_tp=4, sp=True), "ep", "must divide tp*dp"),
+])
+def test_expert_layout_errors(kw, parameter, needle) -> None:
+    with pytest.raises(UserError) as exc:
+        synthesize(TINY, ParallelConfig(micro_batch=1, seq_len=SEQ, **kw))
+    assert exc.value.parameter == parameter and needle in exc.value.rule
+
+
+def test_dense_model_refuses_expert_parallelism() -> None:
+    with pytest.raises(UserError, match="needs a Mixture-of-Experts model"):
+        synthesize(PRESETS["llama3-8b"].with_overrides(layers=2), ParallelConfig(dp=4, ep=2, seq_len=SEQ))
+
+
+def test_allgather_dispatcher_gathers_tokens_over_ep() -> None:
+    """Megatron's allgather dispatcher: the tokens (not their top-k copies) are all-gathered
+    over ep and the combined outputs reduce-scattered back; no all-to-all."""
+    m = TINY.with_overrides(layers=1)
+    par = ParallelConfig(dp=8, ep=4, micro_batch=1, global_batch=8, seq_len=SEQ, moe_token_dispatcher="allgather")
+    nodes = [n for n in _nodes(synthesize(m, par)) if n.type == COLL and n.group == "ep"]
+    fwd = [n for n in nodes if n.phase == "fwd"]
+    assert {n.coll.value for n in nodes} == {"ALL_GATHER", "REDUCE_SCATTER"}
+    gathers = [n for n in fwd if n.coll.value == "ALL_GATHER"]
+    assert [n.comm_bytes for n in gathers if n.name == "layer0.mlp_norm@expert.ag_ep"] == [SEQ * m.hidden * 2]
+    rs = [n for n in fwd if n.coll.value == "REDUCE_SCATTER"]
+    assert [n.comm_bytes for n in rs] == [4 * SEQ * m.hidden * 2]      # the gathered tokens' sums
+
+
+def test_shared_experts_wait_for_the_routed_ones_unless_overlapped() -> None:
+    m = TINY_MLA.with_overrides(mtp_num_layers=0)
+    par = ParallelConfig(dp=4, ep=4, micro_batch=1, global_batch=4, seq_len=SEQ)
+    for overlap in (False, True):
+        role = synthesize(m.with_overrides(moe_shared_expert_overlap=overlap), par).role(0)
+        by_name = {n.name: n for n in role.nodes if n.micro_batch == 0 and n.phase == "fwd"}
+        fc1 = by_name["layer1.shared_experts.fc1"]
+        combine = by_name["layer1.combine"]
+        assert (combine.id in fc1.deps) != overlap
+
+
+@pytest.mark.skipif(not os.environ.get("ASTRA_SIM_BIN"), reason="needs the ASTRA-sim binary (ASTRA_SIM_BIN)")
+def test_real_astra_sim_runs_moe_exports(tmp_path: Path) -> None:
+    """All-to-all collectives on the ep groups validate, every rank of the real binary finishes,
+    and the built-in astra model agrees with it."""
+    from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
+    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.hardware.cluster import resolve_cluster
+
+    m = TINY.with_overrides(layers=2)
+    par = ParallelConfig(dp=4, tp=2, pp=2, ep=4, sp=True, micro_batch=1, global_batch=8, seq_len=SEQ, zero=1)
+    w = synthesize(m, par)
+    cluster = resolve_cluster("dgx-h100:16")
+    real = simulate_astra_sim(w, cluster, binary=os.environ["ASTRA_SIM_BIN"], keep=tmp_path / "run")
+    ours = simulate(w, cluster, "astra")[0]
+    assert len(real.config["astra_sim"]["per_rank_finished_ns"]) == 16
+    assert ours.step_time_s == pytest.approx(real.step_time_s, rel=0.01)
