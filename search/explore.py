@@ -23,6 +23,7 @@ from stage_cosim.hardware.cluster import Cluster, cluster_from
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective, workload_of
 from stage_cosim.search.optimize import OptimizeSettings, optimize
+from stage_cosim.parallel.config import FP8_OPTIONS
 from stage_cosim.search.space import check, default_space
 
 PARTS = ("gpu", "scale_up", "scale_out")
@@ -75,6 +76,9 @@ class ExploreSpec:
     reuse_top: int = 12                  # baseline configurations re-tried on each candidate
     candidates: int = 60                 # hardware candidates per scipy run
     seed: int = 0
+    # the training precision of every inner search (dtype bf16, fp8 or auto, and FP8 options):
+    # with fp8, gpu.fp8_tflops is a variable like any other
+    precision: dict[str, Any] = field(default_factory=dict)
 
 
 def _num(doc: dict, key: str, where: str) -> float:
@@ -84,8 +88,9 @@ def _num(doc: dict, key: str, where: str) -> float:
     return float(v)
 
 
+PRECISION_KEYS = ("dtype", *FP8_OPTIONS)
 SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode",
-                       "budget", "points", "inner_budget", "reuse_top", "candidates", "seed"})
+                       "budget", "points", "inner_budget", "reuse_top", "candidates", "seed", *PRECISION_KEYS})
 
 
 def load_spec(path: Path) -> ExploreSpec:
@@ -157,9 +162,13 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
         model = model_from_hf_dict(doc["model_config"], "model_config")
     else:
         model = resolve_model(str(doc["model"]))
+    precision = {k: doc[k] for k in PRECISION_KEYS if k in doc}
+    # checked here, in one line, rather than in the middle of a search
+    default_space(model, baseline, ints.get("global_batch", 1), ints.get("seq_len", 1), precision=precision)
     return ExploreSpec(model, baseline, variables=tuple(variables), unit_cost=unit,
                        base_cost=float(cost.get("base", 0.0)), mode=mode,
-                       budget=float(doc["budget"]) if doc.get("budget") is not None else None, **ints)
+                       budget=float(doc["budget"]) if doc.get("budget") is not None else None,
+                       precision=precision, **ints)
 
 
 def apply(baseline: Cluster, values: dict[str, float]) -> Cluster:
@@ -212,7 +221,8 @@ class Explorer:
                                 top_k=self.spec.reuse_top)
 
     def _space(self, cluster: Cluster):  # noqa: ANN202
-        return default_space(self.spec.model, cluster, self.spec.global_batch, self.spec.seq_len)
+        return default_space(self.spec.model, cluster, self.spec.global_batch, self.spec.seq_len,
+                             precision=self.spec.precision)
 
     def full_search(self, values: dict[str, float], seeds: tuple[dict[str, Any], ...] = ()) -> Candidate:
         """The best parallelization on this hardware: a full search, or a local search from

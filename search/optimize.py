@@ -71,8 +71,13 @@ class OptimizeResult:
             return {**e.result, "point": e.point, "score": e.score}
 
         ranked = self.ranked
+        by_dtype: dict[str, Any] = {}
+        for e in ranked:
+            by_dtype.setdefault(e.point.get("dtype") or (e.parallel or {}).get("dtype", "bf16"), e)
         return {
             "best": entry(ranked[0]) if ranked else None,
+            # the best configuration of each precision the search was allowed (--dtype auto)
+            "best_by_dtype": {d: entry(e) for d, e in sorted(by_dtype.items())},
             "top": [entry(e) for e in ranked[:self.top_k]],
             "proven_optimal": self.proven_optimal,
             "evaluations": len(self.evaluated),
@@ -145,15 +150,47 @@ class _Search:
 def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | None = None, *,
              progress: Callable[[dict], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> OptimizeResult:
+    """The best configuration of ``space`` on ``cluster``. When the space leaves the precision
+    to the search (a ``dtype`` dimension) and is too large to enumerate, each precision is
+    searched on its own, with the whole budget, so that both best configurations are real
+    optima of their part of the space rather than whatever one search happened to visit."""
     settings = settings or OptimizeSettings()
+    dtypes = next((d.choices for d in space.dimensions if d.name == "dtype"), ())
+    if len(dtypes) > 1 and not _enumerable(space, cluster, settings):
+        parts = [_optimize(space.restricted("dtype", d), cluster, settings, progress, should_stop) for d in dtypes]
+        reasons: Counter[str] = Counter()
+        for r in parts:
+            reasons.update(r.infeasible)
+        return OptimizeResult(settings.objective, [e for r in parts for e in r.evaluated],
+                              all(r.proven_optimal for r in parts), dict(reasons), space.size,
+                              f"{parts[0].method}, per dtype", any(r.interrupted for r in parts), settings.top_k)
+    return _optimize(space, cluster, settings, progress, should_stop)
+
+
+def _feasible(space: SearchSpace, structure: Callable[[dict[str, Any]], tuple]) -> list[dict[str, Any]]:
+    """The distinct structurally feasible points of ``space``."""
+    unique = {_key(c): c for c in (canonical(space, p) for p in space.points())}
+    return [p for p in unique.values() if structure(p)[0] is not None]
+
+
+def _small_enough(n: int, settings: OptimizeSettings) -> bool:
+    """Whether ``n`` feasible points are all simulated (the answer is then the proven optimum)."""
+    return n <= settings.exhaustive_limit and (settings.budget is None or settings.budget >= n)
+
+
+def _enumerable(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings) -> bool:
+    return _small_enough(len(_feasible(space, lambda p: check(space, p, cluster, settings.allow_cross_domain_tp))),
+                         settings)
+
+
+def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
+              progress: Callable[[dict], None] | None, should_stop: Callable[[], bool] | None) -> OptimizeResult:
     runner = make_runner(settings.workers, settings.ray)
     search = _Search(space, cluster, settings, runner, progress, should_stop)
     interrupted = False
     try:
-        unique = {_key(c): c for c in (canonical(space, p) for p in space.points())}
-        feasible = [p for p in unique.values() if search.structure(p)[0] is not None]
-        exhaustive = len(feasible) <= settings.exhaustive_limit and (
-            settings.budget is None or settings.budget >= len(feasible))
+        feasible = _feasible(space, search.structure)
+        exhaustive = _small_enough(len(feasible), settings)
         if settings.seeds and not exhaustive:
             method = "local search from seeds"
         else:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.parallel.config import MESH_AXES
+from stage_cosim.parallel.config import DTYPES, FP8_OPTIONS, MESH_AXES
 
 
 @dataclass(frozen=True)
@@ -59,14 +59,23 @@ class SearchSpace:
         for combo in itertools.product(*(d.choices for d in self.dimensions)):
             yield dict(zip(self.names(), combo))
 
+    def restricted(self, name: str, value: Any) -> "SearchSpace":
+        """The same space with dimension ``name`` held at ``value``."""
+        dims = tuple(Dimension(d.name, (value,)) if d.name == name else d for d in self.dimensions)
+        return replace(self, dimensions=dims)
+
 
 MAX_MICRO_BATCH = 8          # the largest micro-batch the default space tries
 
 
 def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
                   allow_cross_domain_tp: bool = False, fixed: dict[str, Any] | None = None,
-                  overrides: dict[str, Sequence[Any]] | None = None) -> SearchSpace:
-    """Megatron-style choices: powers of two for the degrees and micro-batch, vp up to 4."""
+                  overrides: dict[str, Sequence[Any]] | None = None,
+                  precision: dict[str, Any] | None = None) -> SearchSpace:
+    """Megatron-style choices: powers of two for the degrees and micro-batch, vp up to 4.
+
+    ``precision``: ``dtype`` (bf16, fp8, or auto: the search picks, a ``dtype`` dimension) and the
+    FP8 options (held fixed; they apply to the FP8 points)."""
     n = cluster.num_gpus
     tp_limit = n if allow_cross_domain_tp else min(n, cluster.domain)
     dims = {
@@ -78,12 +87,26 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
         "zero": (0, 1, 2, 3),
         "recompute": ("none", "selective", "full"),
     }
+    fixed = dict(fixed or {})
+    precision = dict(precision or {})
+    dtype = precision.pop("dtype", None) or "bf16"
+    if dtype not in DTYPES + ("auto",):
+        raise UserError("dtype", f"must be one of {', '.join(DTYPES + ('auto',))}, got {dtype!r}")
+    for key in precision:
+        if key not in FP8_OPTIONS:
+            raise UserError(key, f"is not a precision option (options: dtype, {', '.join(FP8_OPTIONS)})")
+    fixed.update({k: v for k, v in precision.items() if v is not None})
+    if precision:           # the FP8 options, checked once here rather than at every point
+        ParallelConfig(dtype="fp8", zero=3, **{k: v for k, v in precision.items() if v is not None})
+    if dtype == "auto":
+        dims["dtype"] = DTYPES
+    else:
+        fixed["dtype"] = dtype
     for name, values in (overrides or {}).items():
         if name not in dims:
             raise UserError(name, f"is not a search dimension (dimensions: {', '.join(dims)})")
         dims[name] = tuple(values)
-    return SearchSpace(model, n, global_batch, seq_len, tuple(Dimension(k, v) for k, v in dims.items()),
-                       dict(fixed or {}))
+    return SearchSpace(model, n, global_batch, seq_len, tuple(Dimension(k, v) for k, v in dims.items()), fixed)
 
 
 # -- feasibility -------------------------------------------------------------------------------
@@ -138,9 +161,17 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
     kw.update(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=mb, global_batch=space.global_batch,
               seq_len=space.seq_len, sp=bool(point.get("sp", False)), zero=point.get("zero", 0),
               recompute=point.get("recompute", "none"))
+    if "dtype" in point:
+        kw["dtype"] = point["dtype"]
+    if kw.get("dtype", "bf16") == "bf16":          # the FP8 options belong to the FP8 points
+        kw = {k: v for k, v in kw.items() if k not in FP8_OPTIONS}
     try:
         par = ParallelConfig(**kw)
         par.check_against(m)
+        if par.dtype != "bf16":
+            from stage_cosim.graph.precision import resolve_precision
+
+            resolve_precision(par, cluster.gpu)      # what the GPU cannot run is infeasible
     except UserError as exc:
         return None, f"{exc.parameter}: {exc.rule.split(',')[0]}"
     return par, None

@@ -25,6 +25,7 @@ from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel import ParallelConfig
+from stage_cosim.parallel.config import FP8_OPTIONS
 
 MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", *MODEL_SWITCHES)
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
@@ -152,8 +153,9 @@ def optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | None = N
                                 network_model=str(req.get("network_model") or "calibrated"),
                                 allow_cross_domain_tp=bool(req.get("allow_cross_domain_tp")),
                                 exhaustive_limit=int(req.get("exhaustive_limit") or 1500))
+    precision = {k: req[k] for k in ("dtype", *FP8_OPTIONS) if req.get(k) is not None}
     space = default_space(model, cluster, int(req["global_batch"]), int(req["seq_len"]),
-                          allow_cross_domain_tp=settings.allow_cross_domain_tp)
+                          allow_cross_domain_tp=settings.allow_cross_domain_tp, precision=precision)
     return run(space, cluster, settings, progress=progress, should_stop=should_stop).to_dict()
 
 

@@ -315,3 +315,58 @@ def test_fp8_traces_read_back_time_fp8_gemms(run_cli, tmp_path) -> None:
     for f in out.glob("workload.*.et"):
         kinds |= {b"matmul_fp8" in f.read_bytes()}
     assert kinds == {True}
+
+
+# -- precision as a search dimension -------------------------------------------------------------
+
+SEARCH_MODEL = ModelConfig.build("llama-s", "llama", layers=8, hidden=4096, ffn=14336, heads=32, kv_heads=8,
+                                 vocab=128256, max_seq=8192)
+SEARCH_SPACE = dict(overrides={"vp": (1,), "zero": (1,), "recompute": ("none",), "micro_batch": (1, 2)})
+
+
+def _best(dtype: str, cluster, **kw):
+    from stage_cosim.search.optimize import OptimizeSettings, optimize
+    from stage_cosim.search.space import default_space
+
+    space = default_space(SEARCH_MODEL, cluster, 32, 2048, precision={"dtype": dtype}, **SEARCH_SPACE)
+    return optimize(space, cluster, OptimizeSettings(**kw))
+
+
+def test_dtype_auto_reports_the_optimum_of_each_precision() -> None:
+    """--dtype auto searches bf16 and fp8 together; each reported best is the proven optimum of
+    the search with that precision fixed."""
+    cluster = resolve_cluster("dgx-h100:16")
+    auto = _best("auto", cluster)
+    assert auto.proven_optimal
+    doc = auto.to_dict()
+    assert set(doc["best_by_dtype"]) == {"bf16", "fp8"}
+    for dtype in ("bf16", "fp8"):
+        alone = _best(dtype, cluster).to_dict()["best"]
+        assert doc["best_by_dtype"][dtype]["step_time_s"] == pytest.approx(alone["step_time_s"])
+        assert doc["best_by_dtype"][dtype]["config"]["parallel"]["dtype"] == dtype
+    assert doc["best"]["config"]["parallel"]["dtype"] == "fp8"       # a GEMM-bound model on H100
+    # too large to enumerate: each precision gets its own search and budget
+    de = _best("auto", cluster, exhaustive_limit=0, budget=12, seed=1)
+    assert de.method.endswith("per dtype") and set(de.to_dict()["best_by_dtype"]) == {"bf16", "fp8"}
+
+
+def test_dtype_auto_on_a_gpu_without_fp8() -> None:
+    r = _best("auto", resolve_cluster("dgx-a100:16"))
+    assert set(r.to_dict()["best_by_dtype"]) == {"bf16"}
+    assert any(reason.startswith("dtype: fp8 needs FP8 tensor cores") for reason in r.infeasible)
+
+
+def test_explore_fp8_peak_is_a_variable() -> None:
+    """gpu.fp8_tflops is a hardware variable: FP8 training gets faster with it, BF16 training
+    does not notice it."""
+    from stage_cosim import api
+
+    spec = dict(model="llama3-8b", baseline="dgx-h100:16", global_batch=32, seq_len=1024,
+                variables={"gpu.fp8_tflops": {"values": [1000, 1979, 4000]}}, cost={"base": 10000, "gpu.fp8_tflops": 1},
+                mode="budget", budget=20000, points=2, candidates=6, inner_budget=8, reuse_top=3)
+    fp8 = api.explore(spec | {"dtype": "fp8"})
+    bf16 = api.explore(spec)
+    el8 = fp8["sensitivity"][0]
+    assert el8["variable"] == "gpu.fp8_tflops" and el8["elasticity"] < -0.1
+    assert bf16["sensitivity"][0]["elasticity"] == pytest.approx(0, abs=1e-9)
+    assert fp8["baseline"]["best"]["config"]["parallel"]["dtype"] == "fp8"

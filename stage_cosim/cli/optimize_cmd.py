@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from stage_cosim.cli.options import cluster_option, model_options, resolve_model_options
+from stage_cosim.cli.options import (
+    PRECISION_FLAGS, cluster_option, model_options, precision_options, resolve_model_options,
+)
 from stage_cosim.errors import UserError
 from stage_cosim.files import save_figure
 from stage_cosim.result import BREAKDOWN_KEYS
@@ -27,6 +29,8 @@ def describe_point(p: dict, par: dict) -> str:
     parts.append(f"zero{par['zero']}")
     if par.get("recompute", "none") != "none":
         parts.append(f"rc={par['recompute']}")
+    if par.get("dtype", "bf16") != "bf16":
+        parts.append(par["dtype"])
     return " ".join(parts)
 
 
@@ -47,6 +51,15 @@ def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Obj
             click.echo(f"{i:>2} {describe_point(e['point'], e['config']['parallel']):<42} {e['step_time_s']:>8.4f} "
                        f"{100 * e['mfu']:>5.1f}% {e['peak_memory_bytes'] / GiB:>8.1f} "
                        + " ".join(f"{e['breakdown'][k]:>10.4f}" for k in keys))
+        by_dtype = doc.get("best_by_dtype") or {}
+        if len(by_dtype) > 1:
+            click.echo("")
+            times = {d: e["step_time_s"] for d, e in by_dtype.items()}
+            fastest = min(times.values())
+            for d, e in by_dtype.items():
+                click.echo(f"best {d:<5} {describe_point(e['point'], e['config']['parallel']):<42} "
+                           f"{e['step_time_s']:>8.4f} s  {100 * e['mfu']:>5.1f}% MFU of BF16 peak"
+                           + (f"  ({e['step_time_s'] / fastest:.2f}x the fastest)" if e["step_time_s"] > fastest else ""))
         if len(doc["top"]) > 1:
             a, b = doc["top"][0], doc["top"][1]
             diffs = sorted(((b["breakdown"][k] - a["breakdown"][k], k) for k in keys), reverse=True)
@@ -86,6 +99,7 @@ def plot_top(doc: dict, path: Path) -> None:
 
 @click.command()
 @model_options
+@precision_options(auto=True)
 @cluster_option
 @click.option("--global-batch", type=int, required=True, help="Sequences per step.")
 @click.option("--seq-len", type=int, required=True, help="Sequence length.")
@@ -106,7 +120,8 @@ def plot_top(doc: dict, path: Path) -> None:
 def optimize(cluster: str, global_batch: int, seq_len: int, objective: str, price: float, seed: int,
              budget: int | None, workers: int, ray_address: str | None, headroom: float, allow_cross_domain_tp: bool,
              network_model: str, top_k: int, as_json: bool, plot: Path | None, quiet: bool, **kw) -> None:
-    """Search tp, pp, dp, vp, micro-batch, sp, ZeRO and recomputation for the best step."""
+    """Search tp, pp, dp, vp, micro-batch, sp, ZeRO and recomputation (and, with --dtype auto, the
+    precision) for the best step."""
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.search.evaluate import Objective
     from stage_cosim.search.optimize import OptimizeSettings, optimize as run
@@ -126,7 +141,9 @@ def optimize(cluster: str, global_batch: int, seq_len: int, objective: str, pric
     settings = OptimizeSettings(objective=obj, seed=seed, budget=budget, workers=workers, ray=ray_address,
                                 top_k=top_k, headroom=headroom, network_model=network_model,
                                 allow_cross_domain_tp=allow_cross_domain_tp)
-    space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp)
+    precision = {k: kw.pop(k) for k in PRECISION_FLAGS}
+    space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp,
+                          precision=precision)
     show = not quiet and sys.stderr.isatty()
     with tqdm(disable=not show, unit="eval", desc="optimize", dynamic_ncols=True) as bar:
         def progress(p: dict) -> None:

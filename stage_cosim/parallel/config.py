@@ -21,6 +21,9 @@ DTYPES = ("bf16", "fp8")
 # DeepSeek-V3's blockwise scaling (1x128 activation tiles, 128x128 weight blocks).
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 FP8_FORMATS = ("e4m3", "hybrid")
+# The ParallelConfig fields that only FP8 training reads.
+FP8_OPTIONS = ("fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch",
+               "fp8_amax_history_len", "te_layernorm_mlp")
 VOCAB_PAD = 128                           # Megatron pads the vocabulary to a multiple of 128 * tp
 
 
@@ -140,6 +143,9 @@ class ParallelConfig:
         require(self.fp8_format in FP8_FORMATS, "fp8-format",
                 f"must be one of {', '.join(FP8_FORMATS)}, got {self.fp8_format!r}")
         positive_int(self.fp8_amax_history_len, "fp8-amax-history-len")
+        for flag in ("fp8_attention", "fp8_param_gather", "fp8_dispatch", "te_layernorm_mlp"):
+            require(isinstance(getattr(self, flag), bool), flag.replace("_", "-"),
+                    f"must be true or false, got {getattr(self, flag)!r}")
         if self.dtype != "fp8":
             for flag in ("fp8_recipe", "fp8_attention", "fp8_param_gather", "fp8_dispatch", "te_layernorm_mlp"):
                 require(not getattr(self, flag), flag.replace("_", "-"), "needs --dtype fp8")
