@@ -7,6 +7,8 @@ A request is a mapping with the same names as the command-line flags and config 
     layers, hidden, ffn, heads, kv_heads, head_dim, vocab, max_seq, attention: overrides
     dp, tp, pp, vp, sp, micro_batch, global_batch, seq_len, zero, recompute, schedule,
     pp_layers, axis_order, tp_comm_overlap, overlap_param_gather: the parallel configuration
+    phase, batch, input_len, context_len, kv_cache_dtype: an inference step (phase prefill or
+                    decode) instead of a training step
     cluster:        "preset[:GPUS]", a YAML path, or a full description (mapping)
     network_model:  "calibrated" | "astra"
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from stage_cosim.errors import UserError
+from stage_cosim.inference.config import TRAIN, InferenceConfig
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
@@ -29,7 +32,10 @@ from stage_cosim.parallel.config import FP8_OPTIONS
 
 MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", *MODEL_SWITCHES)
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
-REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS}
+# An inference step (phase prefill or decode); ``micro_batch`` is shared with the parallel keys.
+INFERENCE_KEYS = ("phase", "batch", "input_len", "context_len", "kv_cache_dtype")
+REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS,
+                *INFERENCE_KEYS}
 
 
 def model_of(req: Mapping[str, Any]) -> ModelConfig:
@@ -60,6 +66,20 @@ def parallel_of(req: Mapping[str, Any]) -> ParallelConfig:
         raise UserError("parallel", str(exc)) from None
 
 
+def inference_of(req: Mapping[str, Any]) -> InferenceConfig | None:
+    """The inference step a request asks for (``phase`` prefill or decode), or None (training)."""
+    phase = req.get("phase") or TRAIN
+    given = {k: req[k] for k in INFERENCE_KEYS[1:] if req.get(k) is not None}
+    if phase == TRAIN:
+        for k in given:
+            raise UserError(k, "is an inference field (with phase prefill or decode)")
+        return None
+    for k, instead in (("seq_len", "input_len or context_len"), ("global_batch", "batch")):
+        if req.get(k) is not None:
+            raise UserError(k, f"is a training field; an inference step takes {instead}")
+    return InferenceConfig(str(phase), **given, micro_batch=req.get("micro_batch"))
+
+
 def cluster_of(req: Mapping[str, Any], gpus: int):  # noqa: ANN201 (Cluster)
     from stage_cosim.hardware.cluster import cluster_from
 
@@ -78,10 +98,10 @@ def simulate(req: Mapping[str, Any]) -> dict[str, Any]:
     from stage_cosim.workload import synthesize
 
     check_request(req)
-    model, parallel = model_of(req), parallel_of(req)
+    model, parallel, inference = model_of(req), parallel_of(req), inference_of(req)
     backend = req.get("backend") or "roofline"
     cluster = cluster_of(req, parallel.world_size)
-    workload = synthesize(model, parallel, cluster.gpu)
+    workload = synthesize(model, parallel, cluster.gpu, inference=inference)
     if backend == "astra-sim":
         # the binary comes from this process's ASTRA_SIM_BIN (a server never runs a client's path)
         from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
@@ -106,7 +126,7 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
     parallel = parallel_of(req)
     # the GPU decides the FP8 kernels (a cluster is optional here)
     gpu = cluster_of(req, parallel.world_size).gpu if req.get("cluster") else None
-    workload = synthesize(model_of(req), parallel, gpu)
+    workload = synthesize(model_of(req), parallel, gpu, inference=inference_of(req))
     done = 0
 
     def tick(n: int) -> None:

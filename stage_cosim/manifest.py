@@ -20,6 +20,7 @@ def build_manifest(w: Workload, *, fmt: str, prefix: str, groups_file: str, file
         "model": {**w.model.to_dict(), "params": w.model.param_count(),
                   "padded_vocab": w.parallel.padded_vocab(w.model.vocab)},
         "parallel": w.parallel.to_dict(),
+        **({"inference": w.inference.to_dict()} if w.inference is not None else {}),
         "mesh": {"order": list(w.mesh.order), "degrees": dict(w.mesh.degrees)},
         "counts": {"ranks": w.world_size, "roles": len(w.roles), "files": files,
                    "bytes_written": bytes_written, "communicator_groups": kinds,

@@ -59,6 +59,9 @@ class SimResult:
             fmt = "MXFP8" if self.precision.get("recipe") == "mxfp8" else "FP8"
             text += f" ({100 * self.mfu_fp8:.1f} % of {fmt} peak)"
         return text
+    # An inference step (None for training): phase, batch, latency, bytes read, MBU, KV cache
+    # (see stage_cosim.inference.summary).
+    inference: dict[str, Any] | None = None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:

@@ -13,9 +13,10 @@ from collections import defaultdict
 from functools import cached_property
 from typing import Any
 
-from stage_cosim.errors import UserError
-from stage_cosim.graph.dims import degree_symbol, model_values
+from stage_cosim.errors import UserError, require
+from stage_cosim.graph.dims import B, S, T, W, degree_symbol, model_values
 from stage_cosim.graph.precision import BF16, Precision, resolve_precision
+from stage_cosim.inference.config import BatchShape, InferenceConfig
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import (
     BLOCK_AXES, DENSE, EXPERT, GROUP, GROUP_KINDS, MESHES, PIPELINE_AXIS, group_mesh, group_size,
@@ -26,7 +27,7 @@ from stage_cosim.runtime import gc_paused  # noqa: F401 (also imported from here
 from stage_cosim.schedule.program import (
     COLL, COMP, PP_GROUP, RECV, SEND, ModelBlocks, RoleGraph, StageMemory, build_role, stage_memory,
 )
-from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock, compiled_blocks
+from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock, compiled_blocks, compiled_inference_blocks
 from stage_cosim.sharding.propagate import ShardingPolicy
 
 
@@ -38,7 +39,8 @@ class Workload:
     """
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, meshes: dict[str, DeviceMesh],
-                 role_args: dict[str, Any], precision: Precision = BF16) -> None:
+                 role_args: dict[str, Any], precision: Precision = BF16, inference: InferenceConfig | None = None,
+                 shape: BatchShape | None = None) -> None:
         self.model = model
         self.parallel = parallel
         self.meshes = meshes
@@ -46,6 +48,9 @@ class Workload:
         self.precision = precision
         self._role_args = role_args
         self._roles: dict[int, RoleGraph] = {}
+        # An inference step (None: a training step) and the shape of each of its micro-batches.
+        self.inference = inference
+        self.shape = shape
 
     def check_gpu(self, gpu: "GPU") -> None:  # noqa: F821
         """The workload's FP8 kernels must be those ``gpu`` runs (its recipe default and operand
@@ -74,6 +79,25 @@ class Workload:
         if stage in self._roles:
             return self._roles[stage].memory
         return stage_memory(stage, **self._role_args)
+
+    def stage_layers(self, stage: int) -> list[int]:
+        """The model layers a stage holds (every chunk of it)."""
+        counts = self._role_args["layers_per_vstage"]
+        pp, vp = self._role_args["pp"], self._role_args["vp"]
+        out: list[int] = []
+        for c in range(vp):
+            vs = c * pp + stage
+            start = sum(counts[:vs])
+            out += range(start, start + counts[vs])
+        return out
+
+    def kv_cache_bytes_per_token(self, stage: int) -> float:
+        """An inference step: the KV cache one token of one sequence occupies on a rank of
+        ``stage`` (a sliding-window layer holds only the last ``window`` tokens)."""
+        blocks: ModelBlocks = self._role_args["blocks"]
+        kv = dict(self.shape.kv_tokens) if self.shape is not None else {}
+        return sum(blocks.layers[i][1].cache_bytes / kv[self.model.layer_window(i)]
+                   for i in self.stage_layers(stage) if kv.get(self.model.layer_window(i)))
 
     # -- ranks and groups ---------------------------------------------------------------------
 
@@ -108,7 +132,7 @@ class Workload:
 
     def _group_kind_used(self, kind: str) -> bool:
         if GROUP[kind].endpoints:   # the embedding group of the first and last stage
-            return self.model.shares_embedding and self.parallel.pp > 1
+            return self.model.shares_embedding and self.parallel.pp > 1 and self.inference is None
         if group_mesh(kind) == EXPERT and not self.model.is_moe:
             return False
         if GROUP[kind].on_demand:
@@ -214,12 +238,21 @@ def precision_for(parallel: ParallelConfig, gpu: "GPU | None" = None) -> Precisi
 
 
 def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" = None, *,  # noqa: F821
-               precision: Precision | None = None) -> Workload:
-    """Build the role graphs of one training step of ``model`` under ``parallel``.
+               precision: Precision | None = None, inference: InferenceConfig | None = None) -> Workload:
+    """Build the role graphs of one training step of ``model`` under ``parallel`` (or, with
+    ``inference``, of one prefill or decode step).
 
     ``gpu`` matters for FP8 only (the default recipe, and whether FP8 GEMMs need transposed
     operand copies): the kernels are those for that GPU (by default an H100). ``precision``,
     already resolved for a GPU, may be given instead."""
+    if inference is not None:
+        par = inference.parallel(parallel)
+        par.check_against(model)
+        if model.position == "learned":
+            require(inference.context <= model.max_seq, "context-len" if inference.phase == "decode" else "input-len",
+                    f"must not exceed the model's learned positions ({model.max_seq}), got {inference.context}")
+        return synthesize_step(model, par, inference.shape(par.micro_batch, set(model.layer_windows())),
+                               inference.kv_cache_dtype, inference)
     parallel.check_against(model)
     if precision is None:
         precision = precision_for(parallel, gpu)
@@ -255,3 +288,37 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
                      degrees=degrees, overlap_param_gather=parallel.overlap_param_gather,
                      tp_comm_overlap=parallel.tp_comm_overlap)
     return Workload(model, parallel, meshes, role_args, precision)
+
+
+def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchShape, kv_cache_dtype: str = "bf16",
+                    inference: InferenceConfig | None = None) -> Workload:
+    """The role graphs of one inference step whose every micro-batch has ``shape``: the
+    forward passes of ``parallel.num_microbatches`` micro-batches (``parallel`` as
+    :meth:`InferenceConfig.parallel` makes it), each layer reading its KV cache."""
+    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
+    policy = ShardingPolicy(moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall")
+    compiled = compiled_inference_blocks(model.switches(), policy, kv_cache_dtype)
+    degrees = parallel.degrees()
+
+    def costs(block: CompiledBlock, window: int | None = None, *, attends: bool = False) -> BlockCosts:
+        values = model_values(padded, shape.sequences, 1, window, parallel.moe_load)
+        b, s, t, w = shape.symbols(window) if attends else (shape.sequences, shape.tokens / shape.sequences, 1, 1)
+        values.update({B: b, S: s, T: t, W: w})
+        for axis in BLOCK_AXES:
+            values[degree_symbol(axis)] = degrees[axis]
+        return block.evaluate(values)
+
+    kinds = list(zip(model.moe_layers(), model.layer_windows()))
+    layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, w, attends=True)
+                   for moe, w in set(kinds)}
+    blocks = ModelBlocks((compiled.embedding, costs(compiled.embedding)),
+                         tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)]) for moe, w in kinds),
+                         (compiled.head, costs(compiled.head)))
+    orders = parallel.mesh_orders()
+    meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE])}
+    if model.is_moe:
+        meshes[EXPERT] = DeviceMesh.build({a: degrees[a] for a in MESHES[EXPERT]}, orders[EXPERT])
+    role_args = dict(pp=parallel.pp, vp=1, schedule=parallel.schedule, num_microbatches=parallel.num_microbatches,
+                     layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks, zero=0,
+                     tied_embeddings=model.shares_embedding, degrees=degrees, inference=True)
+    return Workload(model, parallel, meshes, role_args, BF16, inference, shape)

@@ -68,12 +68,19 @@ def simulate_astra_sim(w: Workload, cluster: Cluster, *, binary: str | None = No
               "model_flops_per_step": w.total_model_flops(), "executed_flops_per_step": w.total_executed_flops(),
               "astra_sim": {"compute": mode, "per_rank_finished_ns": out.finished_ns,
                             "per_rank_exposed_comm_ns": out.exposed_comm_ns}}
-    return SimResult(step_time_s=step, tokens_per_s=par.global_batch * par.seq_len / step,
-                     mfu=w.total_model_flops() / (step * peak), hfu=w.total_executed_flops() / (step * peak),
-                     peak_memory_bytes=peak_mem, memory_capacity_bytes=cluster.gpu.memory_bytes,
-                     fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
-                     config=config, roles=roles, backend="astra-sim", precision=w.precision.to_dict(),
-                     mfu_fp8=fp8_mfu(w.total_model_flops(), step, cluster.gpu, cluster.num_gpus, w.precision))
+    result = SimResult(step_time_s=step, tokens_per_s=par.global_batch * par.seq_len / step,
+                       mfu=w.total_model_flops() / (step * peak), hfu=w.total_executed_flops() / (step * peak),
+                       peak_memory_bytes=peak_mem, memory_capacity_bytes=cluster.gpu.memory_bytes,
+                       fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
+                       config=config, roles=roles, backend="astra-sim", precision=w.precision.to_dict(),
+                       mfu_fp8=fp8_mfu(w.total_model_flops(), step, cluster.gpu, cluster.num_gpus, w.precision))
+    if w.inference is not None:
+        from stage_cosim.adapters.roofline.simulate import INFERENCE_FLOPS
+        from stage_cosim.inference.summary import step_summary
+
+        result.inference = step_summary(w, cluster, step)
+        result.flop_convention = INFERENCE_FLOPS
+    return result
 
 
 __all__ = ["simulate_astra_sim", "AstraSimError"]

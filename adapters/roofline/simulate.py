@@ -17,6 +17,8 @@ from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP
 from stage_cosim.workload import Workload
 
 NETWORK_MODELS = ("calibrated", "astra")
+INFERENCE_FLOPS = ("model FLOPs = matmul and attention FLOPs of the forward: the (query, key) pairs a causal "
+                   "kernel computes, logits for each sequence's last token only")
 
 
 def make_network(name: str, cluster: Cluster) -> NetworkModel:
@@ -223,12 +225,19 @@ def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, 
         "num_gpus": cluster.num_gpus, "network_model": network_model, "symmetric": symmetric,
         "exact": exact, "model_flops_per_step": model_flops, "executed_flops_per_step": executed,
     }
+    if w.inference is not None:
+        config["inference"] = w.inference.to_dict()
     result = SimResult(step_time_s=step, tokens_per_s=tokens / step, mfu=model_flops / (step * peak),
                        hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
                        memory_capacity_bytes=gpu.memory_bytes, fits_in_memory=peak_mem <= gpu.memory_bytes,
                        breakdown=critical.breakdown, config=config, roles=roles,
                        precision=w.precision.to_dict(),
                        mfu_fp8=fp8_mfu(model_flops, step, gpu, cluster.num_gpus, w.precision))
+    if w.inference is not None:
+        from stage_cosim.inference.summary import step_summary
+
+        result.inference = step_summary(w, cluster, step)
+        result.flop_convention = INFERENCE_FLOPS
     return result
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from stage_cosim.cli.options import (
-    cluster_option, model_options, parallel_options, resolve_model_options, resolve_parallel_options,
+    cluster_option, inference_options, model_options, parallel_options, resolve_inference_options,
+    resolve_model_options, resolve_parallel_options,
 )
 
 astra_options = [
@@ -51,6 +52,7 @@ def astra_sim() -> None:
 @astra_sim.command("export")
 @model_options
 @parallel_options
+@inference_options
 @cluster_option
 @with_astra_options
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Run directory to create.")
@@ -63,9 +65,10 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
 
     settings = settings_from(kw)
     model = resolve_model_options(kw)
+    inference = resolve_inference_options(kw)
     parallel = resolve_parallel_options(kw)
     machine = resolve_cluster(cluster, parallel.world_size)
-    w = synthesize(model, parallel, machine.gpu)
+    w = synthesize(model, parallel, machine.gpu, inference=inference)
     manifest = export(w, machine, out, mode=compute_mode, settings=settings, force=force)
     click.echo(f"wrote an ASTRA-sim run directory for {manifest['ranks']} ranks to {out} "
                f"({manifest['trace_bytes'] / 2**20:.1f} MiB of traces, compute: {compute_mode})")

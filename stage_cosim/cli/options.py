@@ -11,6 +11,7 @@ from typing import Any, Callable
 import click
 
 from stage_cosim.errors import UserError
+from stage_cosim.inference.config import KV_CACHE_DTYPES, PHASES, TRAIN, InferenceConfig
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
@@ -87,7 +88,8 @@ parallel_options = _compose(
     click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree."),
     click.option("--vp", type=int, default=1, show_default=True, help="Virtual pipeline stages per device (interleaved 1F1B)."),
     click.option("--sp/--no-sp", "sp", default=False, help="Megatron sequence parallelism over the tp axis."),
-    click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch."),
+    click.option("--micro-batch", type=int, default=None,
+                 help="Sequences per micro-batch (default 1; inference: the replica's requests over pp)."),
     click.option("--global-batch", type=int, default=None, help="Sequences per step (default dp * micro-batch)."),
     click.option("--seq-len", type=int, default=2048, show_default=True, help="Sequence length."),
     click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3."),
@@ -149,9 +151,42 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
         except ValueError:
             raise UserError("pp-layers", f"must be comma-separated integers, got {pp_layers!r}") from None
     order = tuple(a.strip() for a in kw.pop("axis_order").split(","))
-    names = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero",
-             "recompute", "schedule", *PRECISION_FLAGS, *MOE_PARALLEL)
-    return ParallelConfig(**{n: kw.pop(n) for n in names}, pp_layers=layers, axis_order=order)
+    names = ("dp", "tp", "pp", "vp", "sp", "global_batch", "seq_len", "zero", "recompute", "schedule",
+             *PRECISION_FLAGS, *MOE_PARALLEL)
+    return ParallelConfig(**{n: kw.pop(n) for n in names}, micro_batch=kw.pop("micro_batch") or 1,
+                          pp_layers=layers, axis_order=order)
+
+
+inference_options = _compose(
+    click.option("--phase", type=click.Choice((TRAIN,) + PHASES), default=TRAIN, show_default=True,
+                 help="A training step, or an inference step: a prefill of prompts or one decode step."),
+    click.option("--batch", type=int, default=None, help="Inference: requests in the step (over all dp replicas; default 1)."),
+    click.option("--input-len", type=int, default=None, help="Prefill: prompt tokens per request (default 2048)."),
+    click.option("--context-len", type=int, default=None,
+                 help="Decode: tokens each request's new token attends to, itself included (default 2048)."),
+    click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
+                 help="Inference: precision of the KV cache (default bf16)."),
+)
+INFERENCE_FLAGS = ("batch", "input_len", "context_len", "kv_cache_dtype")
+
+
+def resolve_inference_options(kw: dict[str, Any]) -> InferenceConfig | None:
+    """The InferenceConfig of --phase prefill|decode (popping its flags), or None for training.
+    Training-only batch flags are refused with an inference phase, and the other way round."""
+    phase = kw.pop("phase")
+    given = {k: kw.pop(k) for k in INFERENCE_FLAGS}
+    if phase == TRAIN:
+        for k, v in given.items():
+            if v is not None:
+                raise UserError(k.replace("_", "-"), "is an inference option (with --phase prefill or decode)")
+        return None
+    ctx = click.get_current_context(silent=True)
+    for k, instead in (("seq_len", "--input-len or --context-len"), ("global_batch", "--batch")):
+        explicit = ctx is not None and ctx.get_parameter_source(k) not in (None, click.core.ParameterSource.DEFAULT)
+        if kw.get(k) is not None and (explicit or k == "global_batch"):
+            raise UserError(k.replace("_", "-"), f"is a training option; an inference step takes {instead}")
+    return InferenceConfig(phase, **{k: v for k, v in given.items() if v is not None},
+                           micro_batch=kw.get("micro_batch"))
 
 cluster_option = click.option(
     "--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",

@@ -9,7 +9,8 @@ import click
 
 from stage_cosim.cli.astra_cmd import settings_from, with_astra_options
 from stage_cosim.cli.options import (
-    cluster_option, model_options, parallel_options, resolve_model_options, resolve_parallel_options,
+    cluster_option, inference_options, model_options, parallel_options, resolve_inference_options,
+    resolve_model_options, resolve_parallel_options,
 )
 from stage_cosim.errors import UserError
 from stage_cosim.result import SimResult
@@ -40,21 +41,35 @@ def _experts_line(par: dict) -> str:
 def print_summary(r: SimResult) -> None:
     cfg = r.config
     par = cfg.get("parallel") or {}
-    click.echo(f"step time        {r.step_time_s:.4f} s")
+    inf = r.inference
+    if inf:
+        what = (f"prefill of {inf['batch']} x {inf['input_len']} tokens" if inf["phase"] == "prefill" else
+                f"decode step of {inf['batch']} requests at context {inf['context_len']}")
+        click.echo(f"step             {what} ({inf['micro_batches']} micro-batch"
+                   f"{'es' if inf['micro_batches'] > 1 else ''} of {inf['micro_batch']} per replica)")
+        click.echo(f"latency          {1e3 * r.step_time_s:.3f} ms "
+                   f"({'time to first token' if inf['phase'] == 'prefill' else 'time per output token'})")
+    else:
+        click.echo(f"step time        {r.step_time_s:.4f} s")
     click.echo(f"throughput       {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.1f} per GPU)")
     click.echo(f"MFU / HFU        {100 * r.mfu:.1f} % / {100 * r.hfu:.1f} % of BF16 peak   ({r.flop_convention})")
     if r.mfu_fp8 is not None:
         fmt = "MXFP8" if r.precision.get("recipe") == "mxfp8" else "FP8"
         click.echo(f"{'MFU (' + fmt + ' peak)':<17}{100 * r.mfu_fp8:.1f} %")
     click.echo(f"precision        {describe_precision(r.precision)}")
+    if inf:
+        click.echo(f"HBM traffic      {inf['bytes_read'] / 1e9:,.2f} GB read (weights per micro-batch, KV cache), "
+                   f"MBU {100 * inf['mbu']:.1f} %")
+        click.echo(f"KV cache         {inf['kv_cache_bytes_per_gpu'] / GiB:.2f} GiB per GPU, "
+                   f"{inf['kv_cache_bytes_per_token_per_gpu'] / 1024:.1f} KiB per token per GPU ({inf['kv_cache_dtype']})")
     fits = "fits" if r.fits_in_memory else "DOES NOT FIT"
     click.echo(f"peak memory      {r.peak_memory_bytes / GiB:.1f} GiB of {r.memory_capacity_bytes / GiB:.0f} GiB ({fits})")
     if par:
-        click.echo(f"configuration    dp{par['dp']} tp{par['tp']} pp{par['pp']}"
-                   f"{' vp' + str(par['vp']) if par.get('vp', 1) > 1 else ''}{' sp' if par.get('sp') else ''}"
-                   f" zero{par['zero']} recompute={par['recompute']} micro-batch {par['micro_batch']}"
-                   f" x {par['num_microbatches']} on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']}"
-                   f" ({cfg['network_model']} network)")
+        training = "" if inf else (f"{' vp' + str(par['vp']) if par.get('vp', 1) > 1 else ''}"
+                                   f"{' sp' if par.get('sp') else ''} zero{par['zero']} recompute={par['recompute']}"
+                                   f" micro-batch {par['micro_batch']} x {par['num_microbatches']}")
+        click.echo(f"configuration    dp{par['dp']} tp{par['tp']} pp{par['pp']}{training}"
+                   f" on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']} ({cfg['network_model']} network)")
         if (cfg.get("model") or {}).get("num_experts"):
             click.echo(f"experts          {_experts_line(par)}")
     keys = [k for k in r.breakdown if any(role.breakdown.get(k) for role in r.roles)]
@@ -69,6 +84,7 @@ def print_summary(r: SimResult) -> None:
 @click.command()
 @model_options
 @parallel_options
+@inference_options
 @cluster_option
 @click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True,
               help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")
@@ -100,6 +116,7 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
 
     settings = settings_from(kw)
     model = resolve_model_options(kw)
+    inference = resolve_inference_options(kw)
     parallel = resolve_parallel_options(kw)
     if backend == "astra-sim":
         from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
@@ -107,7 +124,7 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
         if traces is not None or timeline is not None:
             raise UserError("backend", "--traces and --timeline work with the roofline backend only")
         machine = resolve_cluster(cluster, parallel.world_size)
-        result = simulate_astra_sim(synthesize(model, parallel, machine.gpu), machine,
+        result = simulate_astra_sim(synthesize(model, parallel, machine.gpu, inference=inference), machine,
                                     binary=astra_bin, mode=compute_mode, settings=settings, keep=keep,
                                     timeout_s=timeout)
         click.echo(json.dumps(result.to_dict(), indent=1)) if as_json else print_summary(result)
@@ -115,6 +132,8 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
     if traces is not None:
         from stage_cosim.trace.traceset import locate
 
+        if inference is not None:
+            raise UserError("phase", "--traces simulates the traces as they are (the phase is theirs)")
         n = len(locate(traces, comm_groups).files)
         result, rep, programs = simulate_traces(traces, resolve_cluster(cluster, n), network_model,
                                                 comm_groups=comm_groups, astra_settings=settings,
@@ -122,7 +141,7 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
         names = None
     else:
         machine = resolve_cluster(cluster, parallel.world_size)
-        workload = synthesize(model, parallel, machine.gpu)
+        workload = synthesize(model, parallel, machine.gpu, inference=inference)
         # a timeline needs every node's times: replay node by node then
         result, rep, programs = run(workload, machine, network_model,
                                     symmetric=not full, exact=True if timeline is not None else None,

@@ -11,7 +11,10 @@ import click
 from tqdm import tqdm
 
 from stage_cosim.hardware import resolve_cluster
-from stage_cosim.cli.options import model_options, parallel_options, resolve_model_options, resolve_parallel_options
+from stage_cosim.cli.options import (
+    inference_options, model_options, parallel_options, resolve_inference_options, resolve_model_options,
+    resolve_parallel_options,
+)
 
 FORMATS = ("chakra", "json")        # stage_cosim.trace.writer.FORMATS (imported lazily: it pulls in synthesis)
 
@@ -21,6 +24,7 @@ GiB = 1 << 30
 @click.command()
 @model_options
 @parallel_options
+@inference_options
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="chakra", show_default=True,
               help="Chakra protobuf (what ASTRA-sim reads) or the same graphs as JSON.")
@@ -30,17 +34,19 @@ GiB = 1 << 30
               help="The machine the traces are for; with --dtype fp8 its GPU decides the FP8 kernels "
                    "(default: H100, as on dgx-h100).")
 def synth(out: Path, fmt: str, force: bool, quiet: bool, cluster: str | None, **kw) -> None:
-    """Synthesize one training step as per-rank execution traces."""
+    """Synthesize one training step (or a prefill or decode step) as per-rank execution traces."""
     from stage_cosim.manifest import build_manifest
     from stage_cosim.trace.writer import GROUPS_FILE, MANIFEST_FILE, TRACE_PREFIX, atomic_directory, write_traces
     from stage_cosim.workload import synthesize
 
     model = resolve_model_options(kw)
+    inference = resolve_inference_options(kw)
     parallel = resolve_parallel_options(kw)
     t0 = time.perf_counter()
     # the GPU decides the FP8 kernels (the recipe default, transposed copies)
     gpu = resolve_cluster(cluster, parallel.world_size).gpu if cluster else None
-    workload = synthesize(model, parallel, gpu)
+    workload = synthesize(model, parallel, gpu, inference=inference)
+    parallel = workload.parallel
     show = not quiet and sys.stderr.isatty()
     with atomic_directory(out, force) as scratch:
         with tqdm(total=workload.world_size, unit="rank", disable=not show, desc="writing") as bar:
@@ -56,16 +62,19 @@ def synth(out: Path, fmt: str, force: bool, quiet: bool, cluster: str | None, **
 def print_summary(model, parallel, manifest: dict, out: Path, elapsed: float) -> None:  # noqa: ANN001
     """What 'synth' prints (also 'remote synth'): the run, the files, and per stage the costs."""
     counts = manifest["counts"]
+    inf = manifest.get("inference")
+    step = (f"{inf['phase']} of {inf['batch']} requests, {parallel.num_microbatches} micro-batches per replica"
+            if inf else f"{parallel.num_microbatches} micro-batches per rank, schedule {parallel.schedule}")
     click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp} pp{parallel.pp}"
-               f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}), {parallel.num_microbatches} micro-batches "
-               f"per rank, schedule {parallel.schedule}")
+               f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}), {step}")
     click.echo(f"wrote {counts['files']} files, {counts['bytes_written'] / 2**20:.1f} MiB to {out} in {elapsed:.2f} s")
     click.echo(f"{'stage':>5} {'layers':>9} {'nodes':>7} {'TFLOP':>9} {'comm GiB':>9} {'memory GiB':>11}  "
-               "(weights/grads/optimizer/activations/workspace)")
+               "(weights/grads/optimizer/activations/workspace/KV cache)")
     for s in manifest["roles"]:
         mem = s["peak_memory_bytes"]
         comm = sum(v for g in s["comm_bytes"].values() for k, v in g.items() if k != "RECV")
         layers = f"{s['layers'][0]}-{s['layers'][1]}" if s["layers"] else "-"
-        parts = "/".join(f"{mem[k] / GiB:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "workspace"))
+        parts = "/".join(f"{mem.get(k, 0) / GiB:.1f}" for k in ("weights", "gradients", "optimizer", "activations",
+                                                                "workspace", "kv_cache"))
         click.echo(f"{s['stage']:>5} {layers:>9} {sum(s['nodes'].values()):>7} {s['flops'] / 1e12:>9.1f} "
                    f"{comm / GiB:>9.2f} {mem['total'] / GiB:>11.2f}  ({parts})")

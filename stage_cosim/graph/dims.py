@@ -24,6 +24,10 @@ L = sp.Symbol("moe_load", positive=True)
 # Multi-latent attention: the query and key/value latent ranks, the query/key head dimension
 # without and with the rotary part, the rotary part alone.
 LQ, LKV, NOPE, ROPE = sp.symbols("q_lora kv_lora qk_nope qk_rope", positive=True, integer=True)
+# Keys and values each sequence's attention reads: the sequence itself in training; in
+# inference the context held in the KV cache (the prompt in a prefill, every token so far in a
+# decode step), which is not the number of new tokens ``s``.
+T = sp.Symbol("t", positive=True, integer=True)
 
 MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "micro_batch": B, "seq": S, "hidden": H, "ffn": F, "kv_heads": G,
@@ -31,6 +35,7 @@ MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "num_experts": E, "moe_router_topk": K, "moe_ffn_hidden_size": FI,
     "moe_shared_expert_intermediate_size": FJ, "moe_load": L, "q_lora_rank": LQ, "kv_lora_rank": LKV,
     "qk_head_dim": NOPE, "qk_pos_emb_head_dim": ROPE,
+    "context": T,
 }
 
 def degree_symbol(axis: str) -> sp.Symbol:
@@ -43,7 +48,7 @@ LABEL_SIZE: dict[str, sp.Expr] = {
     # Shard("b") over dp leaves each rank its own micro-batch b.
     "b": B * degree_symbol("dp"),
     "s": S,            # sequence (queries)
-    "t": S,            # sequence of keys/values (same length, its own label in attention)
+    "t": T,            # keys/values per sequence (training: the sequence; inference: the cached context)
     "h": H,            # hidden
     "f": F,            # MLP intermediate
     "u": sp.Integer(2),  # the gate/up pair of a SwiGLU input projection
@@ -96,7 +101,8 @@ def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821
                  window: int | None = None, moe_load: float = 1.0) -> dict[sp.Symbol, float]:
     """Bind the model and batch symbols to numbers (for a layer with sliding ``window``, if
     given; with the busiest expert rank's load ``moe_load``). Symbols a model does not use
-    (no experts, no latent attention) are bound to 1."""
+    (no experts, no latent attention) are bound to 1. Keys are the sequence itself
+    (training); inference rebinds ``T`` and ``W``."""
     moe = model.num_experts is not None
     shared = model.moe_shared_expert_intermediate_size
     mla = model.multi_latent_attention
@@ -106,4 +112,4 @@ def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821
             E: model.num_experts if moe else 1, K: model.moe_router_topk if moe else 1,
             FI: model.expert_ffn if moe else 1, FJ: shared if moe and shared else 1, L: moe_load,
             LQ: model.q_lora_rank if mla and model.q_lora_rank else 1, LKV: model.kv_lora_rank if mla else 1,
-            NOPE: model.qk_head_dim if mla else 1, ROPE: model.qk_pos_emb_head_dim if mla else 1}
+            NOPE: model.qk_head_dim if mla else 1, ROPE: model.qk_pos_emb_head_dim if mla else 1, T: seq}

@@ -23,7 +23,8 @@ from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE
 UNFUSED_CROSS_ENTROPY_PASSES = (6, 2)
 
 # "index": integer activations (the routing map of a Mixture-of-Experts router): no gradient.
-TensorKind = Literal["input", "activation", "weight", "grad", "weight_grad", "index"]
+# "kv_cache": the keys and values an inference step's attention reads, held across steps.
+TensorKind = Literal["input", "activation", "weight", "grad", "weight_grad", "index", "kv_cache"]
 
 # The meshes a tensor can live on (see :mod:`stage_cosim.parallel.axes`).
 DENSE, EXPERT = "dense", "expert"
@@ -120,7 +121,8 @@ class Op:
     replicated_over: tuple[str, ...] = ()
 
     # Control dependencies: tensors whose producers must finish before this op starts, though
-    # it does not read them (a shared expert run after the routed ones).
+    # it does not read them (a shared expert run after the routed ones; attention reading the KV cache after
+    # this step's keys are written).
     after: list[Tensor] = field(default_factory=list)
 
     def einsum_operands(self) -> tuple[list[str], str]:
@@ -146,6 +148,8 @@ class Block:
     inputs: list[Tensor]       # activations that arrive from the previous block
     outputs: list[Tensor]      # activations handed to the next block (or the loss)
     weights: list[Tensor]
+    # State held from step to step (the KV cache of an inference layer), read by the ops.
+    caches: list[Tensor] = field(default_factory=list)
 
     def param_count(self) -> sp.Expr:
         return sp.Add(*(w.numel() for w in self.weights))

@@ -112,16 +112,19 @@ class StageMemory:
     # FP8: quantized weight copies kept across micro-batches; delayed scaling's amax histories
     fp8_weight_cache: int = 0
     fp8_amax_history: int = 0
+    # An inference step: the KV cache of the step's requests (held from step to step).
+    kv_cache: int = 0
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.workspace
-                + self.fp8_weight_cache + self.fp8_amax_history)
+                + self.fp8_weight_cache + self.fp8_amax_history + self.kv_cache)
 
     def to_dict(self) -> dict[str, int]:
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "workspace": self.workspace,
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_amax_history": self.fp8_amax_history,
+                "kv_cache": self.kv_cache,
                 "total": self.total, "model_states_layers": self.states_layers,
                 "model_states_embedding_and_head": self.states_embedding_head}
 
@@ -525,27 +528,38 @@ def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ..
     return chunks
 
 
+def _order(schedule: str, pp: int, stage: int, num_microbatches: int, vp: int, inference: bool) -> list[Pass]:
+    """The stage's passes: the schedule's, or (an inference step) the forwards alone, in order."""
+    order = schedule_order(schedule, pp, stage, num_microbatches, vp)
+    return [p for p in order if p.phase == "fwd"] if inference else order
+
+
 def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                  layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                  degrees: dict[str, int], overlap_param_gather: bool = False,
-                 tp_comm_overlap: bool = False) -> StageMemory:
+                 tp_comm_overlap: bool = False, inference: bool = False) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
-    order = schedule_order(schedule, pp, stage, num_microbatches, vp)
+    order = _order(schedule, pp, stage, num_microbatches, vp, inference)
     instances = [inst for c in range(vp) for inst in chunks[c]]
+    if inference:
+        return _inference_memory(instances, num_microbatches, tied_embeddings)
     return _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
 
 
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                degrees: dict[str, int], overlap_param_gather: bool = False,
-               tp_comm_overlap: bool = False) -> RoleGraph:
+               tp_comm_overlap: bool = False, inference: bool = False) -> RoleGraph:
+    """The graph of one pipeline stage: its passes in schedule order, then (training) the
+    step-end reductions and the optimizer. An inference step is its forward passes alone."""
     nv = pp * vp
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
-    order = schedule_order(schedule, pp, stage, num_microbatches, vp)
+    order = _order(schedule, pp, stage, num_microbatches, vp, inference)
+    phases = ("fwd",) if inference else ("fwd", "bwd")
     templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
                                          tp_comm_overlap)
-                 for c in range(vp) for ph in ("fwd", "bwd")}
+                 for c in range(vp) for ph in phases}
     # the first forward of each chunk also casts the FP8 weights the other micro-batches reuse
     for c in range(vp):
         if any(st.first_microbatch for inst in chunks[c] for st in inst.compiled.sharded.fwd):
@@ -604,9 +618,12 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
 
     instances = [inst for c in range(vp) for inst in chunks[c]]
     step_end_start = len(b.nodes)
-    _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings, degrees=degrees,
-              gather_after_update=not gathered, flush=prev_sinks + sends)
-    memory = _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
+    if inference:
+        memory = _inference_memory(instances, num_microbatches, tied_embeddings)
+    else:
+        _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings,
+                  degrees=degrees, gather_after_update=not gathered, flush=prev_sinks + sends)
+        memory = _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
     return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start, b.deferred)
 
@@ -782,3 +799,22 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
         workspace=_ceil(workspace), states_layers=_ceil(states(layer_params, layer_stored)),
         states_embedding_head=_ceil(states(other_params, other_stored)),
         fp8_weight_cache=_ceil(cache), fp8_amax_history=_ceil(history))
+
+
+def _inference_memory(instances: list[_Instance], num_microbatches: int, tied: bool) -> StageMemory:
+    """Memory of a rank in an inference step: the weights (no gradients, no optimizer, no
+    activations held for a backward), the KV cache of every micro-batch's requests, and the
+    largest forward working set of one block."""
+    layer = other = 0.0
+    for inst, j in _unique_weights(instances, tied):
+        ws = inst.compiled.sharded.weight_syncs[j]
+        nbytes = inst.costs.weight_params[j] * ws.param_bytes   # as the weights are stored
+        if inst.kind == "layer":
+            layer += nbytes
+        else:
+            other += nbytes
+    kv = sum(i.costs.cache_bytes for i in instances) * num_microbatches
+    workspace = max((i.costs.workspace_bytes for i in instances), default=0.0)
+    return StageMemory(weights=_ceil(layer + other), gradients=0, optimizer=0, activations=0,
+                       workspace=_ceil(workspace), states_layers=_ceil(layer), states_embedding_head=_ceil(other),
+                       kv_cache=_ceil(kv))

@@ -12,13 +12,13 @@ from typing import Callable, NamedTuple, Sequence
 
 import sympy as sp
 
-from stage_cosim.graph.dims import B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, V, W, degree_symbol
+from stage_cosim.graph.dims import B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, T, V, W, degree_symbol
 from stage_cosim.graph.transformer import build_blocks
 from stage_cosim.model.config import ArchSwitches
 from stage_cosim.parallel.axes import BLOCK_AXES
-from stage_cosim.sharding.propagate import ShardedBlock, ShardingPolicy, shard_block
+from stage_cosim.sharding.propagate import ShardedBlock, ShardingPolicy, shard_block, shard_forward
 
-SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE)
+SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE, T)
                                   + tuple(degree_symbol(a) for a in BLOCK_AXES))
 
 
@@ -43,6 +43,7 @@ class BlockCosts:
     cached_bytes: float                              # FP8 weight copies kept across micro-batches
     weight_params: tuple[float, ...]                 # per WeightSync
     weight_sync_bytes: tuple[tuple[float, ...], ...]  # per WeightSync, per collective
+    cache_bytes: float = 0.0                         # the KV cache on one rank (inference)
 
 
 @dataclass
@@ -65,10 +66,10 @@ class CompiledBlock:
 
         fwd = StepCosts(take(nf), take(nf), take(nf), take(nf), take(nf))
         bwd = StepCosts(take(nb), take(nb), take(nb), take(nb), take(nb))
-        saved, workspace, boundary, cached = take(4)
+        saved, workspace, boundary, cached, cache = take(5)
         params = take(nw)
         syncs = tuple(take(n) for n in sync_lens)
-        return BlockCosts(fwd, bwd, saved, workspace, boundary, cached, params, syncs)
+        return BlockCosts(fwd, bwd, saved, workspace, boundary, cached, params, syncs, cache)
 
 
 def compile_block(sb: ShardedBlock) -> CompiledBlock:
@@ -76,7 +77,7 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
     for steps in (sb.fwd, sb.bwd):
         exprs += [s.flops for s in steps] + [s.model_flops for s in steps]
         exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps] + [s.groups for s in steps]
-    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes]
+    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes, sb.cache_bytes]
     exprs += [w.params for w in sb.weight_syncs]
     for w in sb.weight_syncs:
         exprs += [b for _, _, b in w.grad_collectives]
@@ -108,3 +109,14 @@ def compiled_blocks(arch: ArchSwitches, policy: ShardingPolicy) -> CompiledGraph
     return CompiledGraph(compile_block(shard_block(g.embedding, edges)), compile_block(shard_block(g.layer, policy)),
                          compile_block(shard_block(g.head, edges)),
                          compile_block(shard_block(g.moe_layer, policy)) if g.moe_layer is not None else None)
+
+
+@lru_cache(maxsize=128)
+def compiled_inference_blocks(arch: ArchSwitches, policy: ShardingPolicy, kv_cache_dtype: str = "bf16"
+                              ) -> CompiledGraph:
+    """The blocks of an inference step (forward only, the layers reading their KV cache, the
+    head sampling), sharded under ``policy`` and compiled."""
+    from stage_cosim.graph.inference import inference_blocks
+
+    g = inference_blocks(arch, kv_cache_dtype)
+    return CompiledGraph(*(compile_block(shard_forward(b, policy)) if b is not None else None for b in g))

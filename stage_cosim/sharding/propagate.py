@@ -143,6 +143,7 @@ class ShardedBlock:
     # (GEMMs, FP8 attention) that each keep a scaling state.
     cached_bytes: sp.Expr = sp.Integer(0)
     fp8_modules: int = 0
+    cache_bytes: sp.Expr = sp.Integer(0)   # the KV cache an inference step reads, on one rank
 
 
 def _degree(axis: str) -> sp.Symbol:
@@ -458,9 +459,14 @@ class _Pass:
 
     def _compute(self, op: Op, phase: str, local_inputs: list[Tensor], out_pls: list[Placements],
                  flops: sp.Expr, model_flops: sp.Expr, deps: list[int]) -> int:
-        """The kernel step of ``op``: its FLOPs, and the bytes of its local inputs and outputs."""
-        mem = op.memory_passes * sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
-                                        *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
+        """The kernel step of ``op``: its FLOPs, and the bytes of its local inputs and outputs
+        (a gather reads the rows its indices pick, as many as it writes, not the whole table)."""
+        if op.kind == "lookup":
+            rows = local_bytes(op.outputs[0], out_pls[0])
+            mem = local_bytes(local_inputs[1], self.placements[local_inputs[1]]) + 2 * rows
+        else:
+            mem = op.memory_passes * sp.Add(*(local_bytes(t, self.placements[t]) for t in local_inputs),
+                                            *(local_bytes(o, p) for o, p in zip(op.outputs, out_pls)))
         # Model FLOPs count balanced routing: the busiest expert rank's extra load is time, not work.
         model_flops = model_flops.subs(L, 1) if model_flops.has(L) else model_flops
         idx = len(self.steps)
@@ -569,7 +575,8 @@ def input_placement(t: Tensor, policy: ShardingPolicy) -> Placements:
             continue
         label = AXIS[axis].shards
         if label is None:
-            label = _residual_label(policy) if t.residual else None
+            # a KV cache is split by heads, as the attention that reads it
+            label = t.tp_shard if t.kind == "kv_cache" else _residual_label(policy) if t.residual else None
         out.append(Shard(label) if label is not None and label in t.labels else REPLICATE)
     return tuple(out)
 
@@ -620,7 +627,7 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     fwd = _Pass(policy, "fwd", placements, block.weights)
     for op in block.ops:
         fwd.run(op, "fwd")
-    fwd_exit = tuple(sorted({i for t in block.outputs for i in fwd.producers.get(t, ())}))
+    fwd_exit = _hand_on(fwd, block, policy)
 
     # The backward pass starts from the gradients of the block's outputs, placed like the outputs.
     for out, g in backward.output_grads.items():
@@ -659,6 +666,45 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
                       if t.kind == "weight"))
     return ShardedBlock(block, policy, fwd.steps, bwd.steps, fwd_exit, bwd_exit, saved_bytes,
                         workspace, weight_syncs, boundary, cached, fp8_modules)
+
+
+def _hand_on(fwd: _Pass, block: Block, policy: ShardingPolicy) -> tuple[int, ...]:
+    """The steps that hand the block's outputs on, in the layout the next block reads its
+    inputs in (the residual stream): an output still partial over tp (the vocabulary-parallel
+    embedding's) is reduced first, as Megatron's embedding all-reduces (or, with sequence
+    parallelism, reduce-scatters) its output."""
+    exits: set[int] = set()
+    for t in block.outputs:
+        # the hidden states go on in the residual layout (a loss or sampled tokens stay put)
+        want = input_placement(replace(t, residual=True), policy) if "h" in t.labels else fwd.placement(t)
+        if fwd.placement(t) != want:
+            lt = fwd.redistribute(t, want, "fwd")
+            fwd.placements[t] = want
+            fwd.producers[t] = fwd.producers.get(lt, ())
+        exits.update(fwd.producers.get(t, ()))
+    return tuple(sorted(exits))
+
+
+def shard_forward(block: Block, policy: ShardingPolicy) -> ShardedBlock:
+    """The per-rank program of ``block``'s forward alone, as an inference step runs it: no
+    backward, no gradients, no activations held for later. Its KV cache (the block's state)
+    is placed like the attention that reads it. ``workspace_bytes`` is the largest kernel's
+    working set of activations beside the block's input (what a forward pass holds at once)."""
+    placements: dict[Tensor, Placements] = {t: input_placement(t, policy) for t in [*block.inputs, *block.caches]}
+    fwd = _Pass(policy, "fwd", placements, block.weights)
+    for op in block.ops:
+        fwd.run(op, "fwd")
+    fwd_exit = _hand_on(fwd, block, policy)
+    syncs = [WeightSync(w, local_numel(w, compute_placement(w)), (), weight_replicas(w)) for w in block.weights]
+    boundary = sp.Add(*(local_bytes(t, placements[t]) for t in block.outputs))
+    inputs = sp.Add(*(local_bytes(t, placements[t]) for t in block.inputs))
+    working = [sp.Add(*(local_bytes(t, placements[t]) for t in [*op.inputs, *op.outputs]
+                        if t.kind == "activation" and t in placements))
+               for op in block.ops]
+    workspace = inputs + (sp.Max(*working) if working else sp.Integer(0))
+    caches = sp.Add(*(local_bytes(c, placements[c]) for c in block.caches))
+    return ShardedBlock(block, policy, fwd.steps, [], fwd_exit, (), sp.Integer(0), workspace, syncs, boundary,
+                        cache_bytes=caches)
 
 
 def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: dict[Tensor, Placements],

@@ -1,0 +1,165 @@
+"""What one inference step runs: a prefill of prompts or a decode step, and the batch's shape.
+
+An inference step is the forward of every block over a batch of requests, with each
+request's keys and values kept in a KV cache from step to step:
+
+* a **prefill** of ``batch`` prompts of ``input_len`` tokens each: attention over the prompt
+  (causal), its keys and values written to the cache, the first output token sampled;
+* a **decode** step of ``batch`` requests: one new token each, whose attention reads the
+  ``context_len`` tokens of its cache (the new one included), GEMMs with one row per request.
+
+A serving engine mixes both in one step (continuous batching with chunked prefill). What the
+graph's costs depend on is the :class:`BatchShape` of a micro-batch: how many sequences, how
+many new tokens, and per layer kind how many cached tokens the attention reads and how many
+(query, key) pairs it scores. A uniform prefill or decode is one such shape; so is any mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from typing import Any
+
+from stage_cosim.errors import positive_int, require
+
+PHASES = ("prefill", "decode")
+TRAIN = "train"
+KV_CACHE_DTYPES = ("bf16", "fp8")
+# Training options that mean nothing in an inference step, with the value that leaves them off.
+TRAINING_ONLY = {"vp": 1, "sp": False, "zero": 0, "recompute": "none", "dtype": "bf16"}
+
+
+def attention_span(new: int, past: int, window: int | None) -> Fraction:
+    """Keys a causal query attends to, on average over ``new`` tokens appended after ``past``
+    cached ones (token i of the sequence, counting from 1, sees min(i, window) keys)."""
+    w = window if window is not None else past + new
+    lo, hi = past + 1, past + new                 # positions of the new tokens
+    if hi <= w:
+        total = (lo + hi) * new // 2
+    elif lo > w:
+        total = new * w
+    else:                                         # below the window, then capped by it
+        total = (lo + w) * (w - lo + 1) // 2 + (hi - w) * w
+    return Fraction(total, new)
+
+
+def held(new: int, past: int, window: int | None) -> int:
+    """Tokens of one sequence the cache of a layer holds after the step (the last ``window``)."""
+    ctx = past + new
+    return ctx if window is None else min(ctx, window)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One request's part of a step: ``new`` tokens appended after ``past`` cached ones."""
+
+    new: int
+    past: int = 0
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One micro-batch of one model replica, as far as costs go.
+
+    ``kv_tokens`` and ``pairs`` are per layer kind (a sliding window, or None for global
+    attention): the cached tokens the attention reads, summed over the sequences (what its
+    cache holds after the step's append), and the (query, key) pairs it scores.
+    """
+
+    sequences: int
+    tokens: int
+    kv_tokens: tuple[tuple[int | None, int], ...]
+    pairs: tuple[tuple[int | None, Fraction], ...]
+
+    @classmethod
+    def of(cls, seqs: list[Sequence] | tuple[Sequence, ...], windows: set[int | None] | frozenset) -> "BatchShape":
+        kv = tuple((w, sum(held(s.new, s.past, w) for s in seqs)) for w in sorted(windows, key=_order))
+        pairs = tuple((w, sum((attention_span(s.new, s.past, w) * s.new for s in seqs), Fraction(0)))
+                      for w in sorted(windows, key=_order))
+        return cls(len(seqs), sum(s.new for s in seqs), kv, pairs)
+
+    @classmethod
+    def uniform(cls, sequences: int, new: int, past: int, windows: set[int | None] | frozenset) -> "BatchShape":
+        """``sequences`` alike: the shape of a plain prefill or decode step."""
+        kv = tuple((w, sequences * held(new, past, w)) for w in sorted(windows, key=_order))
+        pairs = tuple((w, sequences * new * attention_span(new, past, w)) for w in sorted(windows, key=_order))
+        return cls(sequences, sequences * new, kv, pairs)
+
+    def symbols(self, window: int | None) -> tuple[float, float, float, float]:
+        """(sequences b, new tokens per sequence s, cached tokens per sequence t, keys per
+        query w) for a layer with ``window``: the graph's symbols, whose products are exactly
+        the shape's totals (b*s tokens, b*t cached tokens, b*s*w pairs)."""
+        kv = dict(self.kv_tokens)[window]
+        pairs = dict(self.pairs)[window]
+        b = self.sequences
+        return b, self.tokens / b, kv / b, float(pairs) / self.tokens
+
+
+def _order(w: int | None) -> tuple[int, int]:
+    return (0, 0) if w is None else (1, w)
+
+
+@dataclass(frozen=True)
+class InferenceConfig:
+    """A uniform inference step: a prefill or a decode step of ``batch`` requests.
+
+    ``batch`` counts the requests of the whole step over every data-parallel replica (each runs
+    ``batch / dp``), split into the pipeline's micro-batches; ``context_len`` is what each
+    decoding request's new token attends to (its prompt and every token generated so far, the
+    new one included).
+    """
+
+    phase: str
+    batch: int = 1
+    input_len: int = 2048
+    context_len: int = 2048
+    kv_cache_dtype: str = "bf16"
+    # Requests per pipeline micro-batch on one replica (default: the replica's requests split
+    # into pp micro-batches when they divide, so that every stage has work; else one).
+    micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        require(self.phase in PHASES, "phase", f"must be one of {', '.join((TRAIN,) + PHASES)}, got {self.phase!r}")
+        for name in ("batch", "input_len", "context_len"):
+            positive_int(getattr(self, name), name.replace("_", "-"))
+        if self.micro_batch is not None:
+            positive_int(self.micro_batch, "micro-batch")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv-cache-dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+
+    @property
+    def new_tokens(self) -> int:
+        """New tokens per request in the step."""
+        return self.input_len if self.phase == "prefill" else 1
+
+    @property
+    def past_tokens(self) -> int:
+        """Tokens already in each request's cache before the step."""
+        return 0 if self.phase == "prefill" else self.context_len - 1
+
+    @property
+    def context(self) -> int:
+        """Each request's context after the step (what its cache holds)."""
+        return self.past_tokens + self.new_tokens
+
+    def parallel(self, parallel: "ParallelConfig") -> "ParallelConfig":  # noqa: F821
+        """``parallel`` as this step runs it: ``batch / dp`` requests per replica in
+        micro-batches of ``micro_batch``, ``new_tokens`` per request, forward passes in order."""
+        from dataclasses import replace
+
+        for key, off in TRAINING_ONLY.items():
+            require(getattr(parallel, key) == off, key, f"is a training option (an inference step has no backward), got {getattr(parallel, key)!r}")
+        dp = parallel.dp
+        require(self.batch % dp == 0, "batch", f"must be divisible by dp ({dp}), got {self.batch}")
+        per = self.batch // dp
+        mb = self.micro_batch or (per // parallel.pp if per % parallel.pp == 0 else per)
+        require(per % mb == 0, "micro-batch",
+                f"must divide the {per} requests of each data-parallel replica, got {mb}")
+        return replace(parallel, micro_batch=mb, global_batch=self.batch, seq_len=self.new_tokens, schedule="gpipe",
+                       vp=1, pp_layers=parallel.pp_layers)
+
+    def shape(self, sequences: int, windows: set[int | None] | frozenset) -> BatchShape:
+        return BatchShape.uniform(sequences, self.new_tokens, self.past_tokens, windows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

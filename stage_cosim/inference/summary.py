@@ -1,0 +1,34 @@
+"""What an inference step's result adds to a training step's: latency, memory traffic, KV cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def step_summary(w, cluster, step_s: float) -> dict[str, Any]:  # noqa: ANN001 (Workload, Cluster)
+    """The inference part of a result (``SimResult.inference``).
+
+    * ``latency_s``: the step (a prefill's time to the first token of its batch; a decode
+      step's time per output token);
+    * ``bytes_read``: what the step must read from HBM, summed over the GPUs, as memory
+      bandwidth utilization counts it: the model's weights (all of them, the embedding table
+      included) once per micro-batch and each request's KV cache once; ``mbu`` is that over
+      the step's time at the GPUs' peak HBM bandwidth (how a decode step is judged);
+    * ``kv_cache_bytes_per_token_per_gpu``: what one token of one request occupies in the
+      cache of the fullest GPU (the unit a paged KV cache is sized in).
+    """
+    inf, par = w.inference, w.parallel
+    ranks = w.world_size // par.pp
+    mems = [w.memory(s) for s in range(par.pp)]
+    weights = sum(m.weights for m in mems) * ranks * par.num_microbatches
+    kv = sum(m.kv_cache for m in mems) * ranks
+    hbm = cluster.gpu.hbm_GBps * 1e9 * cluster.num_gpus
+    per_token = max(w.kv_cache_bytes_per_token(s) for s in range(par.pp))
+    new = inf.batch * inf.new_tokens
+    return {
+        **inf.to_dict(), "micro_batch": par.micro_batch, "micro_batches": par.num_microbatches,
+        "requests_per_replica": inf.batch // par.dp, "new_tokens": new, "latency_s": step_s,
+        "weights_bytes_per_gpu": max(m.weights for m in mems), "kv_cache_bytes_per_gpu": max(m.kv_cache for m in mems),
+        "kv_cache_bytes_per_token_per_gpu": per_token, "bytes_read": weights + kv,
+        "mbu": (weights + kv) / (step_s * hbm),
+    }

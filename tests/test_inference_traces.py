@@ -1,0 +1,66 @@
+"""Prefill and decode steps as Chakra traces: they validate, read back, and (with
+``ASTRA_SIM_BIN``) run to the end on every rank of the real ASTRA-sim, which prints what our
+``astra`` model predicts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from stage_cosim.adapters.astra_sim.export import export
+from stage_cosim.adapters.astra_sim.run import run
+from stage_cosim.adapters.roofline.astra import simulate_run_dir
+from stage_cosim.adapters.roofline.simulate import simulate, simulate_traces
+from stage_cosim.hardware import resolve_cluster
+from stage_cosim.inference import InferenceConfig
+from stage_cosim.model import get_preset
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.trace.validate import load_trace_set, validate_trace_set
+from stage_cosim.trace.writer import write_traces
+from stage_cosim.workload import synthesize
+
+CASES = {
+    "decode tp2 pp2 dp2": (dict(dp=2, tp=2, pp=2), InferenceConfig("decode", batch=8, context_len=2048)),
+    "prefill tp2 pp2 dp2": (dict(dp=2, tp=2, pp=2), InferenceConfig("prefill", batch=8, input_len=1024)),
+    "decode tp8": (dict(tp=8), InferenceConfig("decode", batch=32, context_len=8192, kv_cache_dtype="fp8")),
+    "prefill pp4 dp2": (dict(dp=2, pp=4), InferenceConfig("prefill", batch=8, input_len=512)),
+}
+
+
+def _workload(kw, inf):
+    model = get_preset("llama3-8b").with_overrides(layers=8)
+    return synthesize(model, ParallelConfig(**kw), inference=inf), resolve_cluster("dgx-h100:8")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_traces_validate_and_read_back(case, tmp_path) -> None:
+    w, cluster = _workload(*CASES[case])
+    write_traces(w, tmp_path, "chakra")
+    ranks, groups = load_trace_set(tmp_path)
+    assert validate_trace_set(ranks, groups) == []
+    direct = simulate(w, cluster)[0].step_time_s
+    from_traces = simulate_traces(tmp_path, cluster)[0].step_time_s
+    assert from_traces == pytest.approx(direct, rel=5e-3)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_replays_as_the_astra_model_predicts(case, tmp_path) -> None:
+    w, cluster = _workload(*CASES[case])
+    export(w, cluster, tmp_path / "run")
+    from_files = simulate_run_dir(tmp_path / "run")
+    assert len(from_files.finished_ns) == w.world_size
+    predicted = simulate(w, cluster, "astra")[0].step_time_s
+    assert max(from_files.finished_ns.values()) * 1e-9 == pytest.approx(predicted, abs=1e-9)
+
+
+@pytest.mark.skipif(not os.environ.get("ASTRA_SIM_BIN"), reason="set ASTRA_SIM_BIN to run the real simulator")
+@pytest.mark.parametrize("case", CASES)
+def test_real_astra_sim_finishes_every_rank(case, tmp_path) -> None:
+    w, cluster = _workload(*CASES[case])
+    export(w, cluster, tmp_path / "run")
+    real = run(os.environ["ASTRA_SIM_BIN"], tmp_path / "run", w.world_size).output
+    assert sorted(real.finished_ns) == list(range(w.world_size))
+    ours = simulate_run_dir(tmp_path / "run")
+    assert real.finished_ns == ours.finished_ns
+    assert real.step_time_ns * 1e-9 == pytest.approx(simulate(w, cluster, "astra")[0].step_time_s, abs=1e-9)
