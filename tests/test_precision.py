@@ -370,3 +370,42 @@ def test_explore_fp8_peak_is_a_variable() -> None:
     assert el8["variable"] == "gpu.fp8_tflops" and el8["elasticity"] < -0.1
     assert bf16["sensitivity"][0]["elasticity"] == pytest.approx(0, abs=1e-9)
     assert fp8["baseline"]["best"]["config"]["parallel"]["dtype"] == "fp8"
+
+
+# -- Mixture of Experts ---------------------------------------------------------------------------
+
+def _moe_model() -> ModelConfig:
+    from stage_cosim.model import get_preset
+
+    return get_preset("deepseek-v3").with_overrides(layers=2, moe_layer_freq=(0, 1), mtp_num_layers=0)
+
+
+def test_moe_router_stays_high_precision_experts_run_fp8() -> None:
+    w = synthesize(_moe_model(), ParallelConfig(dp=8, ep=8, micro_batch=1, global_batch=8, seq_len=1024,
+                                                zero=1, dtype="fp8", fp8_recipe="blockwise"), H100)
+    fmt = {r[0]: r[6] for r in w.role(0).templates[(0, "fwd")].rows if r[12] == "layer1" and r[6]}
+    assert fmt["layer1.router"] == "bf16"
+    for gemm in ("q_down", "q_up", "kv_down", "kv_up", "proj", "experts.fc1", "experts.fc2",
+                 "shared_experts.fc1", "shared_experts.fc2"):
+        assert fmt[f"layer1.{gemm}"] == "fp8", gemm
+
+
+@pytest.mark.parametrize("recipe,per_element", [("delayed", 1), ("blockwise", TILE)])
+def test_fp8_dispatch_sends_tokens_and_combine_gradients_in_fp8(recipe, per_element) -> None:
+    """--fp8-dispatch (DeepSeek-V3): the tokens are quantized before the dispatch all-to-all and
+    the experts' output gradient before the combine's backward all-to-all; the combine and the
+    dispatch's backward stay BF16."""
+    def a2a(dispatch: bool) -> dict[str, int]:
+        par = ParallelConfig(dp=8, ep=8, micro_batch=1, global_batch=8, seq_len=1024, zero=1, dtype="fp8",
+                             fp8_recipe=recipe, fp8_dispatch=dispatch)
+        w = synthesize(_moe_model(), par, H100)
+        return {r[0].replace(".fp8", ""): r[8] for key in ((0, "fwd"), (0, "bwd"))
+                for r in w.role(0).templates[key].rows if r[12] == "layer1" and r[1] == COLL}
+
+    bf16, fp8 = a2a(False), a2a(True)
+    assert set(bf16) == set(fp8) == {"layer1.dispatch.a2a_ep", "layer1.experts.fc2.a2a_ep",
+                                     "layer1.d(experts.fc2).a2a_ep", "layer1.d(dispatch).a2a_ep"}
+    for name in ("layer1.dispatch.a2a_ep", "layer1.d(experts.fc2).a2a_ep"):
+        assert fp8[name] == pytest.approx(float(bf16[name] * per_element / 2), abs=2)
+    for name in ("layer1.experts.fc2.a2a_ep", "layer1.d(dispatch).a2a_ep"):
+        assert fp8[name] == bf16[name]

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from stage_cosim.errors import UserError, require
-from stage_cosim.graph.ir import Block, Op, Tensor
+from stage_cosim.graph.ir import DENSE, Block, Op, Tensor
 
 # Work per element of a cast (absolute value, scale, convert); all of these kernels are
 # memory-bound, so this only matters against the vector rate.
@@ -148,19 +148,26 @@ def resolve_precision(parallel: Any, gpu: Any) -> Precision:
 
 # -- the rewrite ------------------------------------------------------------------------------
 
+# GEMMs with a weight matrix that Megatron does not run through Transformer Engine: the MoE
+# router (its own linear, in the router's precision).
+NOT_TE_LINEAR = ("router",)
+
+
 def _linear_weight(op: Op) -> int | None:
-    """Index of the weight operand of a linear layer's GEMM (a tensor-parallel weight), else None."""
-    if op.kind != "einsum":
+    """Index of the weight operand of a linear layer's GEMM (a weight matrix), else None."""
+    if op.kind != "einsum" or len(op.inputs) != 2 or op.name.rsplit(".", 1)[-1] in NOT_TE_LINEAR:
         return None
-    idx = [i for i, t in enumerate(op.inputs) if t.kind == "weight" and t.tp_shard]
-    return idx[0] if len(idx) == 1 and len(op.inputs) == 2 else None
+    idx = [i for i, t in enumerate(op.inputs) if t.kind == "weight" and len(t.labels) >= 2]
+    return idx[0] if len(idx) == 1 else None
 
 
-def _column_parallel(op: Op, wi: int) -> bool:
+def _column_parallel(op: Op, wi: int) -> bool | None:
     """The weight's tensor-parallel label survives into the output (column-parallel), or is
-    summed away (row-parallel: the output is a partial sum)."""
+    summed away (row-parallel: the output is a partial sum); None: a replicated weight."""
     letters, out = op.einsum_operands()
     w = op.inputs[wi]
+    if not w.tp_shard:
+        return None
     return letters[wi][w.labels.index(w.tp_shard)] in out
 
 
@@ -198,14 +205,17 @@ class _Rewrite:
                 continue
             column = _column_parallel(op, wi)
             x = op.inputs[1 - wi]
-            self.gemms[id(op)] = _Gemm(op, 1 - wi, wi, gathered_x=column and x.residual and sp,
-                                       gathered_dy=(not column) and sp)
+            # sequence parallelism gathers over tp: the dense mesh's tensor-parallel GEMMs
+            dense = op.mesh == DENSE and sp
+            self.gemms[id(op)] = _Gemm(op, 1 - wi, wi, gathered_x=bool(dense and column and x.residual),
+                                       gathered_dy=bool(dense and column is False))
         # parameters stored in FP8 replace the bf16 weights
         self.stored: dict[int, Tensor] = {}
         if p.param_gather:
             for g in self.gemms.values():
                 w = g.op.inputs[g.wi]
-                self.stored[id(w)] = Tensor(w.name, w.labels, p.weight_dtype, "weight", tp_shard=w.tp_shard)
+                self.stored[id(w)] = Tensor(w.name, w.labels, p.weight_dtype, "weight", tp_shard=w.tp_shard,
+                                            mesh=w.mesh)
         self.fused: dict[int, _Gemm] = {}          # producer op -> the GEMM whose quantized input it writes
         for g in self.gemms.values():
             x = g.op.inputs[g.xi]
@@ -228,6 +238,22 @@ class _Rewrite:
                 up = self.producer.get(id(up.inputs[0]))
             if up is not None and id(up) in self.gemms:
                 self.fused_dact[id(act)] = self.gemms[id(up)]
+        # FP8 dispatch (DeepSeek-V3's FP8 communication, Megatron's --fp8-dispatch): the tokens
+        # are quantized before they are dispatched to the experts, so the all-to-all moves FP8
+        # and the experts' first GEMM reads them as they arrive; the gradient of the experts'
+        # output is quantized by the combine's backward before its all-to-all. The combine and
+        # the dispatch's backward stay BF16.
+        self.dispatch: dict[int, _Gemm] = {}       # the mesh change and the permute feeding an expert GEMM
+        if p.dispatch:
+            for g in self.gemms.values():
+                if g.op.mesh == DENSE:
+                    continue
+                perm = self.producer.get(id(g.op.inputs[g.xi]))
+                if perm is None or perm.kind != "permute":
+                    continue
+                change = self.producer.get(id(perm.inputs[0]))
+                if change is not None and change.kind == "mesh_change":
+                    self.dispatch[id(change)] = self.dispatch[id(perm)] = g
         self.fwd: list[Op] = []
         self.attn: dict[int, tuple[list[Tensor], Tensor]] = {}   # attention op -> (q8, k8, v8), o8
 
@@ -244,11 +270,11 @@ class _Rewrite:
     def quantized(self, t: Tensor, suffix: str, dtype: str, kind: str | None = None) -> Tensor:
         k = kind or ("grad" if t.kind == "grad" else "activation")
         return Tensor(f"{t.name}.{suffix}", t.labels, dtype, k, tp_shard=t.tp_shard if k == "weight" else None,
-                      residual=t.residual, grad_of=t.grad_of)
+                      residual=t.residual, grad_of=t.grad_of, mesh=t.mesh)
 
     def amax(self, out: list[Op], t: Tensor, group: tuple[str, ...], cached: bool = False) -> Tensor:
         """A current-scaling amax kernel over ``t`` (reduced over ``group``)."""
-        a = Tensor(f"{t.name}.amax", "", "fp32", "amax")
+        a = Tensor(f"{t.name}.amax", "", "fp32", "amax", mesh=t.mesh)
         out.append(Op(f"{t.name}.amax", "amax", [t], [a], flops_per_element=AMAX_FLOPS, residual=t.residual,
                       amax_group=group, cached=cached))
         return a
@@ -268,7 +294,7 @@ class _Rewrite:
 
     def transpose(self, out: list[Op], q: Tensor, *, gathered: bool = False, cached: bool = False) -> Tensor:
         c = Tensor(q.name + "_t", q.labels, q.dtype, q.kind, tp_shard=q.tp_shard, residual=q.residual,
-                   grad_of=q.grad_of)
+                   grad_of=q.grad_of, mesh=q.mesh)
         out.append(Op(f"{q.name}.transpose", "transpose", [q], [c], residual=q.residual and not gathered,
                       cached=cached, replicated_over=("tp",) if gathered else ()))
         return c
@@ -277,7 +303,9 @@ class _Rewrite:
 
     def forward(self) -> None:
         for op in self.block.ops:
-            if id(op) in self.fused:
+            if id(op) in self.dispatch:
+                self.dispatched(op, self.dispatch[id(op)])
+            elif id(op) in self.fused:
                 self.fused_producer(op, self.fused[id(op)])
             elif id(op) in self.gemms:
                 self.gemm(self.gemms[id(op)])
@@ -293,7 +321,7 @@ class _Rewrite:
         col = p.activation_columnwise()
         if p.current_scaling:
             # the norm computes the amax in its own pass; the cast is a second kernel
-            a = Tensor(f"{x.name}.amax", "", "fp32", "amax")
+            a = Tensor(f"{x.name}.amax", "", "fp32", "amax", mesh=x.mesh)
             self.fwd.append(self.copy(op, outputs=[*op.outputs, a], amax_group=("tp",) if g.gathered_x else ()))
             q = self.quantized(x, "fp8", p.activation_dtype)
             c = self.quantized(x, "fp8_t", p.activation_dtype) if col == "transpose" and not g.gathered_x else None
@@ -307,6 +335,23 @@ class _Rewrite:
         if col == "transpose" and not g.gathered_x:
             c = self.transpose(self.fwd, q)
         g.xq, g.xc = q, (c if c is not None else (q if col == "same" else None))
+
+    def dispatched(self, op: Op, g: _Gemm) -> None:
+        """The tokens quantized on their way to the experts (before the mesh change), and
+        carried in FP8 through the permutation into expert order."""
+        p = self.p
+        tokens = op.inputs[0]
+        if op.kind == "mesh_change":
+            q, _ = self.quantize(self.fwd, tokens, False, dtype=p.activation_dtype)
+            moved = replace(op.outputs[0], name=op.outputs[0].name + ".fp8", dtype=q.dtype)
+            self.fwd.append(self.copy(op, inputs=[q, *op.inputs[1:]], outputs=[moved, *op.outputs[1:]]))
+            self.moved = moved
+            return
+        slots = replace(op.outputs[0], name=op.outputs[0].name + ".fp8", dtype=p.activation_dtype)
+        self.fwd.append(self.copy(op, inputs=[self.moved, *op.inputs[1:]], outputs=[slots]))
+        # the column-wise copy for wgrad is made from the FP8 tokens where they arrived
+        g.xq = slots
+        g.xc = slots if p.activation_columnwise() == "same" else self.transpose(self.fwd, slots)
 
     def gemm(self, g: _Gemm) -> None:
         p, op = self.p, g.op
@@ -352,6 +397,20 @@ class _Rewrite:
                         if op.grad_of is not None and id(op.grad_of) in self.fused_dact}
         self.absorbed = {id(op): op for op in self.bwd_ops
                          if op.kind == "reduce" and len(op.inputs) == 1 and id(op.inputs[0]) in dact_outputs}
+        # with FP8 dispatch, the combine's backward writes the experts' quantized output gradient
+        consumers: dict[int, int] = {}
+        for op in self.bwd_ops:
+            for t in op.inputs:
+                consumers[id(t)] = consumers.get(id(t), 0) + 1
+        combine_grads: dict[int, _Gemm] = {}
+        if self.p.dispatch:
+            producer = {id(t): op for op in self.bwd_ops for t in op.outputs}
+            for op in self.bwd_ops:
+                g = self.gemms.get(id(op.grad_of)) if op.grad_of is not None else None
+                if g is not None and g.op.mesh != DENSE and op.kind == "einsum":
+                    src = producer.get(id(op.inputs[-1]))
+                    if src is not None and src.grad_of is not None and src.grad_of.kind == "unpermute":
+                        combine_grads[id(src)] = g
         for op in self.bwd_ops:
             if id(op) in self.absorbed:
                 continue
@@ -360,6 +419,8 @@ class _Rewrite:
                 self.gemm_grad(out, g, op)
             elif op.grad_of is not None and id(op.grad_of) in self.fused_dact:
                 self.fused_dact_grad(out, op, self.fused_dact[id(op.grad_of)])
+            elif id(op) in combine_grads:
+                self.combine_grad(out, op, combine_grads[id(op)], consumers)
             elif op.kind == "attention_grad" and op.grad_of is not None and id(op.grad_of) in self.attn:
                 self.attention_grad(out, op)
             else:
@@ -376,6 +437,15 @@ class _Rewrite:
         bias_grads = [t for r in self.absorbed.values() if r.inputs[0] is d for t in r.outputs]
         out.append(self.copy(op, outputs=[q] + ([c] if c else []) + bias_grads))
         g.dq, g.dc = q, (c if c is not None else q)
+
+    def combine_grad(self, out: list[Op], op: Op, g: _Gemm, consumers: dict[int, int]) -> None:
+        d = op.outputs[0]
+        q = self.quantized(d, "fp8", self.p.activation_dtype)
+        # (the BF16 gradient is still written if something besides the expert GEMM reads it)
+        keep = [d] if consumers.get(id(d), 0) > 2 else []
+        out.append(self.copy(op, outputs=[q, *keep, *op.outputs[1:]]))
+        g.dq = q
+        g.dc = q if self.p.activation_columnwise() == "same" else None
 
     def grad_copies(self, out: list[Op], g: _Gemm, dout: Tensor) -> None:
         """Quantize the GEMM's output gradient: the row-wise copy for dgrad, the column-wise one
