@@ -47,15 +47,19 @@ def runs_for(cluster: str) -> list[TrainingRun]:
     return [r for r in runs if CLUSTER_OF[r.source] == cluster]
 
 
+def cluster_of(run: TrainingRun) -> str:
+    return run.cluster or CLUSTER_OF[run.source]
+
+
 @lru_cache(maxsize=None)
 def _workload(run: TrainingRun):
-    w = synthesize(run.model, run.parallel(), resolve_cluster(CLUSTER_OF[run.source], run.gpus).gpu)
+    w = synthesize(run.model, run.parallel(), resolve_cluster(cluster_of(run), run.gpus).gpu)
     w.roles  # build every stage once; the fit re-simulates them many times
     return w
 
 
 def predict(run: TrainingRun, params: dict[str, float] | None = None) -> float:
-    cluster = resolve_cluster(CLUSTER_OF[run.source], run.gpus)
+    cluster = resolve_cluster(cluster_of(run), run.gpus)
     if params:
         cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
     result, _, _ = simulate(_workload(run), cluster)

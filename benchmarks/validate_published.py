@@ -4,7 +4,9 @@
     python benchmarks/validate_published.py --loo      # also leave-one-out: refit without each row
 
 Korthikanti et al. 2022 (Table 5, A100 Selene) and Megatron-Core 0.8 (H100 weak scaling; the
-step time is derived from the published TFLOP/s with the table's own FLOP formula).
+step time is derived from the published TFLOP/s with the table's own FLOP formula), the rows the
+calibration is fitted to; then the Mixture-of-Experts rows (Mixtral 8x7B on 64 H100, DeepSeek-V3
+FP8 on 2,048 H800) as checks with the same parameters (not fitted).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from calibrate import CLUSTER_OF, FAMILY_OF, fit, predict  # noqa: E402
 
 FITTED: dict[str, dict[str, float]] = {}   # the shipped calibration: the leave-one-out fits start there
 
-from stage_cosim.validation.published import korthikanti_table5, megatron_core_weak_scaling  # noqa: E402
+from stage_cosim.validation.published import korthikanti_table5, megatron_core_weak_scaling, moe_published  # noqa: E402
 
 
 def main() -> None:
@@ -52,6 +54,14 @@ def main() -> None:
         print(f"mean absolute error {100 * sum(errors) / len(errors):.2f} %, worst {100 * max(errors):.2f} %"
               + (f"; leave-one-out mean {100 * sum(loo_errors) / len(loo_errors):.2f} %, "
                  f"worst {100 * max(loo_errors):.2f} %" if args.loo else ""))
+    print("\nMixture of Experts (checks, not fitted: the same calibration)")
+    print(f"{'run':<14} {'gpus':>5} {'tp':>3} {'ep':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'precision':>9} "
+          f"{'measured s':>11} {'predicted s':>12} {'error':>8}")
+    for run in moe_published():
+        pred = predict(run)
+        precision = run.dtype + (f" {run.fp8_recipe}" if run.fp8_recipe else "")
+        print(f"{run.name:<14} {run.gpus:>5} {run.tp:>3} {run.ep:>3} {run.pp:>3} {run.vp:>3} {run.dp:>4} {precision:>9} "
+              f"{run.measured_step_s:>11.3f} {pred:>12.3f} {100 * (pred / run.measured_step_s - 1):>+7.1f}%", flush=True)
 
 
 if __name__ == "__main__":

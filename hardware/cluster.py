@@ -99,6 +99,8 @@ CLUSTER_PRESETS: dict[str, dict] = {
     # Selene-like: 8 A100-80GB per node on NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
     "dgx-a100": _preset("dgx-a100", "A100-80GB", 8, 300, 700, 25, 2000),
     "dgx-h100": _preset("dgx-h100", "H100-SXM", 8, 450, 700, 50, 2000),
+    # The export H800: H100 compute with 400 GB/s NVLink (200 per direction), 8 x 400 Gb/s IB.
+    "dgx-h800": _preset("dgx-h800", "H800", 8, 200, 700, 50, 2000),
     "dgx-h200": _preset("dgx-h200", "H200", 8, 450, 700, 50, 2000),
     "dgx-b200": _preset("dgx-b200", "B200", 8, 900, 700, 50, 2000),
     # 72 GPUs in one NVLink domain; one 400 Gb/s NIC per GPU between racks.
@@ -177,16 +179,20 @@ def cluster_from(spec: "str | Mapping[str, Any]", default_gpus: int | None = Non
     return resolve_cluster(str(spec), default_gpus)
 
 
-def check_fits(cluster: Cluster, mesh) -> None:  # noqa: ANN001 (DeviceMesh; avoids an import cycle)
-    """The mesh must use every GPU, and no tensor-parallel group may straddle scale-up domains
-    unevenly (a tp group either lies inside one domain or covers whole domains)."""
+def check_fits(cluster: Cluster, mesh, expert_mesh=None) -> None:  # noqa: ANN001 (DeviceMesh; avoids an import cycle)
+    """The mesh must use every GPU, and no tensor-parallel group (nor, for expert layers, any
+    expert_tp group) may straddle scale-up domains unevenly (it either lies inside one domain or
+    covers whole domains)."""
     require(cluster.num_gpus == mesh.world_size, "cluster",
             f"has {cluster.num_gpus} GPUs but dp*tp*pp = {mesh.world_size}")
     d = cluster.domain
-    for members in (mesh.groups("tp") if "tp" in mesh.size else []):
-        counts: dict[int, int] = {}
-        for r in members:
-            counts[r // d] = counts.get(r // d, 0) + 1
-        if len(set(counts.values())) > 1 or (len(counts) > 1 and min(counts.values()) != d):
-            raise UserError("tp", f"tensor-parallel group {members[:8]}{'…' if len(members) > 8 else ''} "
-                                  f"splits unevenly across scale-up domains of {d} GPUs")
+    for m, axis in ((mesh, "tp"), (expert_mesh, "expert_tp")):
+        if m is None or axis not in m.size or m.size[axis] == 1:
+            continue
+        for members in m.groups(axis):
+            counts: dict[int, int] = {}
+            for r in members:
+                counts[r // d] = counts.get(r // d, 0) + 1
+            if len(set(counts.values())) > 1 or (len(counts) > 1 and min(counts.values()) != d):
+                raise UserError(axis.replace("_", "-"), f"tensor-parallel group {members[:8]}"
+                                f"{'…' if len(members) > 8 else ''} splits unevenly across scale-up domains of {d} GPUs")

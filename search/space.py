@@ -102,6 +102,11 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
         dims["dtype"] = DTYPES
     else:
         fixed["dtype"] = dtype
+    if model.is_moe:
+        # expert layers re-factor the same ranks: ep shares out the experts, expert_tp shards
+        # each one (inside a scale-up domain, as tp)
+        dims["ep"] = tuple(e for e in powers_of_two(min(n, model.num_experts)) if model.num_experts % e == 0)
+        dims["expert_tp"] = powers_of_two(tp_limit)
     for name, values in (overrides or {}).items():
         if name not in dims:
             raise UserError(name, f"is not a search dimension (dimensions: {', '.join(dims)})")
@@ -157,7 +162,14 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
         return None, "tp exceeds the scale-up domain"
     if tp < cluster.domain and cluster.domain % tp:
         return None, "tp splits scale-up domains unevenly"
+    ep, etp = point.get("ep", 1), point.get("expert_tp", tp)
+    if (tp * dp) % (ep * etp):
+        return None, "expert-tp * ep does not divide tp * dp"
+    if etp > cluster.domain and not allow_cross_domain_tp:
+        return None, "expert-tp exceeds the scale-up domain"
     kw = dict(space.fixed)
+    if m.is_moe:
+        kw.update(ep=ep, expert_tp=etp)
     kw.update(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=mb, global_batch=space.global_batch,
               seq_len=space.seq_len, sp=bool(point.get("sp", False)), zero=point.get("zero", 0),
               recompute=point.get("recompute", "none"))

@@ -32,3 +32,19 @@ def test_megatron_core_weak_scaling_h100() -> None:
     errors = [abs(e) for e in relative_errors(megatron_core_weak_scaling(), "dgx-h100")]
     assert sum(errors) / len(errors) <= 0.065
     assert max(errors) <= 0.25      # the 32B row, the model's known outlier (README)
+
+
+def test_moe_rows_with_the_same_calibration() -> None:
+    """Checks, not fits. Mixtral 8x7B on 64 H100 (its step time derived from 468 TFLOP/s with
+    Megatron-Core v0.9's formula) within the H100 table's level; DeepSeek-V3 FP8 on 2,048 H800 is
+    the known miss (README: DualPipe's overlap of the all-to-all and the pipeline, node-limited
+    routing and the run's memory savings are not modelled), guarded at its documented level."""
+    from stage_cosim.validation.published import moe_published
+
+    errors = {}
+    for run in moe_published():
+        cluster = resolve_cluster(run.cluster, run.gpus)
+        result, _, _ = simulate(synthesize(run.model, run.parallel(), cluster.gpu), cluster)
+        errors[run.name] = result.step_time_s / run.measured_step_s - 1
+    assert abs(errors["mixtral-8x7b"]) <= 0.065
+    assert 1.0 <= errors["deepseek-v3"] <= 1.6

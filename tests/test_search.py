@@ -195,3 +195,18 @@ def test_seeded_local_search_improves_on_its_seed(exhaustive) -> None:
     r = optimize(_space(), CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=40, seeds=(worst.point,)))
     assert r.method == "local search from seeds" and not r.proven_optimal
     assert r.best.score < worst.score and len(r.evaluated) <= 40
+
+
+def test_expert_parallelism_is_searched_with_its_rules() -> None:
+    """ep and expert_tp are dimensions of a MoE model's space; the layout rules count as reasons;
+    differential evolution finds the exhaustive optimum."""
+    moe = get_preset("mixtral-8x7b").with_overrides(layers=4, hidden=1024, ffn=2048, heads=8, kv_heads=8)
+    space = default_space(moe, CLUSTER, 32, 1024, overrides={"vp": (1,), "zero": (1,), "recompute": ("none",),
+                                                             "micro_batch": (1,), "sp": (True,), "pp": (1, 2)})
+    assert {"ep", "expert_tp"} <= set(space.names()) and space.point([0] * len(space.names()))["ep"] == 1
+    truth = optimize(space, CLUSTER, OptimizeSettings())
+    assert truth.proven_optimal and truth.infeasible.get("expert-tp * ep does not divide tp * dp", 0) > 0
+    assert any(e.point["ep"] > 1 for e in truth.evaluated if e.feasible)
+    found = optimize(space, CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=40, seed=0))
+    assert found.best.point == truth.best.point
+    assert "ep" not in default_space(MODEL, CLUSTER, 32, 1024).names()     # a dense model has no experts

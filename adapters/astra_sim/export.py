@@ -114,7 +114,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
     if mode not in COMPUTE_MODES:
         raise UserError("compute", f"must be one of {', '.join(COMPUTE_MODES)}, got {mode!r}")
     settings = settings or AstraSettings()
-    check_fits(cluster, w.mesh)
+    check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     check_compute_mode(w, mode)
     dims = cluster.network_dims()

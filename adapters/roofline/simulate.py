@@ -129,7 +129,7 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     The ``astra`` model predicts what ASTRA-sim prints for this workload's export with the
     same ``astra_settings`` (every system.json field) and ``compute_mode``, to the nanosecond.
     """
-    check_fits(cluster, w.mesh)
+    check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     if network_model == "astra":
         return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode, views=exact is True)

@@ -382,7 +382,14 @@ class ModelConfig:
         for key in overrides:
             if key not in known:
                 raise UserError(key.replace("_", "-"), "is not a model field")
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        values = {k: v for k, v in overrides.items() if v is not None}
+        layers = values.get("layers")
+        freq = values.get("moe_layer_freq", self.moe_layer_freq)
+        if layers is not None and isinstance(freq, tuple) and len(freq) != layers:
+            # a layer-count override keeps the pattern's first layers (DeepSeek's dense ones) and
+            # repeats its last entry
+            values["moe_layer_freq"] = (tuple(freq) + (freq[-1],) * layers)[:layers]
+        return replace(self, **values)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

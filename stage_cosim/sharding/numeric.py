@@ -51,9 +51,12 @@ class CompiledBlock:
     sharded: ShardedBlock
     _fn: Callable[..., Sequence[float]]
     _layout: tuple[int, ...]
+    # every expression's value: a number, or None where the compiled function computes it
+    _constants: tuple[float | None, ...] = ()
 
     def evaluate(self, values: dict[sp.Symbol, int]) -> BlockCosts:
-        flat = list(self._fn(*(values[s] for s in SYMBOLS)))
+        computed = iter(self._fn(*(values[s] for s in SYMBOLS)))
+        flat = [next(computed) if c is None else c for c in self._constants]
         nf, nb, nw = self._layout[:3]
         sync_lens = self._layout[3:]
         pos = 0
@@ -81,10 +84,14 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
     exprs += [w.params for w in sb.weight_syncs]
     for w in sb.weight_syncs:
         exprs += [b for _, _, b in w.grad_collectives]
-    fn = sp.lambdify(SYMBOLS, [sp.sympify(e) for e in exprs], modules="math", cse=True)
+    exprs = [sp.sympify(e) for e in exprs]
+    # Most entries are constants (no FLOPs in a collective, one GEMM per kernel): only the rest
+    # is compiled, which keeps the first synthesis of an architecture fast.
+    constants = tuple(float(e) if e.is_Number else None for e in exprs)
+    fn = sp.lambdify(SYMBOLS, [e for e in exprs if not e.is_Number], modules="math", cse=True)
     layout = (len(sb.fwd), len(sb.bwd), len(sb.weight_syncs),
               *(len(w.grad_collectives) for w in sb.weight_syncs))
-    return CompiledBlock(sb, fn, layout)
+    return CompiledBlock(sb, fn, layout, constants)
 
 
 class CompiledGraph(NamedTuple):

@@ -40,13 +40,22 @@ class TrainingRun:
     measured_step_s: float
     zero: int = 0
     tp_comm_overlap: bool = False
+    # Mixture of Experts and precision
+    ep: int = 1
+    expert_tp: int | None = None
+    moe_token_dispatcher: str = "alltoall"
+    dtype: str = "bf16"
+    fp8_recipe: str | None = None
+    cluster: str = ""                    # the cluster preset the run's machine matches
 
     def parallel(self) -> "ParallelConfig":  # noqa: F821
         from stage_cosim.parallel import ParallelConfig
 
         return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vp=self.vp, micro_batch=self.micro_batch,
                               global_batch=self.global_batch, seq_len=self.seq_len, sp=self.sp,
-                              recompute=self.recompute, zero=self.zero, tp_comm_overlap=self.tp_comm_overlap)
+                              recompute=self.recompute, zero=self.zero, tp_comm_overlap=self.tp_comm_overlap,
+                              ep=self.ep, expert_tp=self.expert_tp, moe_token_dispatcher=self.moe_token_dispatcher,
+                              dtype=self.dtype, fp8_recipe=self.fp8_recipe)
 
 
 def korthikanti_table5() -> list[TrainingRun]:
@@ -84,6 +93,54 @@ def megatron_core_weak_scaling() -> list[TrainingRun]:
         runs.append(TrainingRun("megatron-core-0.8", f"{r['params_B']}B", model, r["gpu"], gpus, int(r["tp"]),
                                 int(r["pp"]), int(r["dp"]), 1, gb, 1, s, "none", True, step, zero=1,
                                 tp_comm_overlap=True))
+    return runs
+
+
+def megatron_v09_model_flops(m: ModelConfig, batch: int, seq: int, padded_vocab: int) -> float:
+    """Megatron-Core v0.9's ``num_floating_point_operations`` for one iteration: 12 B s L h^2
+    times attention ((1 + G/A + s/h) x the query projection over h), the MLP (ffn/h, top-k routed
+    experts, x 3/2 for SwiGLU) and the logits (V / 2 L h). The router and the shared experts
+    are not counted (v0.9's formula predates them)."""
+    h, layers = m.hidden, m.layers
+    query = m.head_dim * m.heads / h
+    attention = (1 + m.kv_heads / m.heads + seq / h) * query
+    routed = m.moe_router_topk if m.is_moe else 1
+    mlp = (m.expert_ffn if m.is_moe else m.ffn) / h * routed * (1.5 if m.mlp in ("swiglu", "geglu") else 1)
+    return 12 * batch * seq * layers * h * h * (attention + mlp + padded_vocab / (2 * layers * h))
+
+
+# The machines of the MoE rows, as cluster presets.
+_MOE_CLUSTER = {"H100-SXM5-80GB": "dgx-h100", "H800-SXM": "dgx-h800"}
+
+
+def moe_published() -> list[TrainingRun]:
+    """The Mixture-of-Experts rows, with their published mappings (tp, ep, expert_tp, pp, vp, dp,
+    micro-batch, global batch). Mixtral's step time is derived from its TFLOP/s with
+    Megatron-Core v0.9's formula; DeepSeek-V3's from its GPU-hours per trillion tokens. Not
+    published, and taken as Megatron-Core's recommended MoE settings: the distributed optimizer
+    (ZeRO-1), no recomputation, sequence parallelism where tp > 1."""
+    from stage_cosim.model import get_preset
+
+    runs = []
+    for r in _rows("moe_published.csv"):
+        model = get_preset(r["model"])
+        gpus, gb, s = int(r["gpus"]), int(r["gbs"]), int(r["seq"])
+        tp = int(r["tp"])
+        if r["measured_unit"] == "model_tflops_per_gpu":
+            padded = -(-model.vocab // (128 * tp)) * 128 * tp
+            step = megatron_v09_model_flops(model, gb, s, padded) / (float(r["measured"]) * 1e12 * gpus)
+        elif r["measured_unit"] == "gpu_hours_per_trillion_tokens":
+            per_gpu = 1e12 / (float(r["measured"]) * 3600)
+            step = gb * s / (per_gpu * gpus)
+        else:
+            raise ValueError(f"moe_published.csv: unknown unit {r['measured_unit']!r}")
+        fp8 = r["dtype"].startswith("fp8")
+        runs.append(TrainingRun(r["source"], r["model"], model, r["gpu"], gpus, tp, int(r["pp"]), int(r["dp"]),
+                                int(r["vp"]), gb, int(r["mbs"]), s, "none", tp > 1, step, zero=1,
+                                ep=int(r["ep"]), expert_tp=int(r["etp"]), moe_token_dispatcher=r["dispatcher"],
+                                dtype="fp8" if fp8 else "bf16",
+                                fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None,
+                                cluster=_MOE_CLUSTER[r["gpu"]]))
     return runs
 
 
