@@ -1,6 +1,6 @@
 """Simulator speed: model to result, and simulations per second with the graph already built.
 
-    python benchmarks/simulate_speed.py
+    python benchmarks/simulate_speed.py [--model deepseek-v3]
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ CASES = [  # (model, dp, tp, pp, ep, global batch, seq, cluster)
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="only this model's cases")
+    args = ap.parse_args()
     print("synth s: model to role graphs in a fresh process (the first synthesis of an architecture compiles "
           "its blocks: 'cold'), then again with the blocks compiled ('warm')")
     print(f"{'model':<14} {'GPUs':>7} {'dp':>5} {'tp':>3} {'pp':>3} {'ep':>3} {'mb/rank':>7} {'synth s':>8} "
           f"{'simulate s':>10} {'total s':>8} {'warm total s':>12} {'sims/s (graph built)':>21} {'step s':>8} {'MFU':>6}")
     for name, dp, tp, pp, ep, gb, seq, cluster_name in CASES:
+        if args.model and name != args.model:
+            continue
         par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, global_batch=gb, seq_len=seq, sp=tp > 1, zero=1)
         cluster = resolve_cluster(cluster_name, par.world_size)
         t0 = time.perf_counter()
