@@ -1,5 +1,7 @@
 """Synthesis speed and memory at scale: llama3-70b (80 layers, seq 4096, micro-batch 1), tp8 pp16;
-deepseek-v3 (61 layers, 58 with 256 experts, seq 4096, micro-batch 1), pp16 ep64.
+deepseek-v3 (61 layers, 58 with 256 experts, seq 4096, micro-batch 1), pp16 ep64; llama3.1-405b
+at 131,072 tokens with context parallelism (tp8 cp16 pp16 on 16,384 GPUs, the Llama 3 paper's
+long-context configuration: the ring's sends and receives in every layer).
 
 Each case runs in its own process (so peak RSS is that case's) and writes real Chakra files
 into a temporary directory, which is deleted afterwards.
@@ -28,8 +30,11 @@ CASES = [  # (model, ranks, global batch): one micro-batch per data-parallel ran
     ("llama3-70b", 8192, 2048),
     ("deepseek-v3", 2048, None),
     ("deepseek-v3", 16384, None),
+    ("llama3.1-405b", 16384, None),
 ]
-LAYOUT = {"llama3-70b": dict(tp=8, pp=16, ep=1), "deepseek-v3": dict(tp=1, pp=16, ep=64)}
+LAYOUT = {"llama3-70b": dict(tp=8, pp=16, ep=1), "deepseek-v3": dict(tp=1, pp=16, ep=64),
+          "llama3.1-405b": dict(tp=8, cp=16, pp=16, ep=1)}
+SEQ = {"llama3.1-405b": 131072}          # the others: 4096
 
 
 def run_case(model: str, ranks: int, global_batch: int | None, workdir: Path) -> dict:
@@ -39,8 +44,9 @@ def run_case(model: str, ranks: int, global_batch: int | None, workdir: Path) ->
     from stage_cosim.workload import synthesize
 
     layout = LAYOUT[model]
-    dp = ranks // (layout["tp"] * layout["pp"])
-    par = ParallelConfig(dp=dp, **layout, micro_batch=1, global_batch=global_batch or dp, seq_len=4096)
+    dp = ranks // (layout["tp"] * layout.get("cp", 1) * layout["pp"])
+    par = ParallelConfig(dp=dp, **layout, micro_batch=1, global_batch=global_batch or dp,
+                         seq_len=SEQ.get(model, 4096))
     t0 = time.perf_counter()
     w = synthesize(get_preset(model), par)
     roles = w.roles
@@ -66,9 +72,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="synth-scale-") as tmp:
             print(json.dumps(run_case(model, ranks, gb or None, Path(tmp))))
         return
-    print("llama3-70b tp8 pp16; deepseek-v3 tp1 pp16 ep64; seq 4096, micro-batch 1; Chakra files written to a "
-          "temporary directory")
-    print(f"{'model':<12} {'ranks':>7} {'global batch':>12} {'mb/rank':>7} {'nodes/rank':>10} {'synth s':>8} {'write s':>8} "
+    print("llama3-70b tp8 pp16; deepseek-v3 tp1 pp16 ep64; seq 4096; llama3.1-405b tp8 cp16 pp16, seq 131072; "
+          "micro-batch 1; Chakra files written to a temporary directory")
+    print(f"{'model':<13} {'ranks':>7} {'global batch':>12} {'mb/rank':>7} {'nodes/rank':>10} {'synth s':>8} {'write s':>8} "
           f"{'total s':>8} {'ranks/s':>9} {'µs/rank':>8} {'write µs/rank':>13} {'peak RSS MB':>11} {'GB written':>10}")
     for model, ranks, gb in CASES:
         if (args.ranks and ranks != args.ranks) or (args.model and model != args.model):
@@ -76,7 +82,7 @@ def main() -> None:
         out = subprocess.run([sys.executable, __file__, "--child", model, str(ranks), str(gb or 0)],
                              capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{r['model']:<12} {r['ranks']:>7} {r['global_batch']:>12} {r['micro_batches']:>7} {r['nodes_per_rank']:>10} "
+        print(f"{r['model']:<13} {r['ranks']:>7} {r['global_batch']:>12} {r['micro_batches']:>7} {r['nodes_per_rank']:>10} "
               f"{r['synthesis_s']:>8.2f} {r['write_s']:>8.2f} {r['total_s']:>8.2f} {r['ranks'] / r['total_s']:>9.0f} "
               f"{1e6 * r['total_s'] / r['ranks']:>8.1f} {1e6 * r['write_s'] / r['ranks']:>13.1f} "
               f"{r['peak_rss_mb']:>11.0f} {r['bytes_written'] / 1e9:>10.2f}",

@@ -184,7 +184,7 @@ def check_fits(cluster: Cluster, mesh, expert_mesh=None) -> None:  # noqa: ANN00
     expert_tp group) may straddle scale-up domains unevenly (it either lies inside one domain or
     covers whole domains)."""
     require(cluster.num_gpus == mesh.world_size, "cluster",
-            f"has {cluster.num_gpus} GPUs but dp*tp*pp = {mesh.world_size}")
+            f"has {cluster.num_gpus} GPUs but dp*tp*cp*pp = {mesh.world_size}")
     d = cluster.domain
     for m, axis in ((mesh, "tp"), (expert_mesh, "expert_tp")):
         if m is None or axis not in m.size or m.size[axis] == 1:

@@ -70,6 +70,10 @@ class GPU:
     # a higher rate to feed), with their own small-GEMM falloff.
     fp8_matmul_efficiency: float = 0.6
     fp8_matmul_half_flops: float = 2e9
+    # Keys per query at which a fused attention kernel runs at half its rate: each query tile
+    # pays a fixed prologue and epilogue (load Q, rescale and write O) besides its loop over
+    # the keys, so short key ranges (the chunks of ring attention) run slower.
+    attention_half_keys: float = 64.0
 
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps"):
@@ -86,6 +90,7 @@ class GPU:
         require(self.fp8_matmul_half_flops >= 0, "gpu.fp8_matmul_half_flops", "must be non-negative")
         require(self.kernel_overhead_us >= 0, "gpu.kernel_overhead_us", "must be non-negative")
         require(self.arch in ARCHES, "gpu.arch", f"must be one of {', '.join(ARCHES)}, got {self.arch!r}")
+        require(self.attention_half_keys >= 0, "gpu.attention_half_keys", "must be non-negative")
 
     @property
     def vector_peak_tflops(self) -> float:

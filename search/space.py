@@ -1,9 +1,9 @@
 """The space of parallelizations: named dimensions with finite choices, and feasibility.
 
-A candidate is a point in a product of dimensions (``tp``, ``pp``, ``vp``, ``micro_batch``,
-``sp``, ``zero``, ``recompute`` …); ``dp`` is derived so that the degrees multiply to the GPU
-count. A new parallelism (``cp``, ``ep``) is one more :class:`Dimension` plus its rule in
-:func:`check`: the encoding, the enumeration and the optimizers do not change.
+A candidate is a point in a product of dimensions (``tp``, ``cp``, ``cp_comm``, ``pp``, ``vp``,
+``micro_batch``, ``sp``, ``zero``, ``recompute`` …); ``dp`` is derived so that the degrees
+multiply to the GPU count. A new parallelism (``ep``) is one more :class:`Dimension` plus its
+rule in :func:`check`: the encoding, the enumeration and the optimizers do not change.
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ class Dimension:
     def __post_init__(self) -> None:
         if not self.choices:
             raise UserError(self.name, "has no choices")
+
+
+CP_MIN_TOKENS = 4096
+# --cp-comm choices searched by default (a2a+p2p also needs a group size: name it with overrides
+# of cp_comm and cp_a2a_size)
+CP_SEARCHED = ("p2p", "all-gather", "a2a")
 
 
 def powers_of_two(limit: int) -> tuple[int, ...]:
@@ -80,6 +86,10 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
     tp_limit = n if allow_cross_domain_tp else min(n, cluster.domain)
     dims = {
         "tp": powers_of_two(min(tp_limit, model.heads)),
+        # context parallelism while each rank keeps at least 4K tokens of the sequence (shorter
+        # chunks leave the attention kernels and the ring too little work to be worth it)
+        "cp": tuple(c for c in powers_of_two(min(n, max(1, seq_len // CP_MIN_TOKENS))) if n % c == 0),
+        "cp_comm": CP_SEARCHED,
         "pp": tuple(p for p in powers_of_two(min(n, model.layers)) if n % p == 0),
         "vp": (1, 2, 4),
         "micro_batch": powers_of_two(min(MAX_MICRO_BATCH, global_batch)),
@@ -132,6 +142,11 @@ def canonical(space: SearchSpace, point: dict[str, Any]) -> dict[str, Any]:
     p = dict(point)
     if p.get("tp", 1) == 1 and "sp" in p:
         p["sp"] = False
+    if p.get("cp", 1) == 1:
+        if "cp_comm" in p:
+            p["cp_comm"] = "p2p"
+        if "cp_a2a_size" in p:
+            p["cp_a2a_size"] = None
     if p.get("pp", 1) == 1 and "vp" in p:
         p["vp"] = 1
     sharded = _sharded(p)
@@ -173,6 +188,12 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
     kw.update(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=mb, global_batch=space.global_batch,
               seq_len=space.seq_len, sp=bool(point.get("sp", False)), zero=point.get("zero", 0),
               recompute=point.get("recompute", "none"))
+    cp = point.get("cp", kw.get("cp", 1))
+    if cp > 1 or "cp" in point:
+        kw.update(cp=cp, cp_comm=point.get("cp_comm", kw.get("cp_comm", "p2p")),
+                  cp_a2a_size=point.get("cp_a2a_size", kw.get("cp_a2a_size")))
+        if kw["cp_comm"] != "a2a+p2p":
+            kw["cp_a2a_size"] = None
     if "dtype" in point:
         kw["dtype"] = point["dtype"]
     if kw.get("dtype", "bf16") == "bf16":          # the FP8 options belong to the FP8 points

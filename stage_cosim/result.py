@@ -12,7 +12,7 @@ def fp8_mfu(model_flops: float, step_s: float, gpu: Any, num_gpus: int, precisio
     return model_flops / (step_s * gpu.peak_tflops(precision.matmul) * 1e12 * num_gpus)
 
 
-BREAKDOWN_KEYS = ("compute", "exposed_tp", "exposed_ep", "exposed_dp", "exposed_pp", "exposed_embedding",
+BREAKDOWN_KEYS = ("compute", "exposed_tp", "exposed_cp", "exposed_ep", "exposed_dp", "exposed_pp", "exposed_embedding",
                   "exposed_other", "pipeline_bubble", "idle")
 
 

@@ -19,7 +19,7 @@ from stage_cosim.graph.precision import BF16, Precision, resolve_precision
 from stage_cosim.inference.config import BatchShape, InferenceConfig
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import (
-    BLOCK_AXES, DENSE, EXPERT, GROUP, GROUP_KINDS, MESHES, PIPELINE_AXIS, group_mesh, group_size,
+    BLOCK_AXES, DENSE, EXPERT, GROUP, GROUP_KINDS, MESHES, PIPELINE_AXIS, group_mesh, peer_axis, resolve_group,
 )
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
@@ -137,7 +137,8 @@ class Workload:
             return False
         if GROUP[kind].on_demand:
             return kind in self._groups_in_passes
-        return group_size(kind, self.parallel.degrees()) > 1
+        # what a collective over the kind's axes runs on (a dp-and-cp group with cp = 1 is dp's)
+        return resolve_group(GROUP[kind].axes, self._mesh(kind).size) == kind
 
     @cached_property
     def _groups_in_passes(self) -> set[str]:
@@ -166,8 +167,10 @@ class Workload:
         kind by kind)."""
         return {kind: self._group_count(kind) for kind in self.group_base}
 
-    def peer(self, rank: int, delta: int) -> int:
-        return self.mesh.shift(rank, PIPELINE_AXIS, delta)
+    def peer(self, rank: int, delta: int, kind: str = PIPELINE_AXIS) -> int:
+        """The peer of a send or receive of communication kind ``kind`` (the pipeline's, or the
+        attention exchange's ring over cp) ``delta`` coordinates away."""
+        return self.mesh.shift(rank, peer_axis(kind), delta)
 
     # -- summaries ----------------------------------------------------------------------------
 
@@ -185,10 +188,8 @@ class Workload:
                 mem += n.mem_bytes
             elif n.type == COLL:
                 comm[n.group][n.coll.value] += n.comm_bytes
-            elif n.type == SEND:
-                comm[PP_GROUP]["SEND"] += n.comm_bytes
-            elif n.type == RECV:
-                comm[PP_GROUP]["RECV"] += n.comm_bytes
+            elif n.type in (SEND, RECV):
+                comm[n.group or PP_GROUP][n.type] += n.comm_bytes
         return {
             "stage": stage,
             "ranks": self.world_size // self.parallel.pp,
@@ -259,7 +260,9 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
     padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
     policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
                             grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision,
-                            moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall")
+                            moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
+                            cp_ring=parallel.cp_ring, cp_a2a=parallel.cp_a2a,
+                            cp_load_balance=parallel.cp_load_balance or parallel.cp == 1)
     compiled = compiled_blocks(model.switches(), policy)
     degrees = parallel.degrees()
 
@@ -278,14 +281,15 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
                                for moe, w in kinds),
                          (compiled.head, costs(compiled.head)))
     orders = parallel.mesh_orders()
-    meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE])}
+    meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE],
+                                      parallel.mesh_splits())}
     if model.is_moe:
         meshes[EXPERT] = DeviceMesh.build({a: degrees[a] for a in MESHES[EXPERT]}, orders[EXPERT])
     role_args = dict(pp=parallel.pp, vp=parallel.vp, schedule=parallel.schedule,
                      num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
                      zero=parallel.zero, tied_embeddings=model.shares_embedding,
-                     degrees=degrees, overlap_param_gather=parallel.overlap_param_gather,
+                     degrees=degrees | dict(meshes[DENSE].size), overlap_param_gather=parallel.overlap_param_gather,
                      tp_comm_overlap=parallel.tp_comm_overlap)
     return Workload(model, parallel, meshes, role_args, precision)
 

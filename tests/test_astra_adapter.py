@@ -91,8 +91,7 @@ def test_replay_durations_keep_totals(workload, tmp_path) -> None:
     compute = ComputeModel(cluster.gpu)
     for rank, path in trace_files(out / "traces").items():
         role = w.role(w.role_of(rank))
-        exact_us = sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul, n.category.startswith("attention"))
-                       for n in role.nodes if n.type == "COMP") * 1e6
+        exact_us = sum(compute.node_duration_s(n) for n in role.nodes if n.type == "COMP") * 1e6
         written = sum(n.duration_micros for n in read_trace_file(path)[1] if n.type == 4)
         assert abs(written - exact_us) <= 1.0
 

@@ -167,10 +167,10 @@ def test_model_states_and_routed_activations_of_a_small_case() -> None:
 
 @pytest.mark.parametrize("kw, parameter, needle", [
     (dict(dp=8, ep=3), "ep", "must divide"),                     # 3 does not divide tp*dp = 8
-    (dict(dp=4, ep=16), "ep", "must divide tp*dp"),
+    (dict(dp=4, ep=16), "ep", "must divide tp*cp*dp"),
     (dict(dp=16, ep=16), "ep", "must divide num-experts (8)"),
     (dict(dp=4, tp=2, ep=2), "sp", "sequence parallelism is required"),
-    (dict(dp=4, tp=2, ep=4, expert_tp=4, sp=True), "ep", "must divide tp*dp"),
+    (dict(dp=4, tp=2, ep=4, expert_tp=4, sp=True), "ep", "must divide tp*cp*dp"),
 ])
 def test_expert_layout_errors(kw, parameter, needle) -> None:
     with pytest.raises(UserError) as exc:

@@ -27,6 +27,9 @@ GRID = [
     ("llama", dict(dp=4, tp=2, pp=2, sp=True, zero=2)),          # 16 GPUs: two network dimensions
     ("gpt", dict(dp=2, tp=1, pp=2)),                              # tied embeddings across stages
     ("gpt", dict(dp=1, tp=2, pp=4, vp=2)),
+    ("llama", dict(dp=1, tp=2, cp=2, pp=2)),                      # the cp ring: sends between cp ranks
+    ("llama", dict(dp=2, tp=1, cp=4, pp=1, cp_comm="all-gather", zero=1)),
+    ("llama", dict(dp=1, tp=1, cp=4, pp=2, cp_comm="a2a+p2p", cp_a2a_size=2, recompute="full")),
 ]
 IDS = [f"{fam}-" + "-".join(f"{k}{v}" for k, v in cfg.items()) for fam, cfg in GRID]
 TOL = 0.005

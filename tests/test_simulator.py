@@ -212,8 +212,7 @@ def test_pipeline_makespan_closed_form(schedule, vp) -> None:
     r, rep, programs = simulate(w, fast_net, exact=True)
     compute = ComputeModel(gpu)
     role = w.role(1)
-    per_mb = sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul, n.category.startswith("attention"))
-                 for n in role.nodes if n.type == COMP and n.micro_batch == 0)
+    per_mb = sum(compute.node_duration_s(n) for n in role.nodes if n.type == COMP and n.micro_batch == 0)
     optimizer = max(sum(compute.duration_s(n.flops, n.mem_bytes, n.matmul) for n in w.role(s).nodes
                         if n.category == "optimizer") for s in range(p))
     expected = (m + (p - 1) / vp) * per_mb + optimizer

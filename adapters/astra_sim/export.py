@@ -93,11 +93,11 @@ def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
         for n in role.nodes:
             if n.type != COMP:
                 continue
-            key = (n.flops, n.mem_bytes, n.matmul, n.category, n.groups)
+            key = (n.flops, n.mem_bytes, n.matmul, n.category, n.groups, n.keys)
             t = kernel_ns.get(key)
             if t is None:
                 t = kernel_ns[key] = compute.duration_of(n.flops, n.mem_bytes, op_kind(n.category, n.matmul),
-                                                         n.groups) * 1e9
+                                                         n.groups, n.keys) * 1e9
             exact_ns += t
             target = round(exact_ns / 1000)
             out[n.id] = max(0, target - written_us)

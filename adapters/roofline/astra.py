@@ -292,7 +292,7 @@ class _StageOf(Mapping[int, int]):
 
 def role_program(role, dur: Sequence[int]) -> tuple[Program, list[tuple[str, object]]]:  # noqa: ANN001
     """A role graph as a replay program, and each hole's symbolic target: ("pg", group kind)
-    or ("peer", pipeline shift)."""
+    or ("peer", (kind, shift)): the pipeline's neighbour, or the cp ring's."""
     from stage_cosim.schedule.program import COLL as R_COLL, COMP as R_COMP, SEND as R_SEND
 
     nodes = role.nodes
@@ -318,8 +318,8 @@ def role_program(role, dur: Sequence[int]) -> tuple[Program, list[tuple[str, obj
                 syms.append(("pg", node.group))
             else:
                 kind[i] = K_SEND if t == R_SEND else K_RECV
-                cats[i] = "pp"
-                syms.append(("peer", node.peer))
+                cats[i] = node.group or "pp"
+                syms.append(("peer", (node.group or "pp", node.peer)))
     size = [node.comm_bytes for node in nodes]
     tag = [node.tag for node in nodes]
     names = [node.name for node in nodes]
@@ -363,7 +363,10 @@ def replay_workload(w, cluster, system: AstraSystem, *, symmetric: bool = True, 
 
     def resolve(rank: int, sym: tuple[str, object]) -> object:
         kind, key = sym
-        return str(w.group_id(rank, str(key))) if kind == "pg" else w.peer(rank, int(key))  # type: ignore[arg-type]
+        if kind == "pg":
+            return str(w.group_id(rank, str(key)))
+        group, shift = key  # type: ignore[misc]
+        return w.peer(rank, int(shift), str(group))
 
     def values_of(rank: int) -> list[object]:
         _, syms = built[w.role_of(rank)]

@@ -1,8 +1,9 @@
 """Where the time goes: charge every instant of a window to one category.
 
 Compute while a kernel runs; otherwise exposed communication of the first kind active in
-``EXPOSED_PRIORITY`` order (tensor and expert parallelism are on the critical path, data parallelism the
-most overlappable); otherwise waiting (a pipeline bubble, or idle without pipelining). A posted
+``EXPOSED_PRIORITY`` order (tensor and expert parallelism are on the critical path, then the
+attention exchange over cp, data parallelism the most overlappable); otherwise waiting (a
+pipeline bubble, or idle without pipelining). A posted
 receive is waiting, not communication.
 """
 
@@ -13,7 +14,7 @@ from typing import Iterable, Sequence
 from stage_cosim.parallel.axes import category_of
 from stage_cosim.result import BREAKDOWN_KEYS
 
-EXPOSED_PRIORITY = ("tp", "ep", "pp", "embedding", "dp")
+EXPOSED_PRIORITY = ("tp", "ep", "cp", "pp", "embedding", "dp")
 NOT_CHARGED = ("RECV", "WAIT")   # a receive waits; a WAIT node only lets time pass
 
 

@@ -8,8 +8,11 @@ small GEMMs fall off smoothly (wave quantization, launch); a grouped GEMM of g e
 local experts of an MoE layer) reaches what one GEMM of F/g does, so small experts fall off too.
 FP8 GEMMs have their own efficiency and half-efficiency size. Fused (flash) attention kernels
 reach their own fraction of peak, attention_efficiency, of the format they compute in (softmax
-and masking inside the kernel keep them below GEMMs). Everything else runs at the vector
-(CUDA-core) rate. Memory-bound kernels reach peak HBM bandwidth * memory_efficiency.
+and masking inside the kernel keep them below GEMMs), times k / (k + attention_half_keys) for a
+kernel whose queries each see k keys (a query tile's fixed prologue and epilogue amortize over
+its loop over the keys: the chunks of ring attention run slower than one kernel over the whole
+sequence). Everything else runs at the vector (CUDA-core) rate. Memory-bound kernels reach peak
+HBM bandwidth * memory_efficiency.
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ class ComputeModel:
         return peak * 1e12 * eff * flops / (flops + half)
 
     def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
-                   groups: int = 1) -> float:
-        """``groups``: the equal GEMMs of a grouped GEMM (each runs at its own shape's rate)."""
+                   groups: int = 1, keys: float = 0.0) -> float:
+        """``groups``: the equal GEMMs of a grouped GEMM (each runs at its own shape's rate);
+        ``keys``: for fused attention, the keys each query sees in this kernel."""
         g = self.gpu
         fmt = matmul_format(matmul)
         if attention and flops > 0:
             rate = g.peak_tflops(fmt or "bf16") * 1e12 * g.attention_efficiency
+            if keys > 0:
+                rate *= keys / (keys + g.attention_half_keys)
         elif fmt and flops > 0:
             rate = self.matmul_rate(flops / max(1, groups), fmt)
         else:
@@ -58,10 +64,18 @@ class ComputeModel:
         t_mem = nbytes / (g.hbm_GBps * 1e9 * g.memory_efficiency)
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
 
-    def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1) -> float:
+    def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1, keys: float = 0.0) -> float:
         """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector;
-        with the number format where it is not BF16: matmul_fp8 …)."""
+        with the number format where it is not BF16: matmul_fp8 …) and, for attention, the keys
+        each query sees in it."""
         from stage_cosim.schedule.program import parse_op_kind
 
         base, fmt = parse_op_kind(op_kind)
-        return self.duration_s(flops, nbytes, fmt, base == "attention", groups)
+        return self.duration_s(flops, nbytes, fmt, base == "attention", groups, keys)
+
+    def node_duration_s(self, node) -> float:  # noqa: ANN001 (a role graph's Node)
+        """The time of one compute node of a role graph."""
+        from stage_cosim.schedule.program import op_kind
+
+        return self.duration_of(node.flops, node.mem_bytes, op_kind(node.category, node.matmul), node.groups,
+                                node.keys)

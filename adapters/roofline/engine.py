@@ -46,6 +46,9 @@ class AgentProgram:
     members: list[tuple[int, ...] | None]      # COLL: the group's global ranks
     streams: list[str | None] = field(default_factory=list)
     involved: dict[int, tuple[bool, ...]] = field(default_factory=dict)   # COLL: network dims it spans
+    # SEND: the destination's global rank where the agent stands for another rank (one rank
+    # standing for a stage: a ring neighbour over cp is the same agent, another rank)
+    peer_rank: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +122,7 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
                     push(done[ag], ag, node)
         elif t == "SEND":
             dst = p.peer[i]
-            busy_for, delay = network.p2p(p.rank, programs[dst].rank, p.nbytes[i])
+            busy_for, delay = network.p2p(p.rank, p.peer_rank.get(i, programs[dst].rank), p.nbytes[i])
             push(now + busy_for, a, i)
             key = (a, dst, p.tag[i])
             arrival = now + delay

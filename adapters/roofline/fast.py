@@ -28,7 +28,7 @@ from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Re
 from stage_cosim.adapters.roofline.network import NetworkModel
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.result import BREAKDOWN_KEYS
-from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, RoleGraph
+from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, RECV, SEND, RoleGraph
 from stage_cosim.workload import Workload
 
 WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own
@@ -72,21 +72,29 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
     for j, item in enumerate(rows_or_nodes):
         i = nw + j
         if isinstance(item, tuple):
-            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, cat, _, _, groups = item
+            _, typ, _, flops, _, mem, matmul, coll, cbytes, group, cat, _, _, groups, peer, tag, keys = item
         else:
-            typ, flops, mem, matmul, coll, cbytes, group, cat, groups = (
+            typ, flops, mem, matmul, coll, cbytes, group, cat, groups, peer, tag, keys = (
                 item.type, item.flops, item.mem_bytes, item.matmul, item.coll, item.comm_bytes, item.group,
-                item.category, item.groups)
+                item.category, item.groups, item.peer, item.tag, item.keys)
         prog.types.append(typ)
         prog.deps.append(deps[j])
         if typ == COMP:
             attention = cat in ATTENTION_KINDS
-            key = (flops, mem, matmul, attention, groups)
+            key = (flops, mem, matmul, attention, groups, keys)
             d = durations.get(key)
             if d is None:
-                d = durations[key] = compute.duration_s(flops, mem, matmul, attention, groups)
+                d = durations[key] = compute.duration_s(flops, mem, matmul, attention, groups, keys)
             prog.duration[i] = d
             prog.streams.append("compute")
+        elif typ in (SEND, RECV):
+            # the attention exchange's ring: this agent stands for its cp neighbours too
+            prog.kind[i] = group
+            prog.nbytes[i] = cbytes
+            prog.tag[i] = tag
+            prog.peer[i] = 0
+            prog.peer_rank[i] = w.peer(rank, peer, group)
+            prog.streams.append(network.stream(typ, group))
         else:
             prog.kind[i] = group
             prog.coll[i] = coll.value

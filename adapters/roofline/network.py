@@ -53,9 +53,9 @@ class CalibratedNetwork:
     def stream(self, node_type: str, kind: str) -> str | None:
         if node_type == "RECV":
             return None          # a posted receive waits for data, it occupies nothing
-        if node_type == "SEND":
-            return "send"
-        return f"comm:{kind}"    # one NCCL stream per communicator kind
+        if node_type == "SEND" and kind == "pp":
+            return "send"        # pipeline sends
+        return f"comm:{kind}"    # one NCCL stream per communicator kind (the cp ring's sends too)
 
     # -- one level --------------------------------------------------------------------------
 

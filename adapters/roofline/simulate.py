@@ -56,14 +56,14 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
         def agent_rank(a: int) -> int:
             return a
 
-    durations: dict[tuple[int, int, bool, bool], float] = {}
+    durations: dict[tuple[int, int, bool, bool, int], float] = {}
 
     def duration(n) -> float:  # noqa: ANN001
         attention = n.category in ATTENTION_KINDS
-        key = (n.flops, n.mem_bytes, n.matmul, attention, n.groups)
+        key = (n.flops, n.mem_bytes, n.matmul, attention, n.groups, n.keys)
         d = durations.get(key)
         if d is None:
-            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul, attention, n.groups)
+            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul, attention, n.groups, n.keys)
         return d
 
     participants: dict[Hashable, int] = {}
@@ -97,9 +97,11 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
                 prog.group[i] = groups[node.group]
                 prog.members[i] = members_of[node.group]
             else:
-                prog.kind[i] = "pp"
+                prog.kind[i] = node.group
                 prog.tag[i] = node.tag
-                prog.peer[i] = agent_of_rank(w.peer(rank, node.peer))
+                peer = w.peer(rank, node.peer, node.group)
+                prog.peer[i] = agent_of_rank(peer)
+                prog.peer_rank[i] = peer
         programs.append(prog)
     return programs, participants, agent_of_rank
 

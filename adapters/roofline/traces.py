@@ -54,7 +54,7 @@ def kernel_seconds(ts: TraceSet, compute: ComputeModel) -> list[list[float]]:
             else:
                 kind = t.attrs[i].get("op_kind", (None, "matmul"))[1]
                 secs[i] = compute.duration_of(t.int_attr(i, "num_ops", 0) or 0, t.int_attr(i, "tensor_size", 0) or 0,
-                                              str(kind))
+                                              str(kind), keys=t.int_attr(i, "attention_keys", 0) or 0)
         out.append(secs)
     return out
 
@@ -81,8 +81,10 @@ def _manifest(located: traceset.Located) -> dict:
 
 
 def _table_program(name: str, rank: int, t: NodeTable, values: Sequence, secs: Sequence[float],
-                   kinds: dict[str, str], members_of, agent_of: dict[int, int]) -> AgentProgram:  # noqa: ANN001
-    """One engine program: sends and receives name the agent of their peer."""
+                   kinds: dict[str, str], members_of, agent_of: dict[int, int],  # noqa: ANN001
+                   send_kind=lambda rank, peer: "pp") -> AgentProgram:  # noqa: ANN001
+    """One engine program: sends and receives name the agent of their peer (and its rank, for
+    the link it takes) and their kind (the pipeline's, or the ring of context parallelism)."""
     order = sorted(range(len(t)), key=t.ids.__getitem__)
     pos = {t.ids[i]: k for k, i in enumerate(order)}
     hole_value = dict(zip(t.holes, values))
@@ -112,14 +114,31 @@ def _table_program(name: str, rank: int, t: NodeTable, values: Sequence, secs: S
             if inv is not None and isinstance(inv[1], list):
                 prog.involved[k] = tuple(bool(x) for x in inv[1])
         else:
-            prog.kind[k] = "pp"
+            target = target_of(hole_value.get(i), 2)
+            prog.kind[k] = send_kind(rank, target)
             prog.tag[k] = t.int_attr(i, "comm_tag", 0) or 0
-            prog.peer[k] = agent_of[target_of(hole_value.get(i), 2)]  # type: ignore[index]
+            prog.peer[k] = agent_of[target]  # type: ignore[index]
+            prog.peer_rank[k] = target  # type: ignore[assignment]
     return prog
 
 
+def send_kinds(manifest: dict):  # noqa: ANN201 (rank, peer -> kind)
+    """The kind of a send or receive from the manifest's mesh: between ranks that differ only
+    in their cp coordinate it is the ring of context parallelism, else the pipeline's."""
+    mesh_doc = manifest.get("mesh")
+    if not mesh_doc or mesh_doc.get("degrees", {}).get("cp", 1) == 1:
+        return lambda rank, peer: "pp"
+    mesh = DeviceMesh(tuple(mesh_doc["degrees"].items()), tuple(mesh_doc["order"]))
+    others = [a for a in mesh.order if a != "cp"]
+
+    def kind(rank: int, peer: int) -> str:
+        return "cp" if all(mesh.coord(rank, a) == mesh.coord(peer, a) for a in others) else "pp"
+    return kind
+
+
 def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds: dict[str, str],
-                   symmetric: bool = True) -> tuple[list[AgentProgram], dict[Hashable, int], object]:
+                   symmetric: bool = True, send_kind=lambda rank, peer: "pp"  # noqa: ANN001
+                   ) -> tuple[list[AgentProgram], dict[Hashable, int], object]:
     """Engine programs of a trace set: one per class where that is exact, else one per rank.
     Returns the programs, how many agents take part in each group, and rank -> agent."""
     from stage_cosim.adapters.roofline.astra import _members_of, trace_classes
@@ -140,7 +159,7 @@ def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds:
     for a, r in enumerate(agents):
         c = ts.class_of[r]
         programs.append(_table_program(f"rank{r}", r, ts.classes[c], ts.values_of(r), secs[c], kinds, members_of,
-                                       agent_of))
+                                       agent_of, send_kind))
     participants: dict[Hashable, int] = {}
     for p in programs:
         for g, m in zip(p.group, p.members):
@@ -174,7 +193,8 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     elif network_model == "calibrated":
         from stage_cosim.adapters.roofline.network import CalibratedNetwork
 
-        programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, kinds, symmetric)
+        programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, kinds, symmetric,
+                                                               send_kinds(manifest))
         try:
             rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
         except DeadlockError as exc:

@@ -20,8 +20,9 @@ from stage_cosim.errors import UserError
 from stage_cosim.model.config import MODEL_SWITCHES
 
 MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES)
-PARALLEL_FLAGS = ("dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute",
-                  "schedule", "pp_layers", "axis_order", *PRECISION_FLAGS, *MOE_PARALLEL)
+PARALLEL_FLAGS = ("dp", "tp", "pp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance", "vp", "sp", "micro_batch",
+                  "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", *PRECISION_FLAGS,
+                  *MOE_PARALLEL)
 
 
 def check_locally(kw: dict[str, Any], parallel: bool = True) -> tuple[Any, Any]:

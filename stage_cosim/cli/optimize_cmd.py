@@ -21,6 +21,10 @@ GiB = 1 << 30
 
 def describe_point(p: dict, par: dict) -> str:
     parts = [f"dp{par['dp']}", f"tp{par['tp']}", f"pp{par['pp']}"]
+    if par.get("cp", 1) > 1:
+        comm = par.get("cp_comm", "p2p")
+        size = f":{par['cp_a2a_size']}" if comm == "a2a+p2p" else ""
+        parts.insert(2, f"cp{par['cp']}({comm}{size})")
     if par.get("vp", 1) > 1:
         parts.append(f"vp{par['vp']}")
     parts.append(f"mb{par['micro_batch']}")

@@ -16,7 +16,8 @@ from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel.config import (
-    DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, TOKEN_DISPATCHERS, ParallelConfig,
+    CP_COMMS, DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, TOKEN_DISPATCHERS,
+    ParallelConfig,
 )
 
 # The Mixture-of-Experts fields of a parallel configuration (flags of the same names).
@@ -86,6 +87,16 @@ parallel_options = _compose(
     click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree."),
     click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
     click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree."),
+    click.option("--cp", type=int, default=1, show_default=True,
+                 help="Context-parallel degree (the sequence split over cp ranks)."),
+    click.option("--cp-comm", "cp_comm", type=click.Choice(CP_COMMS), default="p2p", show_default=True,
+                 help="How attention exchanges keys and values over cp: ring (p2p), all-gather, "
+                      "Ulysses all-to-all (a2a), or a2a inside groups of --cp-a2a-size with a ring across."),
+    click.option("--cp-a2a-size", "cp_a2a_size", type=int, default=None,
+                 help="With --cp-comm a2a+p2p: cp ranks of each all-to-all group."),
+    click.option("--cp-load-balance/--no-cp-load-balance", "cp_load_balance", default=True,
+                 help="Cut the sequence into 2*cp chunks so causal attention costs every cp rank the same "
+                      "(default), or into cp contiguous chunks."),
     click.option("--vp", type=int, default=1, show_default=True, help="Virtual pipeline stages per device (interleaved 1F1B)."),
     click.option("--sp/--no-sp", "sp", default=False, help="Megatron sequence parallelism over the tp axis."),
     click.option("--micro-batch", type=int, default=None,
@@ -151,8 +162,8 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
         except ValueError:
             raise UserError("pp-layers", f"must be comma-separated integers, got {pp_layers!r}") from None
     order = tuple(a.strip() for a in kw.pop("axis_order").split(","))
-    names = ("dp", "tp", "pp", "vp", "sp", "global_batch", "seq_len", "zero", "recompute", "schedule",
-             *PRECISION_FLAGS, *MOE_PARALLEL)
+    names = ("dp", "tp", "pp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance", "vp", "sp", "global_batch",
+             "seq_len", "zero", "recompute", "schedule", *PRECISION_FLAGS, *MOE_PARALLEL)
     return ParallelConfig(**{n: kw.pop(n) for n in names}, micro_batch=kw.pop("micro_batch") or 1,
                           pp_layers=layers, axis_order=order)
 
@@ -190,4 +201,4 @@ def resolve_inference_options(kw: dict[str, Any]) -> InferenceConfig | None:
 
 cluster_option = click.option(
     "--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
-    help="Cluster preset with GPU count (default count: dp*tp*pp) or a YAML description ('stage-cosim clusters').")
+    help="Cluster preset with GPU count (default count: dp*tp*cp*pp) or a YAML description ('stage-cosim clusters').")

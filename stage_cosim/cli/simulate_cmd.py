@@ -68,7 +68,8 @@ def print_summary(r: SimResult) -> None:
         training = "" if inf else (f"{' vp' + str(par['vp']) if par.get('vp', 1) > 1 else ''}"
                                    f"{' sp' if par.get('sp') else ''} zero{par['zero']} recompute={par['recompute']}"
                                    f" micro-batch {par['micro_batch']} x {par['num_microbatches']}")
-        click.echo(f"configuration    dp{par['dp']} tp{par['tp']} pp{par['pp']}{training}"
+        cp = f" cp{par['cp']}({par['cp_comm']})" if par.get("cp", 1) > 1 else ""
+        click.echo(f"configuration    dp{par['dp']} tp{par['tp']}{cp} pp{par['pp']}{training}"
                    f" on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']} ({cfg['network_model']} network)")
         if (cfg.get("model") or {}).get("num_experts"):
             click.echo(f"experts          {_experts_line(par)}")

@@ -128,6 +128,7 @@ def _softmax(op: Op, douts: list[Tensor | None], st: _State) -> None:
 def _attention(op: Op, douts: list[Tensor | None], st: _State) -> None:
     grads = [_grad_tensor(t) for t in op.inputs]      # q, k (and a shared rotary key), v
     st.ops.append(Op(f"{op.name}.grad", "attention_grad", [douts[0], *op.saves], grads, spec=op.spec,
+                     key_inputs=tuple(i + 1 for i in op.key_inputs), key_outputs=op.key_inputs,
                      unsharded=op.unsharded, grad_of=op, attention_core=True, causal=op.causal,
                      softcap=op.softcap))
     for t, g in zip(op.inputs, grads):

@@ -43,6 +43,9 @@ OpKind = Literal[
     # around them follow from placements).
     "mesh_change", "permute", "unpermute",
 ]
+# Fused (flash) attention and its backward: kernels with their own rate and, under context
+# parallelism, operands that arrive in pieces.
+ATTENTION_KINDS = ("attention", "attention_grad")
 
 
 @dataclass(eq=False)
@@ -124,6 +127,10 @@ class Op:
     # it does not read them (a shared expert run after the routed ones; attention reading the KV cache after
     # this step's keys are written).
     after: list[Tensor] = field(default_factory=list)
+    # Fused attention: the inputs and outputs that run over the key sequence (keys, values and
+    # their gradients), by position.
+    key_inputs: tuple[int, ...] = ()
+    key_outputs: tuple[int, ...] = ()
 
     def einsum_operands(self) -> tuple[list[str], str]:
         lhs, out = self.spec.split("->")
@@ -133,6 +140,17 @@ class Op:
     def mesh(self) -> str:
         """The mesh the op runs on: where its results live."""
         return self.outputs[0].mesh
+
+    def letters(self) -> tuple[list[str], list[str]]:
+        """The letters the op calls the dimensions of each input and each output: an einsum's
+        spec; for a fused attention its tensors' labels with the keys' and values' sequence
+        renamed ``t`` (the key sequence, not the queries' ``s``); else the tensors' labels."""
+        if self.kind == "einsum":
+            lhs, out = self.spec.split("->")
+            return lhs.split(","), [out]
+        ins = [t.labels.replace("s", "t") if i in self.key_inputs else t.labels for i, t in enumerate(self.inputs)]
+        outs = [t.labels.replace("s", "t") if i in self.key_outputs else t.labels for i, t in enumerate(self.outputs)]
+        return ins, outs
 
     def __repr__(self) -> str:
         return f"Op({self.kind}:{self.name})"
@@ -270,8 +288,10 @@ class BlockBuilder:
         lse = Tensor(name + ".lse", q.labels[:-1], "fp32", "activation")
         keys = [k] if rotary_key is None else [k, rotary_key]
         extra = [sinks] if sinks is not None else []
+        # keys and values run over the key sequence: sharding the queries' sequence (cp) leaves
+        # them to be gathered, as the rules say, or exchanged (sharding.propagate)
         self._add(Op(name, "attention", [q, *keys, v, *extra], [out, lse], spec=f"{qk},{vd}",
-                     unsharded="s" + "".join(sorted({qk, vd})),
+                     unsharded="".join(sorted({qk, vd})), key_inputs=tuple(range(1, len(keys) + 2)),
                      saves=[q, *keys, v, out, lse], attention_core=True, causal=causal, softcap=softcap))
         return out
 

@@ -149,6 +149,8 @@ class InferenceConfig:
 
         for key, off in TRAINING_ONLY.items():
             require(getattr(parallel, key) == off, key, f"is a training option (an inference step has no backward), got {getattr(parallel, key)!r}")
+        require(parallel.cp == 1, "cp", f"context parallelism is modelled for training steps; an inference step "
+                                        f"runs with cp = 1, got {parallel.cp}")
         dp = parallel.dp
         require(self.batch % dp == 0, "batch", f"must be divisible by dp ({dp}), got {self.batch}")
         per = self.batch // dp

@@ -52,23 +52,35 @@ class MeshAxis:
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("tp", "dense", shards=None, tokens="s",
              meaning="tensor parallelism (Megatron column/row-parallel layers)"),
+    # Context parallelism: every op runs on its own piece of the sequence; weights are
+    # replicated over cp, so their gradients are reduced over dp and cp together (Megatron's
+    # data-parallel group "with context parallel"). Attention, whose keys and values span the
+    # whole sequence, exchanges them (sharding.propagate: the attention exchange).
+    MeshAxis("cp", "dense", shards="s", data_parallel=True, tokens="s",
+             meaning="context parallelism over the sequence"),
     MeshAxis("dp", "dense", shards="b", data_parallel=True, tokens="b", meaning="data parallelism over the batch"),
     # Expert layers: ep holds a share of the experts (the expert label e), expert_tp shards each
     # expert's GEMMs as tp does, edp holds replicas of the experts and splits their tokens
-    # (slots c). Dispatch and combine are placement changes on ep and expert_tp.
+    # (slots c). Dispatch and combine are placement changes on ep and expert_tp. The expert
+    # mesh re-factors the ranks of tp, cp and dp, so edp folds cp in, as Megatron-Core does.
     MeshAxis("ep", "expert", shards="e", tokens="n", meaning="expert parallelism over the experts"),
     MeshAxis("expert_tp", "expert", shards=None, tokens="n", meaning="tensor parallelism inside each expert"),
     MeshAxis("edp", "expert", shards="c", data_parallel=True, tokens="n",
-             meaning="expert data parallelism (the ranks left over: tp*dp / (expert_tp*ep))"),
+             meaning="expert data parallelism (the ranks left over: tp*cp*dp / (expert_tp*ep))"),
 )
 
-# The axes of each mesh, innermost first in the default rank mapping (tp groups are
-# consecutive ranks, inside a scale-up domain; pp outermost).
+# The axes of each mesh, innermost first in the default rank mapping (Megatron's order with
+# context parallelism: tp groups are consecutive ranks inside a scale-up domain, cp groups
+# next to them, then dp; pp outermost).
 MESHES: dict[str, tuple[str, ...]] = {
-    "dense": ("tp", "dp", PIPELINE_AXIS),
+    "dense": ("tp", "cp", "dp", PIPELINE_AXIS),
     "expert": ("expert_tp", "ep", "edp", PIPELINE_AXIS),
 }
 DENSE, EXPERT = "dense", "expert"
+# Sub-axes: an axis split into an inner factor of a size chosen per configuration (the
+# hierarchical context parallelism of --cp-comm a2a+p2p: all-to-all inside groups of
+# --cp-a2a-size consecutive cp ranks, the ring across them). Sub-axis -> its parent.
+SUB_AXES: dict[str, str] = {"cp_a2a": "cp"}
 
 AXIS: dict[str, MeshAxis] = {a.name: a for a in AXES}
 BLOCK_AXES: tuple[str, ...] = tuple(a.name for a in AXES)
@@ -76,6 +88,8 @@ BLOCK_AXES: tuple[str, ...] = tuple(a.name for a in AXES)
 
 def mesh_of(axis: str) -> str:
     """The mesh an axis belongs to (the pipeline axis: the dense mesh, which names ranks)."""
+    if axis in SUB_AXES:
+        return mesh_of(SUB_AXES[axis])
     return AXIS[axis].mesh if axis in AXIS else DENSE
 
 
@@ -113,6 +127,10 @@ class GroupKind:
     # Exists only in workloads whose nodes use it (the others are created whenever their
     # size exceeds one).
     on_demand: bool = False
+    # A collective over these axes stays on this group when some of them have degree 1, unless
+    # what is left is a group of the same category (the data-parallel group over dp and cp is
+    # the dp group while cp = 1, but not the attention exchange's cp group while dp = 1).
+    sticky: bool = False
 
 
 # In group-id order (ids are numbered kind by kind, so existing kinds keep their ids).
@@ -120,11 +138,18 @@ GROUP_KINDS: tuple[GroupKind, ...] = (
     GroupKind("tp", ("tp",), "tp"),
     GroupKind("dp", ("dp",), "dp"),
     GroupKind("embedding", (PIPELINE_AXIS,), "embedding", endpoints=True),
-    # Megatron's amax-reduction group of delayed FP8 scaling: every rank of a pipeline stage.
+    # Megatron's amax-reduction group of delayed FP8 scaling: every rank of a pipeline stage
+    # (with context parallelism, its cp ranks too).
     GroupKind("tp_dp", ("tp", "dp"), "other", on_demand=True),
     GroupKind("ep", ("ep",), "ep"),
     GroupKind("expert_tp", ("expert_tp",), "tp"),
     GroupKind("edp", ("edp",), "dp"),
+    # the attention exchange: K/V all-gathers, Ulysses all-to-alls and the ring's sends
+    GroupKind("cp", ("cp",), "cp"),
+    GroupKind("cp_a2a", ("cp_a2a",), "cp"),
+    # weight gradients and ZeRO shards: data-parallel traffic, over dp and cp together
+    GroupKind("dp_cp", ("cp", "dp"), "dp", sticky=True),
+    GroupKind("tp_cp_dp", ("tp", "cp", "dp"), "other", on_demand=True),   # FP8 amax with cp
 )
 GROUP: dict[str, GroupKind] = {g.name: g for g in GROUP_KINDS}
 _BY_AXES: dict[tuple[str, ...], str] = {g.axes: g.name for g in GROUP_KINDS if not g.endpoints}
@@ -140,15 +165,32 @@ def group_name(axes: tuple[str, ...]) -> str:
 
 def resolve_group(axes: tuple[str, ...], degrees: Mapping[str, int]) -> str | None:
     """The communicator group a collective over ``axes`` runs on, given the degrees: axes of
-    degree 1 drop out (a group over dp and cp with cp = 1 is the dp group); None when nothing
-    is left (a collective over one rank is nothing)."""
+    degree 1 drop out (a group over dp and cp with cp = 1 is the dp group), except that a sticky
+    group is not traded for one of another category (with dp = 1 the gradients are still
+    reduced on the data-parallel group over cp, not on the attention exchange's cp group); None
+    when nothing is left (a collective over one rank is nothing)."""
     live = tuple(a for a in axes if degrees.get(a, 1) > 1)
-    return group_name(live) if live else None
+    if not live:
+        return None
+    full = _BY_AXES.get(tuple(axes))
+    name = _BY_AXES.get(live)
+    if name is None:        # no narrower kind spans what is left: the group over all the axes
+        return group_name(tuple(axes))
+    if full is not None and GROUP[full].sticky and GROUP[name].category != GROUP[full].category:
+        return full
+    return name
 
 
 def group_size(kind: str, degrees: Mapping[str, int]) -> int:
     g = GROUP[kind]
-    return 2 if g.endpoints else prod(degrees[a] for a in g.axes)
+    return 2 if g.endpoints else prod(degrees.get(a, 1) for a in g.axes)
+
+
+def peer_axis(kind: str) -> str:
+    """The axis along which a send or receive of communication kind ``kind`` finds its peer
+    (pipeline sends: ``pp``; the ring of the attention exchange: ``cp``)."""
+    g = GROUP.get(kind)
+    return g.axes[0] if g is not None else kind
 
 
 def group_mesh(kind: str) -> str:

@@ -14,6 +14,10 @@ MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given 
 DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 TOKEN_DISPATCHERS = ("alltoall", "allgather")
+# How attention exchanges keys and values over cp (Megatron's --cp-comm-type): a ring of
+# send/recv steps, an all-gather of K and V, DeepSpeed-Ulysses all-to-alls, or all-to-alls
+# inside groups of --cp-a2a-size ranks with a ring across them.
+CP_COMMS = ("p2p", "all-gather", "a2a", "a2a+p2p")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp8")
 # Megatron-LM's --fp8-recipe choices (Transformer Engine recipes): per-tensor delayed scaling
@@ -34,6 +38,12 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1                        # context parallelism: the sequence split over cp ranks
+    cp_comm: str = "p2p"
+    cp_a2a_size: int | None = None     # a2a+p2p: ranks of each all-to-all group (the ring runs across)
+    # The sequence in 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal attention
+    # costs every rank the same; False: cp contiguous chunks (the last rank works the most).
+    cp_load_balance: bool = True
     vp: int = 1                        # virtual pipeline stages (model chunks) per device
     sp: bool = False                   # Megatron sequence parallelism over the tp axis
     micro_batch: int = 1
@@ -65,7 +75,7 @@ class ParallelConfig:
     fp8_amax_history_len: int = 1024
     te_layernorm_mlp: bool = False
     # -- Mixture of Experts (Megatron-Core's MoE parallel folding) -------------------------------
-    # Expert layers re-factor the tp*dp ranks of a stage as expert_tp x ep x edp: ep shares
+    # Expert layers re-factor the tp*cp*dp ranks of a stage as expert_tp x ep x edp: ep shares
     # out the experts, expert_tp (default: tp) shards each expert, the expert-data-parallel
     # degree edp is what is left.
     ep: int = 1
@@ -82,15 +92,17 @@ class ParallelConfig:
     moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "vp", "micro_batch", "seq_len"):
+        for name in ("dp", "tp", "pp", "cp", "vp", "micro_batch", "seq_len"):
             positive_int(getattr(self, name), name.replace("_", "-"))
         if self.expert_tp is None:
             object.__setattr__(self, "expert_tp", self.tp)
         for name in ("ep", "expert_tp"):
             positive_int(getattr(self, name), name.replace("_", "-"))
-        require(self.ep * self.expert_tp <= self.tp * self.dp and (self.tp * self.dp) % (self.ep * self.expert_tp) == 0,
-                "ep", f"expert-tp*ep = {self.expert_tp}*{self.ep} must divide tp*dp = {self.tp}*{self.dp} "
-                      "(expert layers re-factor the same ranks)")
+        # (cp folds into the expert mesh's data parallelism, as Megatron-Core's MoE folding does)
+        stage = self.tp * self.cp * self.dp
+        require(self.ep * self.expert_tp <= stage and stage % (self.ep * self.expert_tp) == 0,
+                "ep", f"expert-tp*ep = {self.expert_tp}*{self.ep} must divide tp*cp*dp = "
+                      f"{self.tp}*{self.cp}*{self.dp} (expert layers re-factor the same ranks)")
         require(self.moe_token_dispatcher in TOKEN_DISPATCHERS, "moe-token-dispatcher",
                 f"must be one of {', '.join(TOKEN_DISPATCHERS)}, got {self.moe_token_dispatcher!r}")
         cf = self.moe_capacity_factor
@@ -121,7 +133,19 @@ class ParallelConfig:
             require(self.num_microbatches % self.pp == 0, "global-batch",
                     f"the interleaved schedule needs the number of micro-batches ({self.num_microbatches}) "
                     f"to be a multiple of pp ({self.pp})")
+        require(self.cp_comm in CP_COMMS, "cp-comm", f"must be one of {', '.join(CP_COMMS)}, got {self.cp_comm!r}")
+        if self.cp_comm == "a2a+p2p":
+            require(self.cp_a2a_size is not None, "cp-a2a-size", "is required with --cp-comm a2a+p2p")
+            positive_int(self.cp_a2a_size, "cp-a2a-size")
+            require(self.cp % self.cp_a2a_size == 0, "cp-a2a-size",
+                    f"must divide cp ({self.cp}), got {self.cp_a2a_size}")
+        else:
+            require(self.cp_a2a_size is None, "cp-a2a-size", f"only applies to --cp-comm a2a+p2p, not {self.cp_comm}")
         order = tuple(self.axis_order)
+        if "cp" not in order and "tp" in order:
+            # orders written before context parallelism existed: cp right outside tp, where
+            # Megatron puts it (and where it changes nothing while cp = 1)
+            order = order[:order.index("tp") + 1] + ("cp",) + order[order.index("tp") + 1:]
         object.__setattr__(self, "axis_order", order)
         require(sorted(order) == sorted(MESH_AXES), "axis-order",
                 f"must list each of {', '.join(MESH_AXES)} once, got {','.join(order)}")
@@ -176,8 +200,8 @@ class ParallelConfig:
 
     @property
     def edp(self) -> int:
-        """The expert-data-parallel degree: the ranks of a stage over expert_tp x ep."""
-        return self.tp * self.dp // (self.expert_tp * self.ep)
+        """The expert-data-parallel degree: the ranks of a stage (tp x cp x dp) over expert_tp x ep."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     def degrees(self) -> dict[str, int]:
         """The degree of every axis of every mesh (dense axes are fields of this config, edp
@@ -210,6 +234,24 @@ class ParallelConfig:
         if self.moe_capacity_factor is None or self.moe_imbalance <= self.moe_capacity_factor:
             return 0.0
         return 1.0 - self.moe_capacity_factor / self.moe_imbalance
+
+    @property
+    def cp_a2a(self) -> int:
+        """Ranks that exchange attention heads by all-to-all (1: none)."""
+        if self.cp == 1:
+            return 1
+        return {"a2a": self.cp, "a2a+p2p": self.cp_a2a_size or 1}.get(self.cp_comm, 1)
+
+    @property
+    def cp_ring(self) -> int:
+        """Ranks that pass keys and values round a ring (1: none)."""
+        if self.cp == 1 or self.cp_comm in ("a2a", "all-gather"):
+            return 1
+        return self.cp // self.cp_a2a
+
+    def mesh_splits(self) -> tuple[tuple[str, str, int], ...]:
+        """Sub-axes of the rank mesh: the all-to-all groups of hierarchical cp."""
+        return (("cp_a2a", "cp", self.cp_a2a),) if self.cp_comm == "a2a+p2p" and self.cp > 1 else ()
 
     def padded_vocab(self, vocab: int) -> int:
         multiple = VOCAB_PAD * self.tp
@@ -252,9 +294,11 @@ class ParallelConfig:
         if model.position == "learned":
             require(self.seq_len <= model.max_seq, "seq-len",
                     f"must not exceed the model's learned positions ({model.max_seq}), got {self.seq_len}")
+        if self.cp > 1:
+            self._check_context_parallel(model)
         if self.sp:
-            require(self.seq_len % self.tp == 0, "seq-len",
-                    f"must be divisible by tp ({self.tp}) with sequence parallelism, got {self.seq_len}")
+            require(self.seq_len % (self.tp * self.cp) == 0, "seq-len",
+                    f"must be divisible by tp*cp ({self.tp}*{self.cp}) with sequence parallelism, got {self.seq_len}")
         require(not self.fp8_attention or model.attention == "fused", "fp8-attention",
                 "FP8 attention is a fused attention kernel (cuDNN); the model uses --attention unfused")
         require(not self.fp8_dispatch or getattr(model, "num_experts", None), "fp8-dispatch",
@@ -278,6 +322,25 @@ class ParallelConfig:
         require(self.mesh_orders()[EXPERT] is not None, "axis-order",
                 f"the dense axes must be contiguous in the rank order for expert layers (pp first or last), "
                 f"got {','.join(self.axis_order)}")
+
+    def _check_context_parallel(self, model: ModelConfig) -> None:
+        """Megatron-Core's and Transformer Engine's rules for context parallelism."""
+        chunks = 2 * self.cp if self.cp_load_balance else self.cp
+        require(self.seq_len % chunks == 0, "seq-len",
+                f"must be divisible by {'2*cp' if self.cp_load_balance else 'cp'} = {chunks} "
+                f"(the sequence is cut into that many chunks), got {self.seq_len}")
+        a2a = self.cp_a2a
+        if a2a > 1:
+            require(model.heads % (self.tp * a2a) == 0 and model.kv_heads % (self.tp * a2a) == 0, "cp-comm",
+                    f"{self.cp_comm} shards attention heads over tp*{'cp' if a2a == self.cp else 'cp-a2a-size'} = "
+                    f"{self.tp * a2a}: it must divide heads ({model.heads}) and kv-heads ({model.kv_heads})")
+        if self.cp_ring > 1:
+            windowed = [w for w in model.layer_windows() if w is not None and w < self.seq_len]
+            require(not windowed, "cp-comm", f"{self.cp_comm} does not support sliding-window attention "
+                                             "(Transformer Engine); use all-gather or a2a")
+        if model.attention != "fused":
+            require(self.cp_comm == "all-gather", "cp-comm",
+                    f"{self.cp_comm} needs fused (flash) attention; with --attention unfused use all-gather")
 
     def with_overrides(self, **kw: Any) -> "ParallelConfig":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})

@@ -13,19 +13,53 @@ from stage_cosim.errors import require
 class DeviceMesh:
     """``order`` lists the axes innermost first: rank = sum(coord[a] * stride[a]), with the first
     axis varying fastest (so with the default order a tensor-parallel group is a run of
-    consecutive ranks, inside one scale-up domain)."""
+    consecutive ranks, inside one scale-up domain).
+
+    ``splits`` names sub-axes: ``(sub, parent, size)`` makes ``sub`` the inner factor of
+    ``parent`` (its coordinate is the parent's modulo ``size``), so groups along ``sub`` are
+    blocks of ``size`` consecutive parent coordinates (hierarchical context parallelism)."""
 
     degrees: tuple[tuple[str, int], ...]   # (axis, degree), in ``order``
     order: tuple[str, ...]
+    splits: tuple[tuple[str, str, int], ...] = ()
 
     @classmethod
-    def build(cls, degrees: dict[str, int], order: tuple[str, ...]) -> "DeviceMesh":
+    def build(cls, degrees: dict[str, int], order: tuple[str, ...],
+              splits: tuple[tuple[str, str, int], ...] = ()) -> "DeviceMesh":
         require(set(order) == set(degrees), "axis-order", f"must name the axes {sorted(degrees)}")
-        return cls(tuple((a, degrees[a]) for a in order), tuple(order))
+        for sub, parent, size in splits:
+            require(degrees[parent] % size == 0, parent, f"{sub} of size {size} must divide {parent} = {degrees[parent]}")
+        return cls(tuple((a, degrees[a]) for a in order), tuple(order), tuple(splits))
+
+    @cached_property
+    def _fine(self) -> tuple[tuple[str, int, int], ...]:
+        """(name, size, stride) of the independent factors, innermost first: the axes, a split
+        axis replaced by its inner sub-axis and the rest of it (named ``parent~``)."""
+        out, s = [], 1
+        split = {parent: (sub, size) for sub, parent, size in self.splits}
+        for axis, n in self.degrees:
+            if axis in split:
+                sub, size = split[axis]
+                out += [(sub, size, s), (axis + "~", n // size, s * size)]
+            else:
+                out.append((axis, n, s))
+            s *= n
+        return tuple(out)
+
+    def _parts(self, axes: str | tuple[str, ...]) -> set[str]:
+        """The factors ``axes`` consist of."""
+        axes = (axes,) if isinstance(axes, str) else axes
+        split = {parent: sub for sub, parent, _ in self.splits}
+        out: set[str] = set()
+        for a in axes:
+            out |= {split[a], a + "~"} if a in split else {a}
+        return out
 
     @cached_property
     def size(self) -> dict[str, int]:
-        return dict(self.degrees)
+        out = dict(self.degrees)
+        out.update({sub: size for sub, _, size in self.splits})
+        return out
 
     @cached_property
     def stride(self) -> dict[str, int]:
@@ -33,6 +67,7 @@ class DeviceMesh:
         for axis, n in self.degrees:
             out[axis] = s
             s *= n
+        out.update({sub: out[parent] for sub, parent, _ in self.splits})
         return out
 
     @property
@@ -59,11 +94,11 @@ class DeviceMesh:
     def group_index(self, rank: int, axes: str | tuple[str, ...]) -> int:
         """Which of the groups along ``axes`` holds ``rank`` (0 … world/group size − 1),
         numbering groups by the other coordinates in mesh order."""
-        axes = (axes,) if isinstance(axes, str) else axes
+        parts = self._parts(axes)
         index, scale = 0, 1
-        for axis, n in self.degrees:
-            if axis not in axes:
-                index += self.coord(rank, axis) * scale
+        for name, n, stride in self._fine:
+            if name not in parts:
+                index += (rank // stride) % n * scale
                 scale *= n
         return index
 
@@ -71,21 +106,22 @@ class DeviceMesh:
         """The ranks that share every coordinate of ``rank`` but those on ``axes`` (the
         first of ``axes`` varying fastest)."""
         axes = (axes,) if isinstance(axes, str) else axes
-        members = [rank - sum(self.coord(rank, a) * self.stride[a] for a in axes)]
-        for a in axes:
-            step = self.stride[a]
-            members = [m + i * step for i in range(self.size[a]) for m in members]
+        fine = {name: (n, stride) for name, n, stride in self._fine}
+        steps = [fine[p] for a in axes for p in sorted(self._parts(a), key=lambda p: fine[p][1])]
+        members = [rank - sum((rank // stride) % n * stride for n, stride in steps)]
+        for n, stride in steps:
+            members = [m + i * stride for i in range(n) for m in members]
         return members
 
     def groups(self, axes: str | tuple[str, ...]) -> list[list[int]]:
         """Every group along ``axes``, in group-index order."""
-        axes = (axes,) if isinstance(axes, str) else axes
-        others = [(a, n) for a, n in self.degrees if a not in axes]
+        parts = self._parts(axes)
+        others = [(n, stride) for name, n, stride in self._fine if name not in parts]
         out = []
-        for g in range(self.world_size // prod(self.size[a] for a in axes)):
+        for g in range(self.world_size // prod(n for name, n, _ in self._fine if name in parts)):
             base = 0
-            for a, n in others:
-                base += (g % n) * self.stride[a]
+            for n, stride in others:
+                base += (g % n) * stride
                 g //= n
             out.append(self.group_members(base, axes))
         return out

@@ -64,13 +64,13 @@ class Node:
 
     __slots__ = ("id", "name", "type", "deps", "ctrl", "flops", "model_flops", "mem_bytes", "matmul",
                  "coll", "comm_bytes", "group", "peer", "tag", "phase", "micro_batch", "chunk",
-                 "block", "category", "groups")
+                 "block", "category", "groups", "keys")
 
     def __init__(self, id: int, name: str, type: str, deps: list[int], *, ctrl: list[int] | None = None,
                  flops: int = 0, model_flops: int = 0, mem_bytes: int = 0, matmul: bool | str = False,
                  coll: Collective | None = None, comm_bytes: int = 0, group: str = "",
                  peer: int = 0, tag: int = 0, phase: str = "", micro_batch: int = -1,
-                 chunk: int = 0, block: str = "", category: str = "", groups: int = 1) -> None:
+                 chunk: int = 0, block: str = "", category: str = "", groups: int = 1, keys: int = 0) -> None:
         self.id = id
         self.name = name
         self.type = type
@@ -91,6 +91,7 @@ class Node:
         self.block = block
         self.category = category
         self.groups = groups      # a grouped GEMM: its equal GEMMs (one per local expert)
+        self.keys = keys           # fused attention: keys each query sees in this kernel
 
     def __repr__(self) -> str:
         return f"Node({self.id} {self.type} {self.name})"
@@ -274,6 +275,7 @@ class _PassTemplate:
     sinks: list[int]
     blocks: list[tuple[str, int, int]]     # (block label, first row, end row)
     last_prologue: int | None
+    pairs: int = 0                          # send/recv pairs (their tags are 0 … pairs - 1)
 
     @cached_property
     def last_compute(self) -> int | None:
@@ -298,6 +300,7 @@ class _Deferred:
     micro_batch: int
     chunk: int
     params: dict[int, list[int]]
+    tag_base: int = 0          # added to the template's send/recv tags
 
 
 def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], list[int]]:
@@ -350,7 +353,7 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
 
     out: list[tuple] = []
     for j, r in enumerate(rows):
-        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups = r
+        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups, peer, tag, keys = r
         if j not in split:
             out.append((name, typ, tuple(sorted({d if d < 0 else last[d] for d in deps})), *r[3:]))
             continue
@@ -364,7 +367,8 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
             if i > 0:
                 ds.add(first[j] + i - 1)
             out.append((f"{name}#{i + 1}/{k}", typ, tuple(sorted(ds)), _ceil(flops / k), _ceil(mflops / k),
-                        _ceil(mem / k), matmul, coll, _ceil(cbytes / k), group, cat, phase, label, groups))
+                        _ceil(mem / k), matmul, coll, _ceil(cbytes / k), group, cat, phase, label, groups, peer, tag,
+                        keys))
     return out, first, last
 
 
@@ -377,6 +381,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     prev_exit: list[int] = [_ENTRY]
     last_prologue: int | None = None
     prev_first_compute: int | None = None     # the previous block's first kernel
+    pair_base = pairs = 0                     # send/recv pairs of the blocks before / so far
     for bi, inst in enumerate(insts):
         sharded = inst.compiled.sharded
         steps = sharded.fwd if phase == "fwd" else sharded.bwd
@@ -407,16 +412,25 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             if st.kind == "compute":
                 rows.append((name, COMP, tuple(sorted(set(deps))), _ceil(sc.flops[i]), _ceil(sc.model_flops[i]),
                              _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label,
-                             max(1, round(sc.groups[i]))))
+                             max(1, round(sc.groups[i])), 0, 0, _ceil(inst.costs.keys * st.key_share)))
                 ids.append([len(rows) - 1])
             elif (group := resolve_group(st.axes, degrees)) is None:
                 ids.append(sorted(set(deps)))  # a collective over one rank is nothing
+            elif st.kind in ("send", "recv"):
+                # a step of the attention exchange's ring: its peer a cp coordinate away, its tag
+                # the pair's number in the pass (made unique per pass when it is placed)
+                rows.append((name, SEND if st.kind == "send" else RECV, tuple(sorted(set(deps))), 0, 0, 0, "",
+                             None, _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1, st.peer,
+                             pair_base + st.pair, 0))
+                pairs = max(pairs, pair_base + st.pair + 1)
+                ids.append([len(rows) - 1])
             else:
-                rows.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, False, st.collective,
-                             _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1))
+                rows.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, "", st.collective,
+                             _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1, 0, 0, 0))
                 ids.append([len(rows) - 1])
             if st.prologue:
                 last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
+        pair_base = pairs
         prev_exit = [n for e in exits for n in ids[e]] or prev_exit
         prev_first_compute = next((j for j in range(start, len(rows)) if rows[j][1] == COMP), prev_first_compute)
         blocks.append((inst.label, start, len(rows)))
@@ -432,7 +446,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     # The next pass starts after this one's compute is done and its result exists (the result
     # may come out of a collective, e.g. the loss all-reduce).
     sinks = sorted({i for i, r in enumerate(rows) if r[1] == COMP and i not in used} | set(exits))
-    return _PassTemplate(rows, exits, sinks, blocks, last_prologue)
+    return _PassTemplate(rows, exits, sinks, blocks, last_prologue, pairs)
 
 
 def _amax_reduction(rows: list[tuple], insts: list[_Instance], phase: str, degrees: dict[str, int]) -> None:
@@ -452,12 +466,12 @@ def _amax_reduction(rows: list[tuple], insts: list[_Instance], phase: str, degre
     group = resolve_group(mesh_axes(DENSE), degrees)
     if group is not None:
         rows.append((f"{phase}.fp8_amax_ar", COLL, deps, 0, 0, 0, "", Collective.ALL_REDUCE,
-                     FP32_BYTES * entries, group, group, phase, "fp8", 1))
+                     FP32_BYTES * entries, group, group, phase, "fp8", 1, 0, 0, 0))
         deps = (len(rows) - 1,)
     # reads the reduced amaxes and the histories, writes the rolled histories, scales, inverses
     nbytes = FP32_BYTES * entries * (2 * precision.amax_history_len + 3)
     rows.append((f"{phase}.fp8_scale_update", COMP, deps, entries * precision.amax_history_len, 0, nbytes, "",
-                 None, 0, "", "amax", phase, "fp8", 1))
+                 None, 0, "", "amax", phase, "fp8", 1, 0, 0, 0))
 
 
 def amax_history_bytes(inst_modules: int, history_len: int) -> int:
@@ -469,10 +483,10 @@ def amax_history_bytes(inst_modules: int, history_len: int) -> int:
 def _place(nodes: list[Node | None], d: _Deferred) -> None:
     """Create a pass's nodes in their reserved slots. (The hot loop of synthesis.)"""
     base, entry, chain, ctrl, params = d.base, d.entry, d.chain, d.ctrl, d.params
-    micro_batch, chunk = d.micro_batch, d.chunk
+    micro_batch, chunk, tag_base = d.micro_batch, d.chunk, d.tag_base
     new = Node.__new__
-    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups) in enumerate(
-            d.template.rows):
+    for i, (name, typ, rel, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups, peer, tag,
+            keys) in enumerate(d.template.rows):
         node_ctrl: list[int] = []
         if rel and rel[0] < 0:   # markers sort first
             deps = []
@@ -492,9 +506,9 @@ def _place(nodes: list[Node | None], d: _Deferred) -> None:
         n = new(Node)
         n.id, n.name, n.type, n.deps, n.ctrl = base + i, name, typ, deps, node_ctrl
         n.flops, n.model_flops, n.mem_bytes, n.matmul = flops, mflops, mem, matmul
-        n.coll, n.comm_bytes, n.group, n.peer, n.tag = coll, cbytes, group, 0, 0
+        n.coll, n.comm_bytes, n.group, n.peer, n.tag = coll, cbytes, group, peer, tag + tag_base if peer else 0
         n.phase, n.micro_batch, n.chunk, n.block, n.category = phase, micro_batch, chunk, label, cat
-        n.groups = groups
+        n.groups, n.keys = groups, keys
         nodes[base + i] = n
 
 
@@ -577,7 +591,11 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     first_fwd_done: set[int] = set()
     placed: list[PlacedPass] = []
     sends: list[int] = []
-    for p in order:
+    # The attention exchange's sends and receives: every pass gets its own block of tags after
+    # the pipeline's (a cp neighbour runs the same schedule, so its passes number alike).
+    ring_tags = max((t.pairs for t in templates.values()), default=0)
+    ring_base = 2 * num_microbatches * nv
+    for k, p in enumerate(order):
         vs = p.chunk * pp + stage
         common = dict(micro_batch=p.micro_batch, chunk=p.chunk, phase=p.phase, category="pp", group=PP_GROUP,
                       comm_bytes=act_bytes)
@@ -597,7 +615,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
                 key = (p.chunk, FIRST_FWD)
         t = templates[key]
         base = b.defer(t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
-                       params=params)
+                       params=params, tag_base=ring_base + k * ring_tags)
         if t.last_prologue is not None:
             chain = [base + t.last_prologue]
         exits = [base + e for e in t.exits] or entry
@@ -782,7 +800,7 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
               for axes in dict.fromkeys([*layer_params, *other_params])}
     saved = {c: sum(i.costs.saved_bytes for i in insts) for c, insts in chunks.items()}
     activations = peak_in_flight(order, saved)
-    workspace = max((i.costs.workspace_bytes for i in instances), default=0.0)
+    workspace = max((i.costs.workspace_bytes + i.costs.exchange_bytes for i in instances), default=0.0)
     if zero >= 3:
         # The gathered weights of the block in use and of the one being prefetched.
         biggest = max((sum(n * ws.param_bytes for n, ws in zip(i.costs.weight_params, i.compiled.sharded.weight_syncs))

@@ -20,6 +20,7 @@ from stage_cosim.sharding.propagate import ShardedBlock, ShardingPolicy, shard_b
 
 SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE, T)
                                   + tuple(degree_symbol(a) for a in BLOCK_AXES))
+_DEGREES = frozenset(degree_symbol(a) for a in BLOCK_AXES)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class BlockCosts:
     workspace_bytes: float
     boundary_bytes: float
     cached_bytes: float                              # FP8 weight copies kept across micro-batches
+    exchange_bytes: float                            # the attention exchange's buffers
+    keys: float                                      # keys each query attends to (sequence or window)
     weight_params: tuple[float, ...]                 # per WeightSync
     weight_sync_bytes: tuple[tuple[float, ...], ...]  # per WeightSync, per collective
     cache_bytes: float = 0.0                         # the KV cache on one rank (inference)
@@ -55,7 +58,8 @@ class CompiledBlock:
     _constants: tuple[float | None, ...] = ()
 
     def evaluate(self, values: dict[sp.Symbol, int]) -> BlockCosts:
-        computed = iter(self._fn(*(values[s] for s in SYMBOLS)))
+        """Numbers for ``values`` (model symbols required; a mesh axis not given has degree 1)."""
+        computed = iter(self._fn(*(values[s] if s in values or s not in _DEGREES else 1 for s in SYMBOLS)))
         flat = [next(computed) if c is None else c for c in self._constants]
         nf, nb, nw = self._layout[:3]
         sync_lens = self._layout[3:]
@@ -69,10 +73,11 @@ class CompiledBlock:
 
         fwd = StepCosts(take(nf), take(nf), take(nf), take(nf), take(nf))
         bwd = StepCosts(take(nb), take(nb), take(nb), take(nb), take(nb))
-        saved, workspace, boundary, cached, cache = take(5)
+        saved, workspace, boundary, cached, exchange, cache = take(6)
         params = take(nw)
         syncs = tuple(take(n) for n in sync_lens)
-        return BlockCosts(fwd, bwd, saved, workspace, boundary, cached, params, syncs, cache)
+        return BlockCosts(fwd, bwd, saved, workspace, boundary, cached, exchange, float(values[W]), params, syncs,
+                          cache)
 
 
 def compile_block(sb: ShardedBlock) -> CompiledBlock:
@@ -80,7 +85,8 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
     for steps in (sb.fwd, sb.bwd):
         exprs += [s.flops for s in steps] + [s.model_flops for s in steps]
         exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps] + [s.groups for s in steps]
-    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes, sb.cache_bytes]
+    exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes, sb.exchange_bytes,
+              sb.cache_bytes]
     exprs += [w.params for w in sb.weight_syncs]
     for w in sb.weight_syncs:
         exprs += [b for _, _, b in w.grad_collectives]

@@ -45,7 +45,7 @@ import sympy as sp
 from stage_cosim.graph.autodiff import differentiate
 from stage_cosim.graph.cost import op_flops
 from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, L, degree_symbol
-from stage_cosim.graph.ir import Block, Op, Tensor
+from stage_cosim.graph.ir import ATTENTION_KINDS, Block, Op, Tensor
 from stage_cosim.graph.precision import BF16, Precision, apply_precision
 from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, DENSE, data_parallel_axes, group_name
 from stage_cosim.sharding.placement import (
@@ -80,12 +80,20 @@ class ShardingPolicy:
     # BF16, or the FP8 recipe that rewrites the layers' GEMMs and inserts their casts.
     precision: Precision = BF16
     moe_token_dispatcher: str = "alltoall"
+    # The attention exchange over cp (numbers, because they decide how many steps there are):
+    # ranks passing K/V round a ring, ranks swapping heads for sequence by all-to-all (1, 1:
+    # the placement rules' all-gather of K and V), and whether the sequence is load-balanced.
+    cp_ring: int = 1
+    cp_a2a: int = 1
+    cp_load_balance: bool = True
 
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0..3, got {self.zero}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute}")
+        if self.cp_ring < 1 or self.cp_a2a < 1:
+            raise ValueError(f"cp_ring and cp_a2a must be positive, got {self.cp_ring}, {self.cp_a2a}")
 
 
 @dataclass
@@ -95,8 +103,8 @@ class Step:
     index: int
     name: str
     phase: str                 # "fwd", "bwd" or "recompute"
-    kind: str                  # "compute" or "collective"
-    category: str              # compute: the op kind; collective: its group's name
+    kind: str                  # "compute", "collective", "send" or "recv"
+    category: str              # compute: the op kind; communication: its group's name
     flops: sp.Expr
     model_flops: sp.Expr
     mem_bytes: sp.Expr         # bytes read plus written
@@ -112,6 +120,13 @@ class Step:
     groups: sp.Expr = sp.Integer(1)
     prologue: bool = False     # gathers the block's weights (ZeRO-3): may run a block ahead
     first_microbatch: bool = False   # runs in the first micro-batch's forward only (FP8 weight cache)
+    # send / recv: the peer's coordinate on the first of ``axes``, relative to this rank's, and
+    # which send/recv pair of the pass this is (a send and the receive it feeds share it)
+    peer: int = 0
+    pair: int = -1
+    # fused attention kernels: the share of the layer's keys (the sequence, or its window) that
+    # each query sees in this kernel (1/ring for a step of the ring); 0 for other steps
+    key_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,8 @@ class ShardedBlock:
     cached_bytes: sp.Expr = sp.Integer(0)
     fp8_modules: int = 0
     cache_bytes: sp.Expr = sp.Integer(0)   # the KV cache an inference step reads, on one rank
+    # transient buffers of the attention exchange (ring receive buffers, gathered K/V)
+    exchange_bytes: sp.Expr = sp.Integer(0)
 
 
 def _degree(axis: str) -> sp.Symbol:
@@ -207,6 +224,9 @@ class _Pass:
         self.reads: dict[int, dict[int, Tensor]] = {}             # tensor -> what it was read from
         self.aliases: dict[int, Tensor] = {}                      # a mesh change's output -> its data
         self.weights = weights
+        self.pairs = 0                          # send/recv pairs so far (the ring's steps)
+        self.gathered_bytes = sp.Integer(0)     # K/V gathered over cp (the all-gather exchange)
+        self.transient = sp.Integer(0)          # ring and all-to-all buffers (the exchange rule)
         if policy.zero == 3 and weights:
             # ZeRO-3 keeps parameters sharded over their data-parallel group and gathers a
             # whole block (one gather per group) before each pass.
@@ -289,6 +309,11 @@ class _Pass:
                 idx = self._collective(f"{t.name}.{coll.short.lower()}_{axis}", coll, (axis,),
                                        local_bytes(cur, cur_pl), deps, phase)
                 deps = (idx,)
+                if axis == "cp" and coll in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+                    # K/V gathered for attention (and their unreduced gradients) live only for
+                    # the op; nothing of it exists while cp = 1
+                    full = local_bytes(cur, cur_pl) * (_degree("cp") if coll == Collective.ALL_GATHER else 1)
+                    self.gathered_bytes += full * sp.Min(_degree("cp") - 1, 1)
             gathered = gathered or coll is Collective.ALL_GATHER
             self.placements[nxt] = new_pl
             self.producers[nxt] = deps
@@ -320,15 +345,10 @@ class _Pass:
     @staticmethod
     def _operands(op: Op) -> list[tuple[Tensor, str]]:
         """(tensor, the letters the op calls its dimensions) for every input."""
-        if op.kind == "einsum":
-            letters, _ = op.einsum_operands()
-            return list(zip(op.inputs, letters))
-        return [(t, t.labels) for t in op.inputs]
+        return list(zip(op.inputs, op.letters()[0]))
 
     def _out_letters(self, op: Op) -> list[str]:
-        if op.kind == "einsum":
-            return [op.einsum_operands()[1]]
-        return [t.labels for t in op.outputs]
+        return op.letters()[1]
 
     def choose(self, op: Op) -> tuple[str | None, ...]:
         """The op's sharded label on each block axis (None: not sharded on it)."""
@@ -378,6 +398,9 @@ class _Pass:
             return
         if op.kind in ("permute", "unpermute"):
             self._route(op, phase)
+            return
+        if op.kind in ATTENTION_KINDS and (self.policy.cp_ring > 1 or self.policy.cp_a2a > 1):
+            self._attention_exchange(op, phase)
             return
         labels = self.choose(op)
         operands = self._operands(op)
@@ -430,6 +453,11 @@ class _Pass:
         for axis, l, here in zip(BLOCK_AXES, labels, on):
             if here and l is None and not AXIS[axis].data_parallel:
                 model_flops = model_flops / _degree(axis)
+        if op.kind in ATTENTION_KINDS and not self.policy.cp_load_balance:
+            # Contiguous chunks: the last cp rank's queries see every key before them, the
+            # most work of all (2 - 1/cp times the average); the step waits for it, so this
+            # rank's graph is that rank's.
+            flops *= 2 - 1 / _degree("cp")
         idx = self._compute(op, phase, local_inputs, out_pls, flops, model_flops, deps)
         if op.kind == "einsum" and "e" in "".join(op.einsum_operands()[0]) and op.mesh != "dense":
             self.steps[idx].groups = local("e")     # the experts this rank holds
@@ -474,7 +502,8 @@ class _Pass:
         self.steps.append(Step(idx, op.name, phase, "compute", op.kind, flops,
                                model_flops if phase != "recompute" else sp.Integer(0), mem,
                                tuple(sorted(set(deps))), matmul=matmul,
-                               first_microbatch=op.cached and phase == "fwd"))
+                               first_microbatch=op.cached and phase == "fwd",
+                               key_share=1.0 if op.kind in ATTENTION_KINDS else 0.0))
         return idx
 
     def _mesh_change(self, op: Op, phase: str) -> None:
@@ -531,6 +560,158 @@ class _Pass:
         for out, pl in zip(op.outputs, out_pls):
             self.placements[out] = pl
             self.producers[out] = (idx,)
+
+    # -- the attention exchange over cp ---------------------------------------------------------
+
+    def _step(self, name: str, kind: str, phase: str, deps: list[int] | tuple[int, ...], *,
+              category: str = "", flops: sp.Expr = sp.Integer(0), model_flops: sp.Expr = sp.Integer(0),
+              mem: sp.Expr = sp.Integer(0), nbytes: sp.Expr = sp.Integer(0), peer: int = 0, pair: int = -1,
+              matmul: str = "", key_share: float = 0.0) -> int:
+        idx = len(self.steps)
+        axes = ("cp",) if kind in ("send", "recv") else ()
+        self.steps.append(Step(idx, name, phase, kind, category or group_name(axes), flops,
+                               model_flops if phase != "recompute" else sp.Integer(0), mem,
+                               tuple(sorted(set(deps))), axes=axes, comm_bytes=nbytes, matmul=matmul,
+                               peer=peer, pair=pair, key_share=key_share))
+        return idx
+
+    def _attention_exchange(self, op: Op, phase: str) -> None:
+        """Fused attention whose keys and values arrive in pieces: the one op the placement
+        rules cannot express (Transformer Engine's context-parallel attention).
+
+        The operands stay sharded on the sequence over cp. With ``cp_a2a`` > 1 the queries, keys
+        and values are first swapped by all-to-all from sequence- to head-sharded inside groups
+        of that many cp ranks (DeepSpeed-Ulysses; the output swaps back). With ``cp_ring`` > 1
+        the remaining ranks pass K/V round a ring: at each of ``cp_ring`` steps a rank sends the
+        K/V chunk it holds to the next rank and receives the previous one's while flash
+        attention runs on the chunk it has; the partial outputs are merged by their log-sum-exp.
+        The backward runs the ring again with K/V and dK/dV (dK/dV one step behind) and adds up
+        each step's gradients. Under the load-balanced split every step costs 1/cp_ring of the
+        rank's causal work; with contiguous chunks the last rank works at every step after the
+        first (a diagonal half block, then whole blocks) and the ring waits for it.
+        """
+        pol = self.policy
+        forward = op.kind == "attention"
+        cp = BLOCK_AXES.index("cp")
+        labels = self.choose(op)
+        on = _on(op.mesh)
+
+        def placed(t: Tensor, letters: str, grad: bool = False) -> Placements:
+            pl: list[Placement | None] = []
+            for i, (l, here) in enumerate(zip(labels, on)):
+                if not here:
+                    pl.append(None)
+                elif i == cp:   # every activation keeps its own piece of the sequence
+                    pl.append(Shard("s") if "s" in t.labels else PARTIAL if grad else REPLICATE)
+                elif l is not None and l in letters:
+                    pl.append(Shard(t.labels[letters.index(l)]))
+                elif grad and l is not None:
+                    pl.append(PARTIAL)
+                else:
+                    pl.append(REPLICATE)
+            if t.kind == "weight":
+                pl = [REPLICATE if dpar and p is not None else p for p, dpar in zip(pl, _DATA_PARALLEL)]
+            return tuple(pl)
+
+        local_inputs: list[Tensor] = []
+        ready: list[tuple[int, ...]] = []
+        for t, letters in self._operands(op):
+            lt = self.redistribute(t, placed(t, letters), phase)
+            local_inputs.append(lt)
+            ready.append(self.producers.get(lt, ()))
+
+        def local(letter: str) -> sp.Expr:
+            n = LABEL_SIZE[letter]
+            for axis, l in zip(BLOCK_AXES, labels):
+                if l == letter:
+                    n = n / _degree(axis)
+            return n
+
+        out_pls = [placed(o, letters, grad=not forward) for o, letters in zip(op.outputs, self._out_letters(op))]
+        flops, model_flops = op_flops(op, local, local_numel(op.outputs[0], out_pls[0]))
+        in_bytes = [local_bytes(t, self.placements[t]) for t in local_inputs]
+        out_bytes = [local_bytes(o, pl) for o, pl in zip(op.outputs, out_pls)]
+        mem = op.memory_passes * sp.Add(*in_bytes, *out_bytes)
+        # forward inputs q, keys, v (and sinks); backward dout, q, keys, v, out, lse
+        query = 0 if forward else 1
+        keyed = list(op.key_inputs)
+        kv = sp.Add(*(in_bytes[i] for i in keyed))
+        q_bytes, o_bytes = in_bytes[query], out_bytes[0]
+        a2a_axes = ("cp",) if pol.cp_ring == 1 else ("cp_a2a",)
+        ring, stride = pol.cp_ring, pol.cp_a2a          # ring neighbours are cp_a2a coordinates apart
+
+        def swap(indices: list[int], deps_of: list[tuple[int, ...]], nbytes: list[sp.Expr],
+                 what: str) -> list[tuple[int, ...]]:
+            """All-to-all of the given operands (by index) inside the cp_a2a groups."""
+            out = list(deps_of)
+            if pol.cp_a2a > 1:
+                for i in indices:
+                    out[i] = (self._collective(f"{op.name}.{what}{i}.a2a_{group_name(a2a_axes)}",
+                                               Collective.ALL_TO_ALL, a2a_axes, nbytes[i], deps_of[i], phase),)
+            return out
+
+        # forward: q, k, v to head-sharded; backward: dout (q, k, v and out were saved head-sharded)
+        ready = swap([query, *keyed] if forward else [0], ready, in_bytes, "in")
+        everything = sorted({d for r in ready for d in r})
+        kv_ready = sorted({d for i in keyed for d in ready[i]})
+        # each step's share of the rank's attention work
+        shares = [sp.Integer(1) / ring] * ring
+        if not pol.cp_load_balance and ring > 1:
+            shares = [sp.Integer(1) / ring] + [sp.Integer(2) / ring] * (ring - 1)
+        kernels: list[int] = []
+        recvs: list[int] = []
+        accums: list[int] = []
+        for j in range(ring):
+            if ring > 1 and (j < ring - 1 or not forward):
+                if forward:
+                    nbytes, what = kv, "kv"
+                else:   # K/V forward round the ring, dK/dV one step behind
+                    nbytes = kv if j == 0 else (2 * kv if j < ring - 1 else kv)
+                    what = "kv" if j == 0 else ("kv_dkv" if j < ring - 1 else "dkv")
+                deps = kv_ready if j == 0 else [recvs[-1]] + ([] if forward else [accums[-1]])
+                pair = self.pairs
+                self.pairs += 1
+                direction = 1 if forward else -1
+                self._step(f"{op.name}.{what}_send{j}", "send", phase, deps, nbytes=nbytes,
+                           peer=direction * stride, pair=pair)
+                recvs.append(self._step(f"{op.name}.{what}_recv{j}", "recv", phase, deps, nbytes=nbytes,
+                                        peer=-direction * stride, pair=pair))
+            deps = everything if j == 0 else [recvs[j - 1], kernels[-1]]
+            kernels.append(self._step(f"{op.name}.step{j}" if ring > 1 else op.name, "compute", phase, deps,
+                                      category=op.kind, flops=flops * shares[j], model_flops=model_flops / ring,
+                                      mem=mem, matmul=op.precision or "bf16", key_share=1.0 / ring))
+            if ring > 1 and not forward:
+                # dQ += this step's dQ; dK/dV += this step's (in the buffer that travels)
+                n = sp.Add(*(local_numel(op.inputs[i], self.placements[local_inputs[i]]) for i in [query, *keyed]))
+                accums.append(self._step(f"{op.name}.accumulate{j}", "compute", phase,
+                                         [kernels[-1]] + ([recvs[j - 1]] if j else []), category="pointwise",
+                                         flops=n, mem=n * 3 * DTYPE_BYTES["bf16"]))
+        last = [kernels[-1]]
+        if ring > 1 and forward:
+            # merge the partial outputs by their log-sum-exp (kept until the ring is done)
+            n_out = local_numel(op.outputs[0], out_pls[0])
+            n_lse = local_numel(op.outputs[1], out_pls[1])
+            for j in range(ring):
+                last = [self._step(f"{op.name}.merge{j}", "compute", phase, last, category="pointwise",
+                                   flops=3 * n_out, mem=n_out * (DTYPE_BYTES["bf16"] + 2 * DTYPE_BYTES["fp32"])
+                                   + n_lse * 3 * DTYPE_BYTES["fp32"])]
+        done = tuple(accums[-1:] or last)
+        # dK, dV: the last step's gradients and the ring's returning buffer
+        outs = [tuple(sorted(set(done) | {recvs[-1]})) if not forward and ring > 1 and i in op.key_outputs
+                else done for i in range(len(op.outputs))]
+        outs = swap([0] if forward else [0, *op.key_outputs], outs, out_bytes, "out")
+        for o, pl, deps in zip(op.outputs, out_pls, outs):
+            self.placements[o] = pl
+            self.producers[o] = deps
+        # Buffers alive while the exchange runs (Transformer Engine): the ring's double-buffered
+        # K/V receives and every step's partial output until they are merged (fp32 accumulator);
+        # backward K/V and dK/dV double-buffered plus the dQ accumulator; the all-to-all copies.
+        if ring > 1:
+            ring_bytes = 2 * kv + ring * o_bytes + 2 * o_bytes if forward else 4 * kv + q_bytes
+        else:
+            ring_bytes = sp.Integer(0)
+        swapped = (q_bytes + kv + o_bytes) if pol.cp_a2a > 1 else sp.Integer(0)
+        self.transient = sp.Max(self.transient, ring_bytes + swapped)
 
     def _partial_axes(self, op: Op, labels: tuple[str | None, ...]) -> tuple[bool, ...]:
         """Axes on which a sum stays a partial sum: a linear op outside the residual stream whose
@@ -664,8 +845,9 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     boundary = sp.Add(*(local_bytes(t, placements[t]) for t in block.outputs))
     cached = sp.Add(*(local_bytes(t, placements[t]) for op in block.ops if op.cached for t in op.outputs
                       if t.kind == "weight"))
+    exchange = sp.Max(fwd.transient, bwd.transient, fwd.gathered_bytes, bwd.gathered_bytes)
     return ShardedBlock(block, policy, fwd.steps, bwd.steps, fwd_exit, bwd_exit, saved_bytes,
-                        workspace, weight_syncs, boundary, cached, fp8_modules)
+                        workspace, weight_syncs, boundary, cached, fp8_modules, exchange_bytes=exchange)
 
 
 def _hand_on(fwd: _Pass, block: Block, policy: ShardingPolicy) -> tuple[int, ...]:

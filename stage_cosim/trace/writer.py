@@ -29,8 +29,9 @@ MANIFEST_FILE = "manifest.json"
 FORMATS = ("chakra", "json")
 _NODE_TYPE = {COMP: pb.COMP_NODE, COLL: pb.COMM_COLL_NODE, SEND: pb.COMM_SEND_NODE, RECV: pb.COMM_RECV_NODE}
 
-# A hole in a template: ("pg", group kind) for a collective, ("dst"|"src", pipeline shift).
-Hole = tuple[str, Union[str, int]]
+# A hole in a template: ("pg", group kind) for a collective, ("dst"|"src", kind, shift) for a
+# send or receive (the pipeline's, or the attention exchange's ring over cp).
+Hole = tuple[Union[str, int], ...]
 Template = list[Union[bytes, tuple[bytes, Hole]]]
 
 
@@ -38,9 +39,9 @@ def node_hole(n: Node) -> Hole | None:
     if n.type == COLL:
         return ("pg", n.group)
     if n.type == SEND:
-        return ("dst", n.peer)
+        return ("dst", n.group, n.peer)
     if n.type == RECV:
-        return ("src", n.peer)
+        return ("src", n.group, n.peer)
     return None
 
 
@@ -53,7 +54,9 @@ def static_attrs(n: Node) -> list[pb.AttributeProto]:
         # the simulator ignores) tells a reader how our GPU model times the kernel.
         return [A(name="is_cpu_op", bool_val=False), A(name="num_ops", uint64_val=max(1, n.flops)),
                 A(name="tensor_size", uint64_val=max(1, n.mem_bytes)),
-                A(name="op_kind", string_val=op_kind(n.category, n.matmul))]
+                A(name="op_kind", string_val=op_kind(n.category, n.matmul))] + (
+                    # fused attention: the keys each query sees in this kernel (ring steps: a chunk)
+                    [A(name="attention_keys", uint64_val=n.keys)] if n.keys else [])
     if n.type == COLL:
         return [A(name="is_cpu_op", bool_val=False),
                 A(name="comm_type", uint64_val=COLLECTIVE_CODES[n.coll.value]),
@@ -88,12 +91,12 @@ def chakra_template(role: RoleGraph, durations: Sequence[int] | None = None) -> 
 
 def chakra_holes(w: Workload, rank: int, holes: set[Hole]) -> dict[Hole, bytes]:
     out: dict[Hole, bytes] = {}
-    for kind, key in holes:
-        if kind == "pg":
-            out[(kind, key)] = attr_bytes("pg_name", string_val=str(w.group_id(rank, str(key))))
+    for hole in holes:
+        if hole[0] == "pg":
+            out[hole] = attr_bytes("pg_name", string_val=str(w.group_id(rank, str(hole[1]))))
         else:
-            out[(kind, key)] = attr_bytes("comm_dst" if kind == "dst" else "comm_src",
-                                          uint64_val=w.peer(rank, int(key)))
+            out[hole] = attr_bytes("comm_dst" if hole[0] == "dst" else "comm_src",
+                                   uint64_val=w.peer(rank, int(hole[2]), str(hole[1])))
     return out
 
 
@@ -127,11 +130,10 @@ def rank_json(w: Workload, rank: int, durations: Sequence[int] | None = None) ->
         d = node_json(n, durations[n.id] if durations else 0)
         hole = node_hole(n)
         if hole is not None:
-            kind, key = hole
-            if kind == "pg":
-                d["attrs"]["pg_name"] = str(w.group_id(rank, str(key)))
+            if hole[0] == "pg":
+                d["attrs"]["pg_name"] = str(w.group_id(rank, str(hole[1])))
             else:
-                d["attrs"]["comm_dst" if kind == "dst" else "comm_src"] = w.peer(rank, int(key))
+                d["attrs"]["comm_dst" if hole[0] == "dst" else "comm_src"] = w.peer(rank, int(hole[2]), str(hole[1]))
         nodes.append(d)
     doc = {"schema": SCHEMA_VERSION, "rank": rank, "nodes": nodes}
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
