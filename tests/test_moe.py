@@ -163,6 +163,9 @@ def test_model_states_and_routed_activations_of_a_small_case() -> None:
     t = SEQ
     routed = t * k * (2 * h + 2 * h + 2 * 2 * f + 2 * f) + t * k * (4 + 4)   # bf16 copies; fp32 weights, i32 map
     assert saved[0] - saved[1] == routed - t * (2 * 2 * f + 2 * f)            # minus the dense MLP's own
+    # the all-to-all send buffer, transient: the tokens' top-k copies
+    assert moe_layer._role_args["blocks"].layers[0][1].workspace_bytes == t * k * h * 2
+    assert dense_layer._role_args["blocks"].layers[0][1].workspace_bytes == 0
 
 
 @pytest.mark.parametrize("kw, parameter, needle", [

@@ -47,4 +47,4 @@ def test_moe_rows_with_the_same_calibration() -> None:
         result, _, _ = simulate(synthesize(run.model, run.parallel(), cluster.gpu), cluster)
         errors[run.name] = result.step_time_s / run.measured_step_s - 1
     assert abs(errors["mixtral-8x7b"]) <= 0.065
-    assert 1.0 <= errors["deepseek-v3"] <= 1.6
+    assert 0.9 <= errors["deepseek-v3"] <= 1.4

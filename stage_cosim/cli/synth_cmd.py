@@ -66,7 +66,9 @@ def print_summary(model, parallel, manifest: dict, out: Path, elapsed: float) ->
     step = (f"{inf['phase']} of {inf['batch']} requests, {parallel.num_microbatches} micro-batches per replica"
             if inf else f"{parallel.num_microbatches} micro-batches per rank, schedule {parallel.schedule}")
     click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp} pp{parallel.pp}"
-               f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}), {step}")
+               f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}"
+               f"{f'; experts ep{parallel.ep} expert-tp{parallel.expert_tp} edp{parallel.edp}' if model.is_moe else ''}"
+               f"), {step}")
     click.echo(f"wrote {counts['files']} files, {counts['bytes_written'] / 2**20:.1f} MiB to {out} in {elapsed:.2f} s")
     click.echo(f"{'stage':>5} {'layers':>9} {'nodes':>7} {'TFLOP':>9} {'comm GiB':>9} {'memory GiB':>11}  "
                "(weights/grads/optimizer/activations/workspace/KV cache)")

@@ -840,6 +840,11 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     if policy.recompute == "full":
         workspace = sp.Add(*(local_bytes(forward_tensors[i], placements[forward_tensors[i]])
                              for i in recomputed))
+    # An all-to-all's send buffer (the permuted tokens before the dispatch, the experts' output
+    # before the combine) lives only while it runs; its receive buffer is the next op's input.
+    buffers = [st.comm_bytes for st in (*fwd.steps, *bwd.steps) if st.collective is Collective.ALL_TO_ALL]
+    if buffers:
+        workspace += sp.Max(*buffers)
 
     weight_syncs = _weight_syncs(block, backward.weight_grads, placements, policy, bwd)
     boundary = sp.Add(*(local_bytes(t, placements[t]) for t in block.outputs))

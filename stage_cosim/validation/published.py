@@ -46,6 +46,7 @@ class TrainingRun:
     moe_token_dispatcher: str = "alltoall"
     dtype: str = "bf16"
     fp8_recipe: str | None = None
+    fp8_dispatch: bool = False
     cluster: str = ""                    # the cluster preset the run's machine matches
 
     def parallel(self) -> "ParallelConfig":  # noqa: F821
@@ -55,7 +56,7 @@ class TrainingRun:
                               global_batch=self.global_batch, seq_len=self.seq_len, sp=self.sp,
                               recompute=self.recompute, zero=self.zero, tp_comm_overlap=self.tp_comm_overlap,
                               ep=self.ep, expert_tp=self.expert_tp, moe_token_dispatcher=self.moe_token_dispatcher,
-                              dtype=self.dtype, fp8_recipe=self.fp8_recipe)
+                              dtype=self.dtype, fp8_recipe=self.fp8_recipe, fp8_dispatch=self.fp8_dispatch)
 
 
 def korthikanti_table5() -> list[TrainingRun]:
@@ -116,9 +117,11 @@ _MOE_CLUSTER = {"H100-SXM5-80GB": "dgx-h100", "H800-SXM": "dgx-h800"}
 def moe_published() -> list[TrainingRun]:
     """The Mixture-of-Experts rows, with their published mappings (tp, ep, expert_tp, pp, vp, dp,
     micro-batch, global batch). Mixtral's step time is derived from its TFLOP/s with
-    Megatron-Core v0.9's formula; DeepSeek-V3's from its GPU-hours per trillion tokens. Not
-    published, and taken as Megatron-Core's recommended MoE settings: the distributed optimizer
-    (ZeRO-1), no recomputation, sequence parallelism where tp > 1."""
+    Megatron-Core v0.9's formula; DeepSeek-V3's from its GPU-hours per trillion tokens. DeepSeek's
+    FP8 recipe is the report's: 1x128 activation tiles and 128x128 weight blocks (``blockwise``),
+    tokens dispatched in FP8 and combined in BF16. Not published, and taken as Megatron-Core's
+    recommended MoE settings: the distributed optimizer (ZeRO-1), no recomputation, sequence
+    parallelism where tp > 1."""
     from stage_cosim.model import get_preset
 
     runs = []
@@ -139,7 +142,7 @@ def moe_published() -> list[TrainingRun]:
                                 int(r["vp"]), gb, int(r["mbs"]), s, "none", tp > 1, step, zero=1,
                                 ep=int(r["ep"]), expert_tp=int(r["etp"]), moe_token_dispatcher=r["dispatcher"],
                                 dtype="fp8" if fp8 else "bf16",
-                                fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None,
+                                fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None, fp8_dispatch=fp8,
                                 cluster=_MOE_CLUSTER[r["gpu"]]))
     return runs
 
