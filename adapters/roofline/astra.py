@@ -108,24 +108,40 @@ def replay_trace_set(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDi
     ``durations`` (per class, per node in file order, ns) replaces the simulator's own compute
     times."""
     net = Network(list(dims))
-    n = net.n_ranks
     programs = [program_of(t, durations[c] if durations is not None else durations_ns(t, system))
                 for c, t in enumerate(ts.classes)]
-    members_of = _members_of(ts.groups, n)
-    if symmetric and len(ts.classes) < n:
+    members_of = _members_of(ts.groups, net.n_ranks)
+
+    def one_per_class() -> tuple[list[Agent], Callable[[int], int]] | None:
         cl, reps = trace_classes(ts, members_of)
-        if is_symmetric(cl, reps, members_of, net):
-            order = sorted(reps)
-            index = {c: a for a, c in enumerate(order)}
-            agents = [make_agent(reps[c], programs[c], ts.values_of(reps[c])) for c in order]
-            class_of = ts.class_of
-            try:
-                out = replay(agents, members_of, lambda r: index[class_of[r]], CollectiveModel(net, system), net,
-                             check_symmetry=True, record=record)
-                return Replayed(agents, out, lambda r: index[class_of[r]], n)
-            except _Asymmetric:
-                pass
-    agents = [make_agent(r, programs[ts.class_of[r]], ts.values_of(r)) for r in range(n)]
+        if not is_symmetric(cl, reps, members_of, net):
+            return None
+        order = sorted(reps)
+        index = {c: a for a, c in enumerate(order)}
+        class_of = ts.class_of
+        return ([make_agent(reps[c], programs[c], ts.values_of(reps[c])) for c in order],
+                lambda r: index[class_of[r]])
+
+    return _replay(net, system, members_of, record, one_per_class if symmetric and len(ts.classes) < net.n_ranks
+                   else None, lambda r: make_agent(r, programs[ts.class_of[r]], ts.values_of(r)))
+
+
+def _replay(net: Network, system: AstraSystem, members_of: Callable[[object], Sequence[int]], record: bool,
+            one_per_class: Callable[[], tuple[list[Agent], Callable[[int], int]] | None] | None,
+            agent: Callable[[int], Agent]) -> Replayed:
+    """One agent per class where ``one_per_class`` finds that exact (and the replay confirms it),
+    else one agent per rank."""
+    n = net.n_ranks
+    found = one_per_class() if one_per_class is not None else None
+    if found is not None:
+        agents, agent_of_rank = found
+        try:
+            out = replay(agents, members_of, agent_of_rank, CollectiveModel(net, system), net, check_symmetry=True,
+                         record=record)
+            return Replayed(agents, out, agent_of_rank, n)
+        except _Asymmetric:
+            pass
+    agents = [agent(r) for r in range(n)]
     out = replay(agents, members_of, lambda r: r, CollectiveModel(net, system), net, record=record)
     return Replayed(agents, out, lambda r: r, n)
 
@@ -368,20 +384,16 @@ def replay_workload(w, cluster, system: AstraSystem, *, symmetric: bool = True, 
         group, shift = key  # type: ignore[misc]
         return w.peer(rank, int(shift), str(group))
 
-    def values_of(rank: int) -> list[object]:
-        _, syms = built[w.role_of(rank)]
-        return [resolve(rank, s) for s in syms]
-
     def agent(rank: int) -> Agent:
-        prog, _ = built[w.role_of(rank)]
+        prog, syms = built[w.role_of(rank)]
+        value = {s: resolve(rank, s) for s in set(syms)}
         target: list[object] = [None] * len(prog)
-        for k, t in zip(prog.hole_index, values_of(rank)):
-            target[k] = t
+        for k, s in zip(prog.hole_index, syms):
+            target[k] = value[s]
         return Agent(rank, prog, target)
 
     distinct = [sorted({(K_COLL if s[0] == "pg" else K_SEND, s) for s in syms}) for _, syms in built]
     reps = {s: w.mesh.rank(pp=s) for s in range(w.parallel.pp)}
-    stage_of = _StageOf(w)
 
     def targets(r: int) -> Iterable[tuple[int, object]]:
         return [(k, resolve(r, s)) for k, s in distinct[w.role_of(r)]]
@@ -390,19 +402,13 @@ def replay_workload(w, cluster, system: AstraSystem, *, symmetric: bool = True, 
         s0 = w.role_of(r)
         return [(k, resolve(reps[s0], s), resolve(r, s)) for k, s in distinct[s0]]
 
-    if symmetric and w.parallel.pp < n:
-        cl = Classes(stage_of, n, pairs, targets)
-        if is_symmetric(cl, reps, members_of, net):
-            agents = [agent(reps[s]) for s in range(w.parallel.pp)]
-            try:
-                out = replay(agents, members_of, w.role_of, CollectiveModel(net, system), net, check_symmetry=True,
-                             record=record)
-                return Replayed(agents, out, w.role_of, n)
-            except _Asymmetric:
-                pass
-    agents = [agent(r) for r in range(n)]
-    out = replay(agents, members_of, lambda r: r, CollectiveModel(net, system), net, record=record)
-    return Replayed(agents, out, lambda r: r, n)
+    def one_per_stage() -> tuple[list[Agent], Callable[[int], int]] | None:
+        cl = Classes(_StageOf(w), n, pairs, targets)
+        if not is_symmetric(cl, reps, members_of, net):
+            return None
+        return [agent(reps[s]) for s in range(w.parallel.pp)], w.role_of
+
+    return _replay(net, system, members_of, record, one_per_stage if symmetric and w.parallel.pp < n else None, agent)
 
 
 # -- the engine's view, for breakdowns and timelines -------------------------------------------------

@@ -60,6 +60,8 @@ class NodeTable:
     # the byte template other files of the class are matched against (files only)
     runs: list[bytes] | None = field(default=None, repr=False)
     hole_canon: list[bytes] | None = field(default=None, repr=False)
+    # per hole: its bytes before and after the varying attribute, and that attribute's name
+    hole_fast: list[tuple[bytes, bytes, str] | None] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -375,11 +377,10 @@ def _parse_table(data: bytes, path: Path, reader: _NodeReader) -> tuple[NodeTabl
         durs.append(dur)
         attrs.append(a)
     runs.append(data[run_start:])
-    table = NodeTable(ids, names, types, ddeps, cdeps, durs, attrs, holes, runs=runs, hole_canon=canon)
-    # for the matcher: each hole's bytes before and after its varying attribute
-    table.hole_fast = [(raw[k][:sp[0]], raw[k][sp[1]:], VARYING[types[i]]) if sp else None  # type: ignore[attr-defined]
-                       for k, (i, sp) in enumerate(zip(holes, spans))]
-    return table, values
+    fast = [(raw[k][:sp[0]], raw[k][sp[1]:], VARYING[types[i]]) if sp else None
+            for k, (i, sp) in enumerate(zip(holes, spans))]
+    return NodeTable(ids, names, types, ddeps, cdeps, durs, attrs, holes, runs=runs, hole_canon=canon,
+                     hole_fast=fast), values
 
 
 class _Matcher:
@@ -410,7 +411,8 @@ class _Matcher:
     def match(self, table: NodeTable, data: bytes, path: Path) -> list[Attr | None] | None:
         runs, canon = table.runs, table.hole_canon
         assert runs is not None and canon is not None
-        fast = table.hole_fast  # type: ignore[attr-defined]
+        fast = table.hole_fast
+        assert fast is not None
         pos = 0
         values: list[Attr | None] = []
         append = values.append
