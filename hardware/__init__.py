@@ -1,8 +1,25 @@
-"""Hardware descriptions: GPUs and clusters (real presets and hypothetical ones)."""
+"""Hardware descriptions: GPUs and clusters (real presets and hypothetical ones).
 
-from stage_cosim.hardware.cluster import CLUSTER_PRESETS, Cluster, ScaleOut, ScaleUp, check_fits, resolve_cluster
-from stage_cosim.hardware.gpu import GPU, get_gpu, gpu_names
-from stage_cosim.hardware.network import NetworkDim
+The names below load their modules on first use, so that code needing only the network
+dimensions (reading an ASTRA-sim network file) does not read the GPU and cluster tables.
+"""
 
-__all__ = ["CLUSTER_PRESETS", "Cluster", "ScaleOut", "ScaleUp", "check_fits", "resolve_cluster",
-           "GPU", "get_gpu", "gpu_names", "NetworkDim"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "CLUSTER_PRESETS": "cluster", "Cluster": "cluster", "ScaleOut": "cluster", "ScaleUp": "cluster",
+    "check_fits": "cluster", "resolve_cluster": "cluster",
+    "GPU": "gpu", "get_gpu": "gpu", "gpu_names": "gpu",
+    "NetworkDim": "network",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -6,33 +6,15 @@ User mistakes (a :class:`~stage_cosim.errors.UserError` or a bad flag) print one
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import click
 
 from stage_cosim import __version__
+from stage_cosim.cli.lazy import LazyGroup
 from stage_cosim.errors import UserError
 from stage_cosim.adapters.astra_sim.run import AstraSimError
 from stage_cosim.trace.chakra import TraceFormatError
-
-
-class _LazyGroup(click.Group):
-    """Subcommands imported when they are used (or listed), so that one command does not pay
-    for importing every other (synthesis, the search, the bridge)."""
-
-    def __init__(self, *args, lazy: dict[str, str], **kwargs) -> None:  # noqa: ANN002, ANN003
-        super().__init__(*args, **kwargs)
-        self.lazy = lazy
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        if name in self.lazy and name not in self.commands:
-            module, attr = self.lazy[name].rsplit(".", 1)
-            self.add_command(getattr(importlib.import_module(module), attr), name)
-        return super().get_command(ctx, name)
 
 
 COMMANDS = {
@@ -40,7 +22,7 @@ COMMANDS = {
     "simulate": "stage_cosim.cli.simulate_cmd.simulate",
     "optimize": "stage_cosim.cli.optimize_cmd.optimize",
     "explore": "stage_cosim.cli.explore_cmd.explore",
-    "astra-sim": "stage_cosim.cli.astra_cmd.astra_sim",
+    "astra-sim": "stage_cosim.cli.astra_group.astra_sim",
     "validate": "stage_cosim.cli.validate_cmd.validate",
     "models": "stage_cosim.cli.models_cmd.models",
     "clusters": "stage_cosim.cli.clusters_cmd.clusters",
@@ -49,7 +31,7 @@ COMMANDS = {
 }
 
 
-@click.group(cls=_LazyGroup, lazy=COMMANDS,
+@click.group(cls=LazyGroup, lazy=COMMANDS,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="stage-cosim")
 def cli() -> None:
