@@ -30,13 +30,18 @@ GRID = [
     ("llama", dict(dp=1, tp=2, cp=2, pp=2)),                      # the cp ring: sends between cp ranks
     ("llama", dict(dp=2, tp=1, cp=4, pp=1, cp_comm="all-gather", zero=1)),
     ("llama", dict(dp=1, tp=1, cp=4, pp=2, cp_comm="a2a+p2p", cp_a2a_size=2, recompute="full")),
+    ("moe", dict(dp=4, tp=2, pp=2, ep=4, sp=True)),                # all-to-alls over the expert groups
+    ("moe", dict(dp=4, tp=1, pp=1, ep=2, zero=1)),
 ]
 IDS = [f"{fam}-" + "-".join(f"{k}{v}" for k, v in cfg.items()) for fam, cfg in GRID]
 TOL = 0.005
 
 
 def _case(family, cfg, gpt_small, llama_small):  # noqa: ANN001, ANN202
-    model = (gpt_small if family == "gpt" else llama_small).with_overrides(layers=8)
+    if family == "moe":
+        model = llama_small.with_overrides(layers=8, num_experts=8, moe_router_topk=2)
+    else:
+        model = (gpt_small if family == "gpt" else llama_small).with_overrides(layers=8)
     dp, pp = cfg.get("dp", 1), cfg.get("pp", 1)
     par = ParallelConfig(global_batch=4 * dp * pp, seq_len=256, **cfg)
     w = synthesize(model, par)
