@@ -4,8 +4,9 @@
 
 * llama3-70b on 1,024 dgx-h100 GPUs, global batch 1,024, sequence 8,192: the default space.
 * mixtral-8x7b on 64 dgx-h100 GPUs, global batch 256, sequence 4,096 (the published mapping's
-  setting), with ep and expert_tp in the space: tp 1/2/4, cp 1, pp 1/2/4/8, vp 1/2, micro-batch 1/2,
-  recomputation none/full, ep 1/2/4/8, expert_tp 1/2 (sp on, ZeRO-1).
+  setting), with ep and expert_tp in the space: tp 1/2/4, cp 1/2 (ring), pp 1/2/4/8, vp 1/2,
+  micro-batch 1/2, recomputation none/full, ep 1/2/4/8, expert_tp 1/2 (sp on, ZeRO-1). The expert
+  layers re-factor the tp*cp*dp ranks, so cp 2 opens layouts with ep*expert_tp up to twice tp*dp.
 
 The exhaustive pass simulates every structurally feasible configuration (the proven optimum);
 the search pass runs differential evolution plus the local polish with a budget, from a cold
@@ -25,8 +26,8 @@ from stage_cosim.search.space import default_space
 CASES = {  # name -> (model, cluster, global batch, seq, space overrides)
     "llama3-70b": ("llama3-70b", "dgx-h100:1024", 1024, 8192, {}),
     "mixtral-8x7b": ("mixtral-8x7b", "dgx-h100:64", 256, 4096,
-                     dict(tp=(1, 2, 4), cp=(1,), pp=(1, 2, 4, 8), vp=(1, 2), micro_batch=(1, 2), sp=(True,), zero=(1,),
-                          recompute=("none", "full"), ep=(1, 2, 4, 8), expert_tp=(1, 2))),
+                     dict(tp=(1, 2, 4), cp=(1, 2), cp_comm=("p2p",), pp=(1, 2, 4, 8), vp=(1, 2), micro_batch=(1, 2),
+                          sp=(True,), zero=(1,), recompute=("none", "full"), ep=(1, 2, 4, 8), expert_tp=(1, 2))),
 }
 
 

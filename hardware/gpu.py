@@ -67,9 +67,11 @@ class GPU:
     fp4_tflops: float | None = None
     arch: str = "hopper"
     # FP8 GEMMs reach their own fraction of the FP8 peak (quantized operands, scale handling,
-    # a higher rate to feed), with their own small-GEMM falloff.
+    # a higher rate to feed), with their own small-GEMM falloff. These defaults are the
+    # calibration file's ``default`` section (for a GPU built without it); families with
+    # measured FP8 runs (H100) have fitted values there.
     fp8_matmul_efficiency: float = 0.6
-    fp8_matmul_half_flops: float = 2e9
+    fp8_matmul_half_flops: float = 4e9
     # Keys per query at which a fused attention kernel runs at half its rate: each query tile
     # pays a fixed prologue and epilogue (load Q, rescale and write O) besides its loop over
     # the keys, so short key ranges (the chunks of ring attention) run slower.

@@ -23,7 +23,8 @@ from stage_cosim.hardware.cluster import Cluster, cluster_from
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective, workload_of
 from stage_cosim.search.optimize import OptimizeSettings, optimize
-from stage_cosim.parallel.config import FP8_OPTIONS
+from stage_cosim.parallel.config import FP8_OPTIONS, ParallelConfig
+from stage_cosim.search.runner import run_job
 from stage_cosim.search.space import check, default_space
 
 PARTS = ("gpu", "scale_up", "scale_out")
@@ -79,6 +80,15 @@ class ExploreSpec:
     # the training precision of every inner search (dtype bf16, fp8 or auto, and FP8 options):
     # with fp8, gpu.fp8_tflops is a variable like any other
     precision: dict[str, Any] = field(default_factory=dict)
+    # What a candidate is judged by (OBJECTIVES): a training step, or serving (its settings in
+    # ``serving``)
+    objective: str = "step-time"
+    serving: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metric(self) -> str:
+        """The result key of the objective's value (lower is better)."""
+        return METRICS[self.objective]
 
 
 def _num(doc: dict, key: str, where: str) -> float:
@@ -90,7 +100,17 @@ def _num(doc: dict, key: str, where: str) -> float:
 
 PRECISION_KEYS = ("dtype", *FP8_OPTIONS)
 SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode",
-                       "budget", "points", "inner_budget", "reuse_top", "candidates", "seed", *PRECISION_KEYS})
+                       "budget", "points", "inner_budget", "reuse_top", "candidates", "seed", "objective", "serving",
+                       *PRECISION_KEYS})
+# Objectives: a training step's time; serving: the decode throughput of the best serving layout
+# (as seconds per output token per GPU), or its goodput under SLOs (as GPU-seconds per request)
+OBJECTIVES = ("step-time", "decode-throughput", "goodput")
+METRICS = {"step-time": "step_time_s", "decode-throughput": "gpu_seconds_per_token",
+           "goodput": "gpu_seconds_per_request"}
+# The serving settings each serving objective takes (``serving:`` in the spec).
+SERVING_KEYS = {"decode-throughput": {"batch_per_gpu", "context_len", "weight_dtype", "kv_cache_dtype"},
+                "goodput": {"slo_ttft", "slo_tpot", "attainment", "input_len", "output_len", "lengths",
+                            "length_spread", "num_requests", "chunk_tokens", "weight_dtype", "kv_cache_dtype"}}
 
 
 def load_spec(path: Path) -> ExploreSpec:
@@ -104,9 +124,26 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
     for k in doc:
         if k not in SPEC_KEYS:
             raise UserError(k, f"is not an explore setting (settings: {', '.join(sorted(SPEC_KEYS))})")
-    for k in ("baseline", "global_batch", "seq_len", "variables"):
+    objective = doc.get("objective", "step-time")
+    if objective not in OBJECTIVES:
+        raise UserError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    training = objective == "step-time"
+    for k in ("baseline", "variables") + (("global_batch", "seq_len") if training else ()):
         if k not in doc:
-            raise UserError(k, "is required in the explore spec")
+            raise UserError(k, "is required in the explore spec" + ("" if training else f" (objective {objective})"))
+    serving = doc.get("serving") or {}
+    if training and serving:
+        raise UserError("serving", "sets a serving objective's workload; the objective is step-time")
+    if not training:
+        if not isinstance(serving, dict):
+            raise UserError("serving", "must map serving settings to values")
+        for k in serving:
+            if k not in SERVING_KEYS[objective]:
+                raise UserError(f"serving.{k}", f"is not a {objective} setting (settings: "
+                                                f"{', '.join(sorted(SERVING_KEYS[objective]))})")
+        for k in ("global_batch", "seq_len", *PRECISION_KEYS):
+            if k in doc:
+                raise UserError(k, f"is a training setting; the objective is {objective}")
     if "model" not in doc and "model_config" not in doc:
         raise UserError("model", "is required in the explore spec (a preset, a config.json, or model_config)")
     baseline = cluster_from(doc["baseline"])     # a preset, a YAML file, or the description itself
@@ -164,11 +201,32 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
         model = resolve_model(str(doc["model"]))
     precision = {k: doc[k] for k in PRECISION_KEYS if k in doc}
     # checked here, in one line, rather than in the middle of a search
-    default_space(model, baseline, ints.get("global_batch", 1), ints.get("seq_len", 1), precision=precision)
+    if training:
+        default_space(model, baseline, ints.get("global_batch", 1), ints.get("seq_len", 1), precision=precision)
+        _check_baseline_precision(precision, baseline)
+    else:
+        from stage_cosim.search.serving import serving_inner
+
+        serving_inner(objective, model, serving)
+        ints.setdefault("global_batch", 1)
+        ints.setdefault("seq_len", 1)
     return ExploreSpec(model, baseline, variables=tuple(variables), unit_cost=unit,
                        base_cost=float(cost.get("base", 0.0)), mode=mode,
                        budget=float(doc["budget"]) if doc.get("budget") is not None else None,
-                       precision=precision, **ints)
+                       precision=precision, objective=objective, serving=dict(serving), **ints)
+
+
+def _check_baseline_precision(precision: dict[str, Any], baseline: Cluster) -> None:
+    """FP8 options need dtype fp8 (or auto), and a fixed fp8 must run on the baseline's GPU (its
+    recipe included): said here, not as "no parallelization fits" after a search."""
+    from stage_cosim.graph.precision import resolve_precision
+
+    opts = {k: v for k, v in precision.items() if k != "dtype" and v is not None}
+    dtype = precision.get("dtype") or "bf16"
+    if dtype == "bf16":
+        ParallelConfig(dtype="bf16", **opts)
+    elif dtype == "fp8":
+        resolve_precision(ParallelConfig(dtype="fp8", zero=3, **opts), baseline.gpu)
 
 
 def apply(baseline: Cluster, values: dict[str, float]) -> Cluster:
@@ -199,12 +257,13 @@ def cost_per_gpu(spec: ExploreSpec, values: dict[str, float]) -> float:
 class Candidate:
     values: dict[str, float]
     cost_per_gpu: float
-    step_time_s: float | None
+    step_time_s: float | None            # the objective's value (a step time, or its serving metric)
     best: dict[str, Any] | None          # the best configuration's simulate result (+ point)
     confirmed: bool = False              # by a full inner search
+    metric: str = "step_time_s"          # the objective's result key (ExploreSpec.metric)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"values": self.values, "cost_per_gpu": self.cost_per_gpu, "step_time_s": self.step_time_s,
+        return {"values": self.values, "cost_per_gpu": self.cost_per_gpu, self.metric: self.step_time_s,
                 "best": self.best, "confirmed": self.confirmed}
 
 
@@ -220,19 +279,43 @@ class Explorer:
         return OptimizeSettings(objective=Objective("step-time"), seed=self.spec.seed, budget=self.spec.inner_budget,
                                 top_k=self.spec.reuse_top)
 
+    @property
+    def _inner(self):  # noqa: ANN202 (ServingInner, or None for the training objective)
+        if self.spec.objective == "step-time":
+            return None
+        from stage_cosim.search.serving import serving_inner
+
+        return serving_inner(self.spec.objective, self.spec.model, self.spec.serving)
+
     def _space(self, cluster: Cluster):  # noqa: ANN202
+        inner = self._inner
+        if inner is not None:
+            return inner.space(self.spec.model, cluster)
         return default_space(self.spec.model, cluster, self.spec.global_batch, self.spec.seq_len,
                              precision=self.spec.precision)
+
+    def _problem(self, space, cluster: Cluster):  # noqa: ANN001, ANN202
+        inner = self._inner
+        return inner.problem(space, cluster) if inner is not None else None
+
+    def search(self, cluster: Cluster, settings: OptimizeSettings):  # noqa: ANN201 (OptimizeResult)
+        """The inner search on ``cluster``."""
+        space = self._space(cluster)
+        return optimize(space, cluster, settings, should_stop=self.should_stop, problem=self._problem(space, cluster))
+
+    def candidate(self, values: dict[str, float], best: dict[str, Any] | None, confirmed: bool = False) -> Candidate:
+        metric = self.spec.metric
+        return Candidate(values, cost_per_gpu(self.spec, values), best[metric] if best else None, best, confirmed,
+                         metric)
 
     def full_search(self, values: dict[str, float], seeds: tuple[dict[str, Any], ...] = ()) -> Candidate:
         """The best parallelization on this hardware: a full search, or a local search from
         ``seeds`` (the configurations that won on similar hardware)."""
         cluster = apply(self.spec.baseline, values)
-        settings = replace(self._settings(), seeds=seeds)
-        result = optimize(self._space(cluster), cluster, settings, should_stop=self.should_stop)
-        doc = result.to_dict()
-        best = doc["best"]
-        cand = Candidate(values, cost_per_gpu(self.spec, values), best["step_time_s"] if best else None, best, True)
+        result = self.search(cluster, replace(self._settings(), seeds=seeds))
+        ranked = result.ranked
+        best = {**ranked[0].result, "point": ranked[0].point, "score": ranked[0].score} if ranked else None
+        cand = self.candidate(values, best, True)
         self.cache[self._key(values)] = cand
         return cand
 
@@ -248,7 +331,7 @@ class Explorer:
         if self.should_stop is not None and self.should_stop():
             raise KeyboardInterrupt
         best = _best_of(self, values, self.seeds)
-        cand = Candidate(values, cost_per_gpu(self.spec, values), best["step_time_s"] if best else None, best)
+        cand = self.candidate(values, best)
         self.cache[key] = cand
         if self.progress is not None:
             self.progress({"candidates": len(self.cache), "values": values, "step_time_s": cand.step_time_s,
@@ -267,14 +350,21 @@ def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any
 
 
 def _best_of(ex: "Explorer", values: dict[str, float], points: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest of ``points`` on the hardware ``values`` (re-checked and re-simulated)."""
+    """The best of ``points`` on the hardware ``values`` (re-checked and re-simulated)."""
     cluster = apply(ex.spec.baseline, values)
     space = ex._space(cluster)
+    problem = ex._problem(space, cluster)
+    metric = ex.spec.metric
     best = None
     for point in points:
-        par, _ = check(space, point, cluster)
-        r = _simulate_cached(ex.spec.model, par, cluster) if par is not None else None
-        if r is not None and (best is None or r["step_time_s"] < best["step_time_s"]):
+        if problem is None:
+            par, _ = check(space, point, cluster)
+            r = _simulate_cached(ex.spec.model, par, cluster) if par is not None else None
+        else:
+            config, _ = problem.check(point)
+            ev = run_job(problem.job(config, point)) if config is not None else None
+            r = ev.result if ev is not None and ev.feasible else None
+        if r is not None and (best is None or r[metric] < best[metric]):
             best = {**r, "point": point}
     return best
 
@@ -349,9 +439,11 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
     # frontier (so the baseline and the frontier are searched alike); its top configurations
     # seed every other candidate
     cluster = apply(spec.baseline, base)
-    result = optimize(ex._space(cluster), cluster, ex._settings(), should_stop=should_stop)
+    result = ex.search(cluster, ex._settings())
     if not result.ranked:
-        raise UserError("baseline", "no parallelization of the model fits the baseline cluster")
+        raise UserError("baseline", "no parallelization of the model fits the baseline cluster"
+                        if spec.objective == "step-time" else f"no serving layout of the model works on the baseline "
+                                                              f"cluster ({spec.objective})")
     top = [e.point for e in result.ranked[:spec.reuse_top]]
     baseline = ex.full_search(base, tuple(top[:3]))
     ex.seeds = [baseline.best["point"]] + [p for p in top if p != baseline.best["point"]]
@@ -385,8 +477,8 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
                     winners.append(confirmed.best["point"])
         # and the baseline gets the same chance: every winner, re-simulated on it
         better = _best_of(ex, base, winners)
-        if better is not None and better["step_time_s"] < baseline.step_time_s:
-            baseline = Candidate(base, baseline.cost_per_gpu, better["step_time_s"], better, True)
+        if better is not None and better[spec.metric] < baseline.step_time_s:
+            baseline = ex.candidate(base, better, True)
             ex.cache[ex._key(base)] = baseline
         # the sensitivity below re-tries the baseline's configuration first
         ex.seeds = [baseline.best["point"]] + [p for p in winners + ex.seeds if p != baseline.best["point"]]
@@ -401,7 +493,8 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
         "baseline": baseline.to_dict(),
         "frontier" if spec.mode == "pareto" else "best": [c.to_dict() for c in chosen],
         "candidates_evaluated": len(ex.cache),
-        "all": [{"values": c.values, "cost_per_gpu": c.cost_per_gpu, "step_time_s": c.step_time_s} for c in cands],
+        "all": [{"values": c.values, "cost_per_gpu": c.cost_per_gpu, spec.metric: c.step_time_s} for c in cands],
+        "objective": spec.objective, "metric": spec.metric,
         "sensitivity": sens,
         "interrupted": interrupted,
     }

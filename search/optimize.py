@@ -21,7 +21,7 @@ import numpy as np
 
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.search.evaluate import Evaluation, Objective
+from stage_cosim.search.evaluate import Evaluation, Objective, evaluate
 from stage_cosim.search.runner import Runner, make_runner
 from stage_cosim.search.space import SearchSpace, canonical, check
 
@@ -93,41 +93,64 @@ def _key(point: dict[str, Any]) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in point.items()))
 
 
+class Problem:
+    """What a search searches: the rules a point must meet, one way to write each point, and
+    the job that evaluates it. The default problem: training parallelizations."""
+
+    def __init__(self, space: SearchSpace, cluster: Cluster, settings: OptimizeSettings) -> None:
+        self.space, self.cluster, self.settings = space, cluster, settings
+
+    def canonical(self, point: dict[str, Any]) -> dict[str, Any]:
+        return canonical(self.space, point)
+
+    def check(self, point: dict[str, Any]) -> tuple[Any, str | None]:
+        """(the configuration of ``point``, or None and the rule it breaks)."""
+        return check(self.space, point, self.cluster, self.settings.allow_cross_domain_tp)
+
+    def job(self, config: Any, point: dict[str, Any]) -> tuple:
+        """The runner job that evaluates ``point`` (a module-level function and its arguments)."""
+        s = self.settings
+        return (evaluate, self.space.model, self.cluster, config, point, s.objective, s.network_model, s.headroom)
+
+
 class _Search:
     def __init__(self, space: SearchSpace, cluster: Cluster, settings: OptimizeSettings, runner: Runner,
-                 progress: Callable[[dict], None] | None, should_stop: Callable[[], bool] | None) -> None:
+                 progress: Callable[[dict], None] | None, should_stop: Callable[[], bool] | None,
+                 problem: Problem | None = None) -> None:
         self.space, self.cluster, self.settings, self.runner = space, cluster, settings, runner
         self.progress, self.should_stop = progress, should_stop
+        self.problem = problem or Problem(space, cluster, settings)
         self.cache: dict[tuple, Evaluation] = {}
         self.budget: int | None = None       # most evaluations; the rest of a batch is skipped
-        self.structural: dict[tuple, tuple[ParallelConfig | None, str | None]] = {}
+        self.structural: dict[tuple, tuple[Any, str | None]] = {}
         self.reasons: Counter[str] = Counter()
 
-    def structure(self, point: dict[str, Any]) -> tuple[ParallelConfig | None, str | None]:
-        k = _key(canonical(self.space, point))
+    def canonical(self, point: dict[str, Any]) -> dict[str, Any]:
+        return self.problem.canonical(point)
+
+    def structure(self, point: dict[str, Any]) -> tuple[Any, str | None]:
+        k = _key(self.canonical(point))
         if k not in self.structural:
-            par, reason = check(self.space, point, self.cluster, self.settings.allow_cross_domain_tp)
-            self.structural[k] = (par, reason)
+            config, reason = self.problem.check(point)
+            self.structural[k] = (config, reason)
             if reason:
                 self.reasons[reason] += 1
         return self.structural[k]
 
     def evaluate_many(self, points: list[dict[str, Any]]) -> list[Evaluation | None]:
         """Evaluations in the order given (None for structurally infeasible points)."""
-        todo: dict[tuple, tuple[ParallelConfig, dict[str, Any]]] = {}
-        points = [canonical(self.space, p) for p in points]
+        todo: dict[tuple, tuple[Any, dict[str, Any]]] = {}
+        points = [self.canonical(p) for p in points]
         for p in points:
-            par, _ = self.structure(p)
+            config, _ = self.structure(p)
             k = _key(p)
-            if par is not None and k not in self.cache and k not in todo:
+            if config is not None and k not in self.cache and k not in todo:
                 if self.budget is not None and len(self.cache) + len(todo) >= self.budget:
                     break
-                todo[k] = (par, p)
+                todo[k] = (config, p)
         if todo:
-            s = self.settings
             keys = list(todo)
-            jobs = [(self.space.model, self.cluster, par, p, s.objective, s.network_model, s.headroom)
-                    for par, p in todo.values()]
+            jobs = [self.problem.job(config, p) for config, p in todo.values()]
             self.runner.map(jobs, lambda i, ev: self._record(keys[i], ev))
         return [self.cache.get(_key(p)) for p in points]
 
@@ -149,14 +172,14 @@ class _Search:
 
 def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | None = None, *,
              progress: Callable[[dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> OptimizeResult:
+             should_stop: Callable[[], bool] | None = None, problem: Problem | None = None) -> OptimizeResult:
     """The best configuration of ``space`` on ``cluster``. When the space leaves the precision
     to the search (a ``dtype`` dimension) and is too large to enumerate, each precision is
     searched on its own, with the whole budget, so that both best configurations are real
     optima of their part of the space rather than whatever one search happened to visit."""
     settings = settings or OptimizeSettings()
     dtypes = next((d.choices for d in space.dimensions if d.name == "dtype"), ())
-    if len(dtypes) > 1 and not _enumerable(space, cluster, settings):
+    if len(dtypes) > 1 and problem is None and not _enumerable(space, cluster, settings):
         parts = [_optimize(space.restricted("dtype", d), cluster, settings, progress, should_stop) for d in dtypes]
         reasons: Counter[str] = Counter()
         for r in parts:
@@ -164,13 +187,13 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
         return OptimizeResult(settings.objective, [e for r in parts for e in r.evaluated],
                               all(r.proven_optimal for r in parts), dict(reasons), space.size,
                               f"{parts[0].method}, per dtype", any(r.interrupted for r in parts), settings.top_k)
-    return _optimize(space, cluster, settings, progress, should_stop)
+    return _optimize(space, cluster, settings, progress, should_stop, problem)
 
 
-def _feasible(space: SearchSpace, structure: Callable[[dict[str, Any]], tuple]) -> list[dict[str, Any]]:
-    """The distinct structurally feasible points of ``space``."""
-    unique = {_key(c): c for c in (canonical(space, p) for p in space.points())}
-    return [p for p in unique.values() if structure(p)[0] is not None]
+def _feasible(search: "_Search") -> list[dict[str, Any]]:
+    """The distinct structurally feasible points of the search's space."""
+    unique = {_key(c): c for c in (search.canonical(p) for p in search.space.points())}
+    return [p for p in unique.values() if search.structure(p)[0] is not None]
 
 
 def _small_enough(n: int, settings: OptimizeSettings) -> bool:
@@ -179,17 +202,19 @@ def _small_enough(n: int, settings: OptimizeSettings) -> bool:
 
 
 def _enumerable(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings) -> bool:
-    return _small_enough(len(_feasible(space, lambda p: check(space, p, cluster, settings.allow_cross_domain_tp))),
-                         settings)
+    from stage_cosim.search.runner import SerialRunner
+
+    return _small_enough(len(_feasible(_Search(space, cluster, settings, SerialRunner(), None, None))), settings)
 
 
 def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
-              progress: Callable[[dict], None] | None, should_stop: Callable[[], bool] | None) -> OptimizeResult:
+              progress: Callable[[dict], None] | None, should_stop: Callable[[], bool] | None,
+              problem: Problem | None = None) -> OptimizeResult:
     runner = make_runner(settings.workers, settings.ray)
-    search = _Search(space, cluster, settings, runner, progress, should_stop)
+    search = _Search(space, cluster, settings, runner, progress, should_stop, problem)
     interrupted = False
     try:
-        feasible = _feasible(space, search.structure)
+        feasible = _feasible(search)
         exhaustive = _small_enough(len(feasible), settings)
         if settings.seeds and not exhaustive:
             method = "local search from seeds"
@@ -261,7 +286,7 @@ def _local_search(search: _Search, budget: int) -> None:
         current = start
         while len(search.cache) < budget:
             polished.add(_key(current.point))
-            neighbours = [canonical(search.space, {**current.point, d.name: c})
+            neighbours = [search.canonical({**current.point, d.name: c})
                           for d in dims for c in d.choices if c != current.point[d.name]]
             fresh = [p for p in neighbours if _key(p) not in search.cache and search.structure(p)[0] is not None]
             evaluated = search.evaluate_many(fresh)

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 from stage_cosim.errors import UserError
-from stage_cosim.search.evaluate import Evaluation, evaluate
+from stage_cosim.search.evaluate import Evaluation
 
-Job = tuple   # the arguments of evaluate()
+Job = tuple   # (a module-level function returning an Evaluation, its arguments…)
 OnResult = Callable[[int, Evaluation], None]
 
 
 def run_job(job: Job) -> Evaluation:
-    return evaluate(*job)
+    return job[0](*job[1:])
 
 
 class Runner(Protocol):

@@ -177,18 +177,19 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
         return None, "tp exceeds the scale-up domain"
     if tp < cluster.domain and cluster.domain % tp:
         return None, "tp splits scale-up domains unevenly"
+    kw = dict(space.fixed)
+    cp = point.get("cp", kw.get("cp", 1))
     ep, etp = point.get("ep", 1), point.get("expert_tp", tp)
-    if (tp * dp) % (ep * etp):
-        return None, "expert-tp * ep does not divide tp * dp"
+    # expert layers re-factor the tp*cp*dp ranks of a stage (ParallelConfig's rule)
+    if (tp * cp * dp) % (ep * etp):
+        return None, "expert-tp * ep does not divide tp * cp * dp"
     if etp > cluster.domain and not allow_cross_domain_tp:
         return None, "expert-tp exceeds the scale-up domain"
-    kw = dict(space.fixed)
     if m.is_moe:
         kw.update(ep=ep, expert_tp=etp)
     kw.update(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=mb, global_batch=space.global_batch,
               seq_len=space.seq_len, sp=bool(point.get("sp", False)), zero=point.get("zero", 0),
               recompute=point.get("recompute", "none"))
-    cp = point.get("cp", kw.get("cp", 1))
     if cp > 1 or "cp" in point:
         kw.update(cp=cp, cp_comm=point.get("cp_comm", kw.get("cp_comm", "p2p")),
                   cp_a2a_size=point.get("cp_a2a_size", kw.get("cp_a2a_size")))

@@ -7,8 +7,8 @@ A request is a mapping with the same names as the command-line flags and config 
     layers, hidden, ffn, heads, kv_heads, head_dim, vocab, max_seq, attention: overrides
     dp, tp, pp, vp, sp, micro_batch, global_batch, seq_len, zero, recompute, schedule,
     pp_layers, axis_order, tp_comm_overlap, overlap_param_gather: the parallel configuration
-    phase, batch, input_len, context_len, kv_cache_dtype: an inference step (phase prefill or
-                    decode) instead of a training step
+    phase, batch, input_len, context_len, kv_cache_dtype, weight_dtype, attention_dp: an
+                    inference step (phase prefill or decode) instead of a training step
     cluster:        "preset[:GPUS]", a YAML path, or a full description (mapping)
     network_model:  "calibrated" | "astra"
 
@@ -33,7 +33,7 @@ from stage_cosim.parallel.config import FP8_OPTIONS
 MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", *MODEL_SWITCHES)
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
 # An inference step (phase prefill or decode); ``micro_batch`` is shared with the parallel keys.
-INFERENCE_KEYS = ("phase", "batch", "input_len", "context_len", "kv_cache_dtype")
+INFERENCE_KEYS = ("phase", "batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "attention_dp")
 REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS,
                 *INFERENCE_KEYS}
 
@@ -143,6 +143,118 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
     return manifest
 
 
+# A serving simulation: the request stream, the engine's settings, the latency targets.
+SERVE_KEYS = {"rate", "num_requests", "output_len", "lengths", "length_spread", "seed", "requests", "trace",
+              "max_num_seqs", "chunk_tokens", "kv_block_size", "hbm_utilization", "step_overhead",
+              "step_resolution", "prefill_gpus", "decode_gpus", "routing", "slo_ttft", "slo_tpot", "rates"}
+# the inference fields a serving run takes (the phase and batch are the engine's)
+SERVE_INFERENCE_KEYS = ("kv_cache_dtype", "weight_dtype", "attention_dp")
+
+
+def serving_of(req: Mapping[str, Any]):  # noqa: ANN201 (ServingConfig, SLO)
+    """The engine settings and latency targets of a serving request."""
+    from stage_cosim.serving.config import SLO, ServingConfig
+
+    names = {"max_num_seqs": "max_num_seqs", "chunk_tokens": "chunk_tokens", "kv_block_size": "kv_block_size",
+             "hbm_utilization": "hbm_utilization", "step_overhead": "step_overhead_s",
+             "step_resolution": "step_resolution", "prefill_gpus": "prefill_gpus", "decode_gpus": "decode_gpus",
+             "routing": "routing"}
+    cfg = ServingConfig(**{field: req[key] for key, field in names.items() if req.get(key) is not None})
+    return cfg, SLO(req.get("slo_ttft"), req.get("slo_tpot"))
+
+
+def requests_of(req: Mapping[str, Any]):  # noqa: ANN201 (RequestStream | Requests)
+    """The request stream: a ``trace`` file, inline ``requests`` rows, or Poisson arrivals."""
+    from stage_cosim.serving.requests import RequestStream, read_trace, requests_from_rows
+
+    given = [k for k in ("trace", "requests") if req.get(k) is not None]
+    if len(given) > 1:
+        raise UserError("trace", "give the requests as a trace file or inline, not both")
+    if given:
+        for k in ("rate", "num_requests", "lengths", "length_spread", "output_len", "input_len", "rates"):
+            if req.get(k) is not None:
+                raise UserError(k, f"describes generated requests; the {given[0]} gives them")
+        if given[0] == "trace":
+            return read_trace(req["trace"], "trace")
+        rows = req["requests"]
+        if not isinstance(rows, list):
+            raise UserError("requests", "must be a list of {arrival_s, input_len, output_len}")
+        return requests_from_rows(rows, "requests")
+    if req.get("rate") is None:
+        raise UserError("rate", "is required (requests per second), unless a trace gives the requests")
+    kw = {k: req[k] for k in ("num_requests", "input_len", "output_len", "lengths", "seed") if req.get(k) is not None}
+    if req.get("length_spread") is not None:
+        kw["spread"] = req["length_spread"]
+    return RequestStream(rate=req["rate"], **kw)
+
+
+def deployment_of(req: Mapping[str, Any]):  # noqa: ANN201 (Deployment)
+    """The serving deployment a request describes (model, layout, cluster, engine settings)."""
+    from stage_cosim.serving.run import deploy
+
+    model = model_of(req)
+    par_req = {k: v for k, v in req.items() if k in PARALLEL_KEYS}
+    for key in ("micro_batch", "global_batch", "seq_len"):
+        if par_req.get(key) is not None:
+            raise UserError(key, "is a training or single-step field; a serving run batches requests itself "
+                                 "(--max-num-seqs, --chunk-tokens)")
+    parallel = parallel_of(par_req)
+    inference = InferenceConfig("decode", **{k: req[k] for k in SERVE_INFERENCE_KEYS if req.get(k) is not None})
+    serving, _ = serving_of(req)
+    # without a GPU count the cluster is the deployment: dp replicas (or one instance with
+    # attention data parallelism), or the two pools
+    gpus = (serving.prefill_gpus + serving.decode_gpus) if serving.disaggregated else parallel.world_size
+    cluster = cluster_of(req, gpus)
+    return deploy(model, parallel, inference, cluster, serving)
+
+
+def serve_sim(req: Mapping[str, Any], progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """A serving simulation (what ``serve-sim --json`` prints): the request stream through the
+    deployment; with ``rates``, one report per arrival rate under ``runs`` as well."""
+    from stage_cosim.serving.requests import RequestStream
+    from stage_cosim.serving.run import simulate_serving, sweep
+
+    for key in req:
+        if key not in SERVE_KEYS | (REQUEST_KEYS - {"phase", "batch", "context_len", "backend"}):
+            raise UserError(key, "is not a serve-sim request field")
+    stream = requests_of(req)
+    dep = deployment_of(req)
+    _, slo = serving_of(req)
+    requests = stream.generate() if isinstance(stream, RequestStream) else stream
+    report = simulate_serving(dep, requests, slo, progress)
+    report["workload"] = _workload_doc(stream, requests)
+    rates = req.get("rates")
+    if rates:
+        if not isinstance(stream, RequestStream):
+            raise UserError("rates", "sweeps generated requests; a trace has its own arrival times")
+        values = _rates(rates)
+        report["runs"] = [{"rate": r, **run} for r, run in zip(values, sweep(dep, stream, values, slo))]
+    return report
+
+
+def _rates(rates: Any) -> list[float]:
+    if isinstance(rates, str):
+        rates = [x for x in rates.split(",") if x.strip()]
+    try:
+        values = [float(x) for x in rates]
+    except (TypeError, ValueError):
+        raise UserError("rates", "must be a list of positive numbers (requests per second)") from None
+    if not values or any(not (v > 0 and v < float("inf")) for v in values):
+        raise UserError("rates", "must be a list of positive numbers (requests per second)")
+    return values
+
+
+def _workload_doc(stream, requests) -> dict[str, Any]:  # noqa: ANN001
+    from dataclasses import asdict
+
+    from stage_cosim.serving.requests import RequestStream
+
+    doc: dict[str, Any] = asdict(stream) if isinstance(stream, RequestStream) else {"source": "trace"}
+    doc.update({"requests": len(requests), "input_len_mean": float(requests.input_len.mean()),
+                "output_len_mean": float(requests.output_len.mean()), "offered_rate": requests.rate})
+    return doc
+
+
 OPTIMIZE_KEYS = {"objective", "price", "seed", "budget", "workers", "ray", "headroom", "allow_cross_domain_tp",
                  "top", "exhaustive_limit"}
 
@@ -177,6 +289,55 @@ def optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | None = N
     space = default_space(model, cluster, int(req["global_batch"]), int(req["seq_len"]),
                           allow_cross_domain_tp=settings.allow_cross_domain_tp, precision=precision)
     return run(space, cluster, settings, progress=progress, should_stop=should_stop).to_dict()
+
+
+SERVE_OPTIMIZE_KEYS = {"slo_ttft", "slo_tpot", "attainment", "input_len", "output_len", "lengths", "length_spread",
+                       "num_requests", "chunk_tokens", "kv_cache_dtype", "weight_dtype", "hbm_utilization",
+                       "step_overhead", "step_resolution", "seed", "budget", "workers", "ray", "top",
+                       "exhaustive_limit", "search"}
+
+
+def optimize_serving(req: Mapping[str, Any], progress: Callable[[dict], None] | None = None,
+                     should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """The serving layout with the most goodput per GPU under the SLOs (what ``optimize --phase
+    serve --json`` prints). The request needs the model, ``cluster`` with its GPU count and at
+    least one of ``slo_ttft``, ``slo_tpot``; ``search`` restricts dimensions ({"tp": [1, 2], …})."""
+    from dataclasses import replace
+
+    from stage_cosim.hardware.cluster import resolve_cluster
+    from stage_cosim.search.optimize import OptimizeSettings
+    from stage_cosim.search.serving import ServeTarget, optimize_serving as run
+    from stage_cosim.serving.requests import RequestStream
+
+    for key in req:
+        if key not in SERVE_OPTIMIZE_KEYS | {"model", "model_config", "cluster", *MODEL_OVERRIDES}:
+            raise UserError(key, "is not a serving-search request field")
+    if not req.get("cluster"):
+        raise UserError("cluster", "is required for optimize")
+    model = model_of(req)
+    spec = req["cluster"]
+    cluster = cluster_of(req, 0) if isinstance(spec, Mapping) else resolve_cluster(str(spec))
+    stream_kw = {k: req[k] for k in ("input_len", "output_len", "lengths") if req.get(k) is not None}
+    if req.get("length_spread") is not None:
+        stream_kw["spread"] = req["length_spread"]
+    stream = RequestStream(rate=1.0, seed=int(req.get("seed") or 0), **stream_kw)
+    serving, slo = serving_of({k: req[k] for k in ("chunk_tokens", "hbm_utilization", "step_overhead", "step_resolution",
+                                                   "slo_ttft", "slo_tpot") if req.get(k) is not None})
+    inference = InferenceConfig("decode", **{k: req[k] for k in ("kv_cache_dtype", "weight_dtype")
+                                            if req.get(k) is not None})
+    target = ServeTarget(stream, slo, float(req["attainment"]) if req.get("attainment") is not None else 0.9,
+                         inference, serving)
+    settings = OptimizeSettings(seed=int(req.get("seed") or 0), budget=req.get("budget"),
+                                workers=int(req.get("workers") or 1), ray=req.get("ray"),
+                                top_k=int(req.get("top") or 5), exhaustive_limit=int(req.get("exhaustive_limit") or 60))
+    search = req.get("search") or {}
+    if not isinstance(search, Mapping):
+        raise UserError("search", "must map dimension names to lists of choices")
+    num = req.get("num_requests") or 500
+    if not isinstance(num, int) or num < 20:
+        raise UserError("num-requests", f"must be an integer of at least 20, got {num!r}")
+    return run(model, cluster, replace(target), settings, overrides={k: list(v) for k, v in search.items()},
+               num_requests=num, progress=progress, should_stop=should_stop)
 
 
 def explore(req: Mapping[str, Any], progress: Callable[[dict], None] | None = None,

@@ -75,6 +75,26 @@ def save_figure(fig: Any, path: Path) -> None:
             tmp.unlink()
 
 
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_output(path: Path | None, parameter: str, suffixes: tuple[str, ...] | None = None) -> None:
+    """Refuse an output path that cannot be written, before any work is done: its folder must
+    exist and be writable, it must not be a folder, and (``suffixes``) its name must end in one."""
+    if path is None:
+        return
+    path = Path(path)
+    if suffixes is not None and path.suffix.lower() not in suffixes:
+        raise UserError(parameter, f"{path}: the name must end in {', '.join(suffixes)}")
+    if path.is_dir():
+        raise UserError(parameter, f"{path} is a folder")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise UserError(parameter, f"{folder}: no such folder")
+    if not os.access(folder, os.W_OK):
+        raise UserError(parameter, f"{folder}: not writable")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
     path = Path(path)

@@ -15,7 +15,7 @@ from typing import Any
 
 from stage_cosim.errors import UserError, require
 from stage_cosim.graph.dims import B, S, T, W, degree_symbol, model_values
-from stage_cosim.graph.precision import BF16, Precision, resolve_precision
+from stage_cosim.graph.precision import BF16, Precision, inference_precision, resolve_precision
 from stage_cosim.inference.config import BatchShape, InferenceConfig
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import (
@@ -55,6 +55,9 @@ class Workload:
     def check_gpu(self, gpu: "GPU") -> None:  # noqa: F821
         """The workload's FP8 kernels must be those ``gpu`` runs (its recipe default and operand
         layouts): a workload synthesized for one GPU is not simulated on another."""
+        if self.inference is not None:
+            inference_precision(self.inference.weight_dtype, gpu)     # what the GPU cannot run is refused
+            return
         if not self.precision.fp8:
             return
         want = resolve_precision(self.parallel, gpu)
@@ -94,10 +97,19 @@ class Workload:
     def kv_cache_bytes_per_token(self, stage: int) -> float:
         """An inference step: the KV cache one token of one sequence occupies on a rank of
         ``stage`` (a sliding-window layer holds only the last ``window`` tokens)."""
+        return sum(self.kv_cache_bytes_per_token_by_window(stage).values())
+
+    def kv_cache_bytes_per_token_by_window(self, stage: int) -> dict[int | None, float]:
+        """An inference step: the KV cache bytes one cached token of one sequence takes on a
+        rank of ``stage``, summed over the layers of each attention window (None: global)."""
         blocks: ModelBlocks = self._role_args["blocks"]
         kv = dict(self.shape.kv_tokens) if self.shape is not None else {}
-        return sum(blocks.layers[i][1].cache_bytes / kv[self.model.layer_window(i)]
-                   for i in self.stage_layers(stage) if kv.get(self.model.layer_window(i)))
+        out: dict[int | None, float] = {}
+        for i in self.stage_layers(stage):
+            window = self.model.layer_window(i)
+            if kv.get(window):
+                out[window] = out.get(window, 0.0) + blocks.layers[i][1].cache_bytes / kv[window]
+        return out
 
     # -- ranks and groups ---------------------------------------------------------------------
 
@@ -143,7 +155,7 @@ class Workload:
     @cached_property
     def _groups_in_passes(self) -> set[str]:
         """The communicator groups the pass templates' collectives run on."""
-        return {r[9] for role in self.roles for t in role.templates.values() for r in t.rows if r[1] == COLL}
+        return {r[9] for role in self.roles for t in role.templates.values() for r in t.generated_rows() if r[1] == COLL}
 
     def group_id(self, rank: int, kind: str) -> int:
         return self.group_base[kind] + self._mesh(kind).group_index(rank, GROUP[kind].axes)
@@ -247,11 +259,12 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
     operand copies): the kernels are those for that GPU (by default an H100). ``precision``,
     already resolved for a GPU, may be given instead."""
     if inference is not None:
-        par = inference.parallel(parallel)
-        par.check_against(model)
+        par = inference.parallel(parallel, model)
+        par.check_against(model, training=False)
         if model.position == "learned":
             require(inference.context <= model.max_seq, "context-len" if inference.phase == "decode" else "input-len",
                     f"must not exceed the model's learned positions ({model.max_seq}), got {inference.context}")
+        inference_precision(inference.weight_dtype, gpu)     # what the GPU cannot run is refused
         return synthesize_step(model, par, inference.shape(par.micro_batch, set(model.layer_windows())),
                                inference.kv_cache_dtype, inference)
     parallel.check_against(model)
@@ -294,22 +307,43 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
     return Workload(model, parallel, meshes, role_args, precision)
 
 
+def step_symbol_values(model: ModelConfig, parallel: ParallelConfig, window: int | None = None) -> dict:
+    """An inference step's symbols bound to numbers for a layer with ``window``: everything but
+    the batch shape's (b sequences, s new tokens each, t cached tokens each, w keys per query)."""
+    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
+    values = model_values(padded, 1, 1, window, parallel.moe_load)
+    for symbol in (B, S, T, W):
+        del values[symbol]
+    degrees = parallel.degrees()
+    for axis in BLOCK_AXES:
+        values[degree_symbol(axis)] = degrees[axis]
+    return values
+
+
 def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchShape, kv_cache_dtype: str = "bf16",
                     inference: InferenceConfig | None = None) -> Workload:
     """The role graphs of one inference step whose every micro-batch has ``shape``: the
     forward passes of ``parallel.num_microbatches`` micro-batches (``parallel`` as
-    :meth:`InferenceConfig.parallel` makes it), each layer reading its KV cache."""
-    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
-    policy = ShardingPolicy(moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall")
-    compiled = compiled_inference_blocks(model.switches(), policy, kv_cache_dtype)
+    :meth:`InferenceConfig.parallel` makes it), each layer reading its KV cache, the weights
+    in ``inference.weight_dtype``. Latent attention runs absorbed where every sequence has one
+    new token (a decode step), expanded from the cached latents otherwise."""
+    precision = inference_precision(inference.weight_dtype if inference is not None else "bf16")
+    policy = ShardingPolicy(precision=precision,
+                            moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
+                            cp_ring=parallel.cp_ring, cp_a2a=parallel.cp_a2a,
+                            cp_load_balance=parallel.cp_load_balance or parallel.cp == 1)
+    compiled = compiled_inference_blocks(model.switches(), policy, kv_cache_dtype,
+                                         absorb=model.multi_latent_attention and shape.tokens == shape.sequences)
     degrees = parallel.degrees()
 
+    bound: dict[int | None, dict] = {}
+
     def costs(block: CompiledBlock, window: int | None = None, *, attends: bool = False) -> BlockCosts:
-        values = model_values(padded, shape.sequences, 1, window, parallel.moe_load)
+        if window not in bound:
+            bound[window] = step_symbol_values(model, parallel, window)
+        values = dict(bound[window])
         b, s, t, w = shape.symbols(window) if attends else (shape.sequences, shape.tokens / shape.sequences, 1, 1)
         values.update({B: b, S: s, T: t, W: w})
-        for axis in BLOCK_AXES:
-            values[degree_symbol(axis)] = degrees[axis]
         return block.evaluate(values)
 
     kinds = list(zip(model.moe_layers(), model.layer_windows()))
@@ -319,10 +353,10 @@ def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchSh
                          tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)]) for moe, w in kinds),
                          (compiled.head, costs(compiled.head)))
     orders = parallel.mesh_orders()
-    meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE])}
+    meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE], parallel.mesh_splits())}
     if model.is_moe:
         meshes[EXPERT] = DeviceMesh.build({a: degrees[a] for a in MESHES[EXPERT]}, orders[EXPERT])
     role_args = dict(pp=parallel.pp, vp=1, schedule=parallel.schedule, num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks, zero=0,
                      tied_embeddings=model.shares_embedding, degrees=degrees, inference=True)
-    return Workload(model, parallel, meshes, role_args, BF16, inference, shape)
+    return Workload(model, parallel, meshes, role_args, precision, inference, shape)

@@ -100,8 +100,10 @@ def test_export_refuses_what_the_simulator_hangs_on(workload, tmp_path) -> None:
     from stage_cosim.errors import UserError
 
     w, cluster = workload
-    with pytest.raises(UserError, match="loop forever"):
+    # more splits than can be simulated in reasonable time (the binary too: see MAX_DATASET_SPLITS)
+    with pytest.raises(UserError, match="at most 4096") as info:
         export(w, cluster, tmp_path / "x", settings=AstraSettings(preferred_dataset_splits=10**9))
+    assert info.value.parameter == "preferred-dataset-splits"
     with pytest.raises(UserError, match="endpoint-delay"):
         AstraSettings(endpoint_delay_ns=0)
     assert not (tmp_path / "x").exists()
@@ -149,6 +151,17 @@ def test_failures_are_one_line_with_excerpt(workload, tmp_path, standin, monkeyp
         assert "SIGFPE" in exc.value.summary
     if mode == "deadlock":
         assert "critical" in exc.value.excerpt and "1 of 8 ranks never finished" in exc.value.summary
+
+
+def test_a_signal_after_every_result_is_the_exit_double_free(workload, tmp_path, standin, monkeypatch) -> None:
+    """The binary may die of its double free on exit after printing every rank's result: the
+    results stand, with a warning; a signal before that is still a failure (above)."""
+    w, cluster = workload
+    export(w, cluster, tmp_path / "run")
+    monkeypatch.setenv("STANDIN_MODE", "abort-on-exit")
+    done = run(standin, tmp_path / "run", w.world_size)
+    assert done.returncode == -6 and len(done.output.finished_ns) == w.world_size
+    assert done.warning and "SIGABRT" in done.warning
 
 
 def test_timeout_kills_the_simulator(workload, tmp_path, standin, monkeypatch) -> None:

@@ -239,13 +239,19 @@ def test_reference_row_through_the_command_line(row: dict[str, str], cases_dir: 
     got = {"finished_max_ns": max(finished), "finished_min_ns": min(finished), "finished_rank0_ns": lines[0][0],
            "exposed_comm_rank0_ns": lines[0][1]}
     assert got == {k: int(row[k]) for k in RESULT_COLUMNS}
-    stats = {(int(m[1]), m[2]): int(m[3]) for m in re.finditer(r"sys\[(\d+)\], (GPU|Comm) time: (\d+)", out)}
+    stats = {(int(m[1]), m[2]): int(m[3]) for m in _STAT.finditer(out)}
     for column, key in (("comm_time_rank0_ns", "Comm"), ("gpu_time_rank0_ns", "GPU")):
         if row[column]:
             assert stats[(0, key)] == int(row[column])
+    # every rank, against the binary's own output for the case: its finished and exposed
+    # communication line and its Wall / GPU / Comm time statistics
+    binary = (case / "out_Unaware.txt").read_text(errors="replace")
+    assert lines == {int(m[1]): (int(m[2]), int(m[3])) for m in _FINISHED.finditer(binary)}
+    assert stats == {(int(m[1]), m[2]): int(m[3]) for m in _STAT.finditer(binary)}
 
 
 _FINISHED = re.compile(r"sys\[(\d+)\] finished, (\d+) cycles, exposed communication (\d+) cycles")
+_STAT = re.compile(r"sys\[(\d+)\], (Wall|GPU|Comm) time: (\d+)")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
@@ -529,7 +535,7 @@ def test_system_json_errors(tmp_path: Path) -> None:
         '{"preferred-dataset-splits": 4, "all-gather-implementation": ["tree"]}':
             "all-gather-implementation",
         '{"preferred-dataset-splits": 4, "local-mem-bw": -1}': "local-mem-bw",
-        '[1, 2]': str(tmp_path / "sys.json"),
+        '[1, 2]': "system-configuration",
     }
     for text, key in cases.items():
         (tmp_path / "sys.json").write_text(text)

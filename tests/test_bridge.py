@@ -29,11 +29,18 @@ TESTS = Path(__file__).resolve().parent
 SMALL = dict(model="llama3-8b", layers=4, seq_len=256)
 SMALL_FLAGS = ["--model", "llama3-8b", "--layers", "4", "--seq-len", "256"]
 STANDINS = "bridge_standins:install"
+STANDIN_CHECK = "test_bridge:check_standin_search"
+
+
+def check_standin_search(kind: str, req: dict) -> None:
+    """The submit check of a server whose workers run the stand-in searches: they take their own
+    steering settings (sleep, fail, spawn_child, ...), so the real searches' checks do not apply."""
 
 
 def config(**kw) -> ServerConfig:
     kw.setdefault("limits", Limits(workers=2, kill_grace_s=0.3))
     kw.setdefault("worker_init", STANDINS)
+    kw.setdefault("search_check", STANDIN_CHECK if kw["worker_init"] == STANDINS else None)
     return ServerConfig(port=0, heartbeat_s=0.2, **kw)
 
 
@@ -434,7 +441,8 @@ def test_restarted_server_keeps_jobs_and_memory_stays_bounded(tmp_path) -> None:
 def test_sigterm_drains(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
     proc = subprocess.Popen([sys.executable, "-m", "stage_cosim", "serve", "--port", "0", "--workers", "1",
-                             "--drain-timeout", "1", "--heartbeat", "0.2", "--worker-init", STANDINS],
+                             "--drain-timeout", "1", "--heartbeat", "0.2", "--worker-init", STANDINS,
+                             "--search-check", STANDIN_CHECK],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()

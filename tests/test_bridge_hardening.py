@@ -19,7 +19,7 @@ import pytest
 from stage_cosim.bridge import Client
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.server import start_in_thread
-from test_bridge import SMALL, STANDINS, TESTS, config
+from test_bridge import SMALL, STANDIN_CHECK, STANDINS, TESTS, config
 
 SECRET = "7f3c-server-secret-9d1e"
 
@@ -44,47 +44,123 @@ def submit_raw(client: Client, kind: str, design: dict, settings: dict | None = 
 
 # -- security: the server's files -------------------------------------------------------------------------
 
+PSEUDO_FILES = ("/proc/", "/dev/", "/sys/")
+
+
+def library_roots() -> list[str]:
+    """Where the code and its data live: Python's own directories and site-packages, and every
+    directory a stage_cosim package comes from (the only places besides a job's own directory
+    that a worker may open anything in)."""
+    import site
+    import sysconfig
+
+    import stage_cosim.adapters.roofline.simulate  # noqa: F401
+    import stage_cosim.api  # noqa: F401
+    import stage_cosim.hardware.cluster  # noqa: F401
+    import stage_cosim.search.explore  # noqa: F401
+    import stage_cosim.serving.run  # noqa: F401
+
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sysconfig.get_paths().values(), *site.getsitepackages(),
+             site.getusersitepackages()}
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "stage_cosim":
+            roots.update(getattr(module, "__path__", None) or [])
+    return sorted(os.path.abspath(r) for r in roots)
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    return path.startswith(PSEUDO_FILES) or any(path == r or path.startswith(r + os.sep) for r in roots)
+
+
+def opens_outside(roots: list[str], record, allow_cwd_job: bool = False):  # noqa: ANN001, ANN201
+    """An audit hook calling ``record(path)`` for every open, listdir or scandir outside ``roots``
+    (with ``allow_cwd_job``, inside the working directory too once it is a job's directory)."""
+    def hook(event: str, args: tuple) -> None:
+        if event not in ("open", "os.listdir", "os.scandir") or not args or isinstance(args[0], int):
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(args[0]))
+        except (TypeError, ValueError):
+            return
+        cwd = os.getcwd() if allow_cwd_job else ""
+        if _inside(path, roots) or (cwd and os.path.basename(cwd).startswith("j-") and path.startswith(cwd + os.sep)):
+            return
+        record(path)
+
+    return hook
+
+
+def audit_every_open() -> None:
+    """Worker init (the real searches run): append to ``$BRIDGE_TEST_OPEN_LOG`` every file or
+    directory this worker opens outside the job's own directory and the library."""
+    roots = os.environ["BRIDGE_TEST_LIBRARY"].split(os.pathsep)
+    log = os.open(os.environ["BRIDGE_TEST_OPEN_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    sys.addaudithook(opens_outside(roots, lambda path: os.write(log, f"{os.getpid()} {path}\n".encode()),
+                                   allow_cwd_job=True))
+
+
 def test_no_request_field_reads_the_servers_files(tmp_path, monkeypatch) -> None:
     """Every field of every request kind, given names of files that exist in the server's working
-    directory (and absolute paths to them): nothing there is opened, by the server or its workers,
-    no reply carries their content, and an existing name is answered exactly like a missing one."""
-    from bridge_standins import opens_under
-    from stage_cosim.api import OPTIMIZE_KEYS
+    directory and elsewhere (and absolute paths to them): the server opens nothing outside its
+    data directory and the library, its workers nothing outside the job's own directory and the
+    library; no reply carries a file's content, and an existing name is answered exactly like a
+    missing one."""
+    import threading
+
+    from stage_cosim.api import OPTIMIZE_KEYS, SERVE_KEYS
     from stage_cosim.search.explore import SPEC_KEYS
 
     cwd = tmp_path / "server-cwd"
     (cwd / "model-dir").mkdir(parents=True)
-    (cwd / "secret.cfg").write_text(f"gpu: {SECRET}\n")
+    (tmp_path / "elsewhere").mkdir()
+    for where in (cwd, tmp_path / "elsewhere"):
+        (where / "secret.cfg").write_text(f"gpu: {SECRET}\n")
     (cwd / "model-dir" / "config.json").write_text(json.dumps(
         {"_name_or_path": SECRET, "n_layer": 2, "n_embd": 256, "n_head": 4, "vocab_size": 1000}))
+    roots = library_roots()
+    assert not any(str(tmp_path).startswith(r) for r in roots)
     opened: list[str] = []
-    recording = [True]            # off before the server removes its data (rmtree opens relative names)
-    sys.addaudithook(opens_under(str(cwd), lambda path: recording[0] and opened.append(path)))
+    data: list[str] = []              # the server's data directory, once it exists
+    recording = [False]               # only while it serves (start and stop make and remove temporary files)
+
+    def server_record(path: str) -> None:
+        thread = threading.current_thread().name
+        if recording[0] and thread.startswith(("bridge-", "asyncio")) and not _inside(path, data):
+            opened.append(f"{thread} {path}")
+
+    sys.addaudithook(opens_outside(roots, server_record))
     log = tmp_path / "worker-opens.log"
-    monkeypatch.setenv("BRIDGE_TEST_BAIT", str(cwd))
+    monkeypatch.setenv("BRIDGE_TEST_LIBRARY", os.pathsep.join(roots))
     monkeypatch.setenv("BRIDGE_TEST_OPEN_LOG", str(log))
     monkeypatch.chdir(cwd)                      # the server's (and its workers') working directory
-    names = ["secret.cfg", "model-dir", str(cwd / "secret.cfg"), "missing.cfg"]
+    names = ["secret.cfg", "model-dir", str(cwd / "secret.cfg"), str(tmp_path / "elsewhere" / "secret.cfg"),
+             "missing.cfg"]
 
     text_fields = [f.name for f in pb.Design.DESCRIPTOR.fields if f.type == f.TYPE_STRING]
     optimize_base = dict(SMALL, cluster="dgx-h100:8", global_batch=8)
     explore_base = {"model": "llama3-8b", "baseline": "dgx-h100:8", "global_batch": 8, "seq_len": 256,
                     "variables": {"gpu.hbm_GBps": {"values": [3350, 4000]}}}
-    cases = [("simulate", f, None) for f in text_fields]
-    cases += [("optimize", f, None) for f in sorted(OPTIMIZE_KEYS)]
-    cases += [("explore", f, None) for f in sorted(SPEC_KEYS)]
+    serve_base = {"rate": 5, "num_requests": 4, "output_len": 4}
+    cases = [("simulate", f) for f in text_fields]
+    cases += [("optimize", f) for f in sorted(OPTIMIZE_KEYS)]
+    cases += [("explore", f) for f in sorted(SPEC_KEYS)]
+    cases += [("serve_sim", f) for f in sorted(SERVE_KEYS)]
     replies: dict[tuple[str, str, str], str] = {}
     jobs: dict[tuple[str, str, str], str] = {}
-    with start_in_thread(config(worker_init="bridge_standins:audit_opens")) as s, \
+    with start_in_thread(config(worker_init=f"{__name__}:audit_every_open")) as s, \
             Client(s.address, retries=2) as c:
-        for kind, field, _ in cases:
+        data.append(str(s.server.manager.data))
+        recording[0] = True
+        for kind, field in cases:
             for name in names:
                 if kind == "simulate":
                     code, text = submit_raw(c, kind, {**SMALL, field: name})
                 elif kind == "optimize":          # the search settings (the design is simulate's)
                     code, text = submit_raw(c, kind, optimize_base, {"budget": 2, "exhaustive_limit": 1, field: name})
-                else:
+                elif kind == "explore":
                     code, text = submit_raw(c, kind, {}, {**explore_base, field: name})
+                else:
+                    code, text = submit_raw(c, kind, {"model": "llama3-8b", "layers": 2}, {**serve_base, field: name})
                 if code == "OK":
                     jobs[(kind, field, name)] = text
                 else:
@@ -101,10 +177,11 @@ def test_no_request_field_reads_the_servers_files(tmp_path, monkeypatch) -> None
         assert SECRET not in reply, (kind, field, reply)
         if name == "secret.cfg":                # an existing file is answered like a missing one
             assert reply.replace("secret.cfg", "missing.cfg") == replies[(kind, field, "missing.cfg")], reply
-    for field in ("model", "cluster"):          # the fields that name files are refused at submit
-        assert all(replies[("simulate", field, n)].startswith(f"INVALID_ARGUMENT {field}: ") for n in names)
-    assert all(replies[("explore", "baseline", n)].startswith("INVALID_ARGUMENT baseline: ") for n in names)
-    assert opened == [] and (not log.exists() or log.read_text() == "")
+    for kind, field in (("simulate", "model"), ("simulate", "cluster"), ("explore", "baseline"), ("serve_sim", "trace")):
+        assert all(replies[(kind, field, n)].startswith(f"INVALID_ARGUMENT {field}: ") for n in names), field
+    assert "trace: names a file" in replies[("serve_sim", "trace", "secret.cfg")]
+    assert opened == [], opened[:10]
+    assert not log.exists() or log.read_text() == "", log.read_text()[:2000]
 
 
 # -- security: the server's processes ---------------------------------------------------------------------
@@ -275,7 +352,8 @@ def start_serve(data: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     """``stage-cosim serve`` in a process of its own (one worker, the stand-ins), on a free port."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *sys.path]))
     proc = subprocess.Popen([sys.executable, "-m", "stage_cosim", "serve", "--port", "0", "--workers", "1",
-                             "--heartbeat", "0.2", "--worker-init", STANDINS, "--data-dir", str(data), *flags],
+                             "--heartbeat", "0.2", "--worker-init", STANDINS, "--search-check", STANDIN_CHECK,
+                             "--data-dir", str(data), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = proc.stdout.readline()          # type: ignore[union-attr]
     return proc, "127.0.0.1:" + line.split(" serving on ")[1].split()[0].rsplit(":", 1)[1]

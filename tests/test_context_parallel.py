@@ -454,7 +454,10 @@ def test_moe_with_cp_exports_finish(tmp_path) -> None:
         assert run(os.environ["ASTRA_SIM_BIN"], out, 16).output.finished_ns == predicted.finished_ns
 
 
-def test_inference_steps_refuse_cp(run_cli) -> None:
-    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--phase", "prefill", "--cp", "2",
-                           "--input-len", "8192", "--cluster", "dgx-h100:2")
-    assert code == 2 and err.strip().startswith("error: cp: context parallelism is modelled for training steps")
+def test_decode_steps_refuse_cp(run_cli) -> None:
+    """A prefill's prompt is sharded over cp (tests/test_inference.py); a decode step's one new
+    token per request is not."""
+    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--phase", "decode", "--cp", "2",
+                           "--context-len", "8192", "--cluster", "dgx-h100:2")
+    assert code == 2 and err.strip().startswith("error: cp: context parallelism shards a prefill's prompts")
+    assert len(err.strip().splitlines()) == 1

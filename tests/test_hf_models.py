@@ -30,14 +30,21 @@ PUBLISHED = {
 
 # Mixture-of-Experts models: (total, active) parameters. Mixtral-8x7B's total is its safetensors
 # count; the others are the published figures at their published precision (model cards and
-# reports: Mixtral 46.7B / 12.9B, Qwen3-30B-A3B 30.5B / 3.3B, DeepSeek-V3 671B / 37B without
-# its multi-token-prediction module, GPT-OSS-120b 116.83B / 5.13B). OpenAI's active count for
-# GPT-OSS leaves out the embedding table (0.58B); the others count it.
-MOE = {  # (total, its tolerance), (active, its tolerance)
-    "Mixtral-8x7B-v0.1": ((46_702_792_704, 0), (12.9e9, 0.05e9)),
-    "Qwen3-30B-A3B": ((30.5e9, 0.05e9), (3.3e9, 0.06e9)),     # ours 3.353B; the card rounds down
-    "DeepSeek-V3": ((671e9, 0.5e9), (37e9, 1e9)),
-    "gpt-oss-120b": ((116.83e9, 0.005e9), (5.13e9 + 201088 * 2880, 0.005e9)),
+# reports: Mixtral 46.7B / 12.9B, Qwen1.5-MoE-A2.7B 14.3B / 2.7B, Qwen3-30B-A3B 30.5B / 3.3B,
+# DeepSeek-V2 236B / 21B, DeepSeek-V2-Lite 15.7B / 2.4B, DeepSeek-V3 671B / 37B without its
+# multi-token-prediction module, GPT-OSS-120b 116.83B / 5.13B).
+# Active counts follow two conventions: Mistral and Qwen count the input embedding table (a
+# token reads one row of it), DeepSeek and OpenAI leave it out. The last field says which; our
+# active count (which includes it) less the table is compared where the publisher leaves it
+# out. DeepSeek-V2-Lite shows it: 2.66B with the table, 2.45B without (its card: 2.4B).
+MOE = {  # (total, its tolerance), (active, its tolerance), active counts the input embedding
+    "Mixtral-8x7B-v0.1": ((46_702_792_704, 0), (12.9e9, 0.05e9), True),
+    "Qwen1.5-MoE-A2.7B": ((14.3e9, 0.05e9), (2.7e9, 0.05e9), True),      # ours 14.32B / 2.69B
+    "Qwen3-30B-A3B": ((30.5e9, 0.05e9), (3.3e9, 0.06e9), True),     # ours 3.353B; the card rounds down
+    "DeepSeek-V2": ((236e9, 0.5e9), (21e9, 0.5e9), False),           # ours 235.74B / 20.85B
+    "DeepSeek-V2-Lite": ((15.7e9, 0.05e9), (2.4e9, 0.06e9), False),   # ours 15.71B / 2.45B
+    "DeepSeek-V3": ((671e9, 0.5e9), (37e9, 0.5e9), False),           # ours 671.03B / 36.62B
+    "gpt-oss-120b": ((116.83e9, 0.005e9), (5.13e9, 0.005e9), False),
 }
 
 
@@ -59,9 +66,10 @@ def test_published_parameter_count(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_mixture_of_experts_published_parameters(name: str) -> None:
     m = _read(_cfg(name))
-    (total, tol), (active, atol) = MOE[name]
+    (total, tol), (active, atol), with_embedding = MOE[name]
     assert m.param_count() == pytest.approx(total, abs=tol)
-    assert m.active_param_count() == pytest.approx(active, abs=atol)
+    table = m.vocab * m.hidden
+    assert m.active_param_count() - (0 if with_embedding else table) == pytest.approx(active, abs=atol)
     assert symbolic_param_count(m) == m.param_count() + m.mtp_param_count()
 
 
@@ -77,6 +85,15 @@ def test_moe_families_read_key_by_key() -> None:
     qwen = _cfg("Qwen3-30B-A3B")
     qwen.update(decoder_sparse_step=2, mlp_only_layers=[1])
     assert _read(qwen).moe_layers()[:6] == (False, False, False, True, False, True)
+    q15 = _read(_cfg("Qwen1.5-MoE-A2.7B"))     # a gated shared expert beside 60 routed ones, QKV bias
+    assert (q15.num_experts, q15.moe_router_topk, q15.expert_ffn, q15.moe_shared_expert_intermediate_size) == \
+        (60, 4, 1408, 5632)
+    assert q15.moe_shared_expert_gate and q15.add_qkv_bias and all(q15.moe_layers())
+    for name, q_lora, experts, shared in (("DeepSeek-V2", 1536, 160, 2 * 1536), ("DeepSeek-V2-Lite", None, 64, 2 * 1408)):
+        v2 = _read(_cfg(name))                  # V2-Lite projects queries directly (no q_lora_rank)
+        assert v2.multi_latent_attention and v2.q_lora_rank == q_lora and v2.mtp_num_layers == 0
+        assert (v2.num_experts, v2.moe_router_topk, v2.moe_shared_expert_intermediate_size) == (experts, 6, shared)
+        assert v2.moe_layers()[0] is False and all(v2.moe_layers()[1:])
 
 
 def test_moe_family_without_a_reader_is_named(tmp_path) -> None:

@@ -259,3 +259,313 @@ def test_cli_decode_and_prefill(run_cli, tmp_path) -> None:
 def test_cli_inference_errors(run_cli, args, message) -> None:
     code, out, err = run_cli("simulate", "--model", "llama3-8b", *args)
     assert code == 2 and err.startswith(message), err
+
+
+# -- multi-latent attention: the latent cache ---------------------------------------------------------
+
+def _deepseek_v3_like():
+    """DeepSeek-V3's attention (128 heads, kv_lora_rank 512, qk_rope_head_dim 64, q_lora_rank
+    1536), three dense layers and one with its 256 experts."""
+    from stage_cosim.model import get_preset
+
+    return get_preset("deepseek-v3").with_overrides(layers=4)
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype,nbytes", [("bf16", 2), ("fp8", 1)])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (8, 2)])
+def test_mla_kv_cache_bytes_per_token(phase, dtype, nbytes, tp, pp) -> None:
+    """Multi-latent attention caches the normalized key/value latent and the rotary key of every
+    token, kv_lora_rank + qk_pos_emb_head_dim values per layer, shared by all heads: what tensor
+    parallelism does not split (each tp rank holds the whole latent); the pipeline splits the
+    layers."""
+    m = _deepseek_v3_like()
+    B, C = 2, 512
+    inf = InferenceConfig(phase, batch=B, context_len=C, input_len=C, kv_cache_dtype=dtype, micro_batch=B)
+    w = synthesize(m, ParallelConfig(tp=tp, pp=pp), inference=inf)
+    per_token = (m.layers // pp) * (m.kv_lora_rank + m.qk_pos_emb_head_dim) * nbytes
+    for s in range(pp):
+        assert w.kv_cache_bytes_per_token(s) == per_token
+        assert w.memory(s).kv_cache == B * C * per_token
+
+
+def _mla_layer_params(m, i: int) -> int:
+    """GEMM weights a token multiplies in layer ``i`` of a DeepSeek-like model: the latent
+    attention's projections (the key/value up-projection whole, absorbed or not), the dense MLP
+    or the router, top-k routed experts and the shared expert."""
+    h, g = m.hidden, m.heads
+    qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    attention = (h * m.q_lora_rank + m.q_lora_rank * g * qk + h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+                 + m.kv_lora_rank * g * (m.qk_head_dim + m.v_head_dim) + g * m.v_head_dim * h)
+    if not m.is_moe_layer(i):
+        return attention + 3 * h * m.ffn
+    return (attention + h * m.num_experts + m.moe_router_topk * 3 * h * m.expert_ffn
+            + 3 * h * m.moe_shared_expert_intermediate_size)
+
+
+def test_mla_decode_and_prefill_flops() -> None:
+    """Decode runs latent attention absorbed: each head scores its query against the latent and
+    rotary key of every cached token (kv_lora_rank + qk_pos_emb_head_dim) and sums the latents
+    (kv_lora_rank), 2 * heads * (2 * kv_lora_rank + qk_pos_emb_head_dim) FLOPs per cached token;
+    a prefill expands the latents (the up-projection over every cached token, here the prompt)
+    and attends with the heads' own dimensions. The GEMMs are 2 * params per token either way."""
+    from tests.test_moe import TINY_MLA as m
+
+    B, C, S = 4, 1000, 300
+    gemms = sum(_mla_layer_params(m, i) for i in range(m.layers))
+    heads, lkv, rope = m.heads, m.kv_lora_rank, m.qk_pos_emb_head_dim
+    logits = 2 * m.vocab * m.hidden
+    w = synthesize(m, ParallelConfig(), inference=InferenceConfig("decode", batch=B, context_len=C))
+    attention = 2 * heads * (2 * lkv + rope) * C * m.layers
+    assert w.total_model_flops() == w.total_matmul_flops() == B * (2 * gemms + logits + attention)
+    w = synthesize(m, ParallelConfig(), inference=InferenceConfig("prefill", batch=B, input_len=S))
+    pairs = S * (S + 1) // 2
+    attention = 2 * heads * (m.qk_head_dim + rope + m.v_head_dim) * pairs * m.layers
+    assert w.total_model_flops() == w.total_matmul_flops() == B * (2 * gemms * S + logits + attention)
+
+
+# -- attention data parallelism -------------------------------------------------------------------------
+
+def _tiny_moe():
+    from tests.test_moe import TINY
+
+    return TINY.with_overrides(layers=2)
+
+
+def test_independent_replicas_keep_the_experts_inside_one(run_cli) -> None:
+    """Without attention data parallelism every dp replica is a model instance of its own: its
+    expert-parallel groups are inside its tensor-parallel ranks, and an expert mesh that would
+    span replicas is refused, pointing at --attention-dp."""
+    m = _tiny_moe()
+    w = synthesize(m, ParallelConfig(dp=2, tp=2, ep=2, expert_tp=1), inference=InferenceConfig("decode", batch=8))
+    assert w.meshes["expert"].groups(("ep",)) == [[0, 1], [2, 3]] == w.mesh.groups(("tp",))
+    with pytest.raises(UserError) as exc:
+        synthesize(m, ParallelConfig(dp=2, tp=2, ep=4, expert_tp=1), inference=InferenceConfig("decode", batch=8))
+    assert exc.value.parameter == "ep" and "--attention-dp" in exc.value.rule
+    # (the expert mesh takes a stage's ranks innermost first: dp innermost would mix replicas)
+    with pytest.raises(UserError) as exc:
+        synthesize(m, ParallelConfig(dp=2, tp=2, ep=2, expert_tp=1, axis_order=("dp", "tp", "cp", "pp")),
+                   inference=InferenceConfig("decode", batch=8))
+    assert exc.value.parameter == "axis-order"
+    code, _, err = run_cli("simulate", "--model", "mixtral-8x7b", "--layers", "2", "--phase", "decode", "--batch", "8",
+                           "--dp", "8", "--ep", "8", "--cluster", "dgx-h100:8")
+    assert code == 2 and err.startswith("error: ep: expert-tp*ep = 1*8 must divide tp = 1") and "--attention-dp" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("dp,tp,ep", [(4, 1, 4), (8, 1, 8), (2, 2, 4), (4, 2, 8)])
+def test_attention_dp_shares_the_experts_over_every_rank(dp, tp, ep) -> None:
+    """With attention data parallelism each dp rank decodes its own requests and the expert mesh
+    spans the dp ranks: each rank holds num_experts / ep experts, and per MoE layer the dispatch
+    and the combine each move the rank's tokens * top-k * hidden * 2 bytes (all-to-all over ep;
+    tokens replicated over tp are split over its ranks first and gathered after)."""
+    m = _tiny_moe()
+    B = 4 * dp                                              # 4 requests per dp rank
+    w = synthesize(m, ParallelConfig(dp=dp, tp=tp, ep=ep, expert_tp=1),
+                   inference=InferenceConfig("decode", batch=B, context_len=300, attention_dp=True))
+    groups = w.meshes["expert"].groups(("ep",))
+    assert all(len(g) == ep for g in groups) and len(groups) == dp * tp // ep
+    assert len({w.mesh.coord(r, "dp") for r in groups[0]}) == ep // tp      # the groups span dp ranks
+    tokens = 4 // tp                                         # this rank's share of its replica's tokens
+    a2a = [n for n in w.role(0).nodes if n.type == COLL and n.coll.value == "ALL_TO_ALL"]
+    moe_layers = sum(m.moe_layers())
+    assert len(a2a) == 2 * moe_layers and all(n.group == "ep" for n in a2a)
+    assert all(n.comm_bytes == tokens * m.moe_router_topk * m.hidden * 2 for n in a2a)
+    expert = 3 * m.hidden * m.expert_ffn * 2                 # one expert's bf16 weights
+    dense = synthesize(m, ParallelConfig(dp=dp, tp=tp, expert_tp=1),
+                       inference=InferenceConfig("decode", batch=B, context_len=300))
+    assert dense.memory(0).weights - w.memory(0).weights == moe_layers * (m.num_experts - m.num_experts // ep) * expert
+
+
+def test_attention_dp_errors(run_cli, llama_small) -> None:
+    with pytest.raises(UserError) as exc:
+        synthesize(llama_small, ParallelConfig(dp=2), inference=InferenceConfig("decode", batch=2, attention_dp=True))
+    assert exc.value.parameter == "attention-dp"
+    for args, message in [
+        (("--model", "llama3-8b", "--phase", "decode", "--attention-dp", "--dp", "2", "--batch", "2"),
+         "error: attention-dp: shares the experts between the dp ranks' attention; llama3-8b has no experts"),
+        (("--model", "mixtral-8x7b", "--layers", "2", "--attention-dp", "--dp", "2", "--ep", "2"),
+         "error: attention-dp: is an inference option"),
+    ]:
+        code, _, err = run_cli("simulate", *args, "--cluster", "dgx-h100:2")
+        assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_reports_attention_dp(run_cli) -> None:
+    import json
+
+    code, out, err = run_cli("simulate", "--model", "mixtral-8x7b", "--layers", "2", "--phase", "decode", "--batch",
+                             "16", "--dp", "8", "--ep", "8", "--attention-dp", "--json", "--cluster", "dgx-h100:8")
+    assert code == 0, err
+    inf = json.loads(out)["inference"]
+    assert inf["attention_dp"] is True and inf["requests_per_replica"] == 2
+
+
+# -- weight precision -------------------------------------------------------------------------------------
+
+def _decode(m, par, batch: int, context: int, weight_dtype: str, micro_batch: int | None = None):
+    return synthesize(m, par, inference=InferenceConfig("decode", batch=batch, context_len=context,
+                                                        weight_dtype=weight_dtype, micro_batch=micro_batch))
+
+
+@pytest.mark.parametrize("weight_dtype,per_param", [("bf16", 2), ("fp8", 1), ("int4", 0.5 + 2 / 128)])
+@pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (1, 2, 1), (2, 2, 2)])
+def test_decode_weights_as_stored(llama_small, weight_dtype, per_param, dp, tp, pp) -> None:
+    """The layers' GEMM weights are stored (and read once per micro-batch) at 2 bytes per
+    parameter in bf16, 1 in fp8, 1/2 + 2/128 in int4 (a 4-bit weight and an fp16 scale per
+    group of 128); the norms, the embedding and the output layer stay bf16. A decode step reads
+    each weight once and the KV cache once: bytes_read = GEMM params * per_param + the rest in
+    bf16 + the KV cache, over every rank; and per rank 2 bytes(1) - bytes(2) is its weights."""
+    m = llama_small
+    par = ParallelConfig(dp=dp, tp=tp, pp=pp)
+    V = par.padded_vocab(m.vocab)
+    gemms = m.layers * _layer_params(m)
+    bf16 = 2 * (V * m.hidden + V * m.hidden + (2 * m.layers + 1) * m.hidden * tp)     # embedding, output, norms
+    B, C = 8 * dp, 700
+    w = _decode(m, par, B, C, weight_dtype)
+    kv = B * C * 2 * m.layers * m.kv_heads * m.head_dim * 2
+    s = step_summary(w, resolve_cluster("dgx-h100", par.world_size), 1.0)
+    assert s["bytes_read"] == pytest.approx((gemms * per_param + bf16) * dp * w.parallel.num_microbatches + kv, rel=1e-12)
+    assert s["weight_dtype"] == weight_dtype
+    # the first stage: the embedding and its layers (and with pp = 1 the final norm and output layer)
+    layers = m.layers // pp
+    first = layers * _layer_params(m) // tp * per_param + 2 * (V * m.hidden // tp + 2 * layers * m.hidden)
+    assert w.memory(0).weights == pytest.approx(first + (2 * (V * m.hidden // tp + m.hidden) if pp == 1 else 0), abs=1)
+
+    def step(batch_per_replica: int) -> int:
+        return _bytes_per_rank(_decode(m, par, dp * batch_per_replica, 512, weight_dtype, batch_per_replica))
+
+    # (fp8: each GEMM's per-tensor scale, written by its amax kernel and read by its cast)
+    scales = 4 * m.layers * 2 * 4 if weight_dtype == "fp8" else 0
+    read = gemms // tp * per_param + 2 * (V * m.hidden // tp + (2 * m.layers + 1) * m.hidden) + scales
+    assert 2 * step(1) - step(2) == pytest.approx(read, abs=pp)
+
+
+def test_fp8_weights_run_fp8_gemms_with_dynamic_activation_scales(llama_small) -> None:
+    """W8A8: every GEMM of a layer runs in FP8 reading the FP8 weight as stored (no cast of its
+    own, no transposed copy: there is no backward) and its input quantized per tensor as it
+    comes, an amax pass and a cast (memory-bound kernels of their own); embedding, logits and
+    attention stay BF16; FP8 GEMMs run at the FP8 peak and the result reports MFU against it."""
+    m = llama_small
+    w = _decode(m, ParallelConfig(tp=2), 8, 1000, "fp8")
+    nodes = [n for n in w.role(0).nodes if n.type == COMP]
+    layer0 = [n for n in nodes if n.block == "layer0"]
+    gemms = [n for n in layer0 if n.category == "einsum"]
+    assert [n.name.split(".", 1)[1] for n in gemms] == ["qkv", "proj", "fc1", "fc2"]
+    assert all(n.matmul == "fp8" for n in gemms)
+    assert [n.category for n in layer0].count("quantize") == 4 == [n.category for n in layer0].count("amax")
+    assert not any(n.category == "transpose" for n in nodes)
+    assert {n.matmul for n in nodes if n.block in ("embedding", "head") and n.matmul} <= {"bf16"}
+    assert next(n for n in layer0 if n.category == "attention").matmul == "bf16"
+    # an FP8 GEMM's input: its bf16 activation read, the fp8 copy written (a scale per tensor)
+    x = 8 * m.hidden
+    quantize = next(n for n in layer0 if n.category == "quantize")
+    assert quantize.mem_bytes == x * 2 + x * 1 + 4
+    from stage_cosim.adapters.roofline.simulate import simulate
+
+    cluster = resolve_cluster("dgx-h100:2")
+    r = simulate(w, cluster)[0]
+    assert r.mfu_fp8 == pytest.approx(r.mfu * cluster.gpu.bf16_tflops / cluster.gpu.fp8_tflops)
+    assert r.precision["dtype"] == "fp8" and r.precision["recipe"] == "tensorwise"
+
+
+def test_int4_dequantizes_in_the_gemm(llama_small) -> None:
+    """W4A16: BF16 GEMMs read the packed weights and dequantize them in the kernel (3 FLOPs per
+    weight, executed, not model FLOPs): no kernel of their own."""
+    m = llama_small
+    B = 4
+    w = _decode(m, ParallelConfig(tp=2), B, 1000, "int4")
+    bf16 = _decode(m, ParallelConfig(tp=2), B, 1000, "bf16")
+    assert [n.category for n in w.role(0).nodes] == [n.category for n in bf16.role(0).nodes]
+    assert w.total_model_flops() == bf16.total_model_flops()
+    assert w.total_matmul_flops() - bf16.total_matmul_flops() == 3 * m.layers * _layer_params(m)
+
+
+def test_weight_dtype_errors(run_cli) -> None:
+    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--phase", "decode", "--weight-dtype",
+                           "fp8", "--cluster", "dgx-a100:1")
+    assert code == 2 and err.startswith("error: weight-dtype: fp8 needs FP8 tensor cores; A100") and \
+        len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--weight-dtype", "int4")
+    assert code == 2 and err.startswith("error: weight-dtype: is an inference option")
+    with pytest.raises(UserError) as exc:
+        InferenceConfig("decode", weight_dtype="int8")
+    assert exc.value.parameter == "weight-dtype"
+
+
+def test_cli_reports_the_weight_dtype(run_cli) -> None:
+    import json
+
+    reads = {}
+    for dtype in ("bf16", "fp8", "int4"):
+        code, out, err = run_cli("simulate", "--model", "llama3-8b", "--tp", "2", "--phase", "decode", "--batch", "8",
+                                 "--context-len", "1000", "--weight-dtype", dtype, "--json")
+        assert code == 0, err
+        r = json.loads(out)
+        assert r["inference"]["weight_dtype"] == dtype
+        reads[dtype] = (r["inference"]["bytes_read"], r["step_time_s"])
+    assert reads["int4"][0] < reads["fp8"][0] < reads["bf16"][0]
+    assert reads["int4"][1] < reads["fp8"][1] < reads["bf16"][1]     # a decode step is memory-bound
+
+
+# -- context parallelism for long prompts -------------------------------------------------------------
+
+@pytest.mark.parametrize("cp_comm", ["p2p", "all-gather", "a2a"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_prefill_flops_sum_to_the_cp1_total(llama_small, cp, cp_comm) -> None:
+    """The prompts are sharded over cp (load-balanced chunks): the model FLOPs summed over every
+    rank are the cp = 1 closed form; executed, only the last tokens' logits repeat on each cp
+    rank (the head samples after the sequence is gone)."""
+    m = llama_small
+    par = ParallelConfig(dp=2, cp=cp, cp_comm=cp_comm)
+    B, S = 4, 1024
+    w = synthesize(m, par, inference=InferenceConfig("prefill", batch=B, input_len=S))
+    V = par.padded_vocab(m.vocab)
+    expected = _prefill_matmul_flops(m, V, B, S)
+    assert w.total_model_flops() == expected
+    assert w.total_matmul_flops() == expected + (cp - 1) * 2 * V * m.hidden * B
+    # each cp rank caches its own tokens
+    per_token = 2 * m.layers * m.kv_heads * m.head_dim * 2
+    assert w.memory(0).kv_cache == (B // 2) * S // cp * per_token
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2), (1, 4), (2, 4)])
+def test_cp_prefill_ring_bytes(llama_small, tp, cp) -> None:
+    """Ring attention in the forward only: per layer a rank sends cp - 1 chunks of its cached
+    keys and values, (cp - 1) * 2 * b * (S / cp) * (kv_heads / tp) * head_dim * bytes, and
+    receives as many; nothing else of the layer goes over cp."""
+    from stage_cosim.schedule.program import RECV, SEND
+
+    m = llama_small
+    b, S = 2, 2048
+    for dtype, nbytes in (("bf16", 2), ("fp8", 1)):
+        w = synthesize(m, ParallelConfig(tp=tp, cp=cp),
+                       inference=InferenceConfig("prefill", batch=b, input_len=S, kv_cache_dtype=dtype))
+        layer = [n for n in w.role(0).nodes if n.block == "layer0"]
+        ring = (cp - 1) * 2 * b * (S // cp) * (m.kv_heads // tp) * m.head_dim * nbytes
+        assert sum(n.comm_bytes for n in layer if n.type == SEND) == ring
+        assert sum(n.comm_bytes for n in layer if n.type == RECV) == ring
+        assert not any(n.type == COLL and n.group == "cp" for n in layer)
+        assert all(n.phase == "fwd" for n in w.role(0).nodes)
+
+
+def test_cp_prefill_with_latent_attention() -> None:
+    """A DeepSeek-like prefill over cp: each rank caches the latents of its own tokens and
+    expands them; the model FLOPs are those of cp = 1."""
+    from tests.test_moe import TINY_MLA as m
+
+    B, S = 2, 512
+    one = synthesize(m, ParallelConfig(), inference=InferenceConfig("prefill", batch=B, input_len=S))
+    w = synthesize(m, ParallelConfig(cp=2), inference=InferenceConfig("prefill", batch=B, input_len=S))
+    assert w.total_model_flops() == one.total_model_flops()
+    assert w.memory(0).kv_cache == one.memory(0).kv_cache // 2 == B * S // 2 * m.layers * (m.kv_lora_rank + m.qk_pos_emb_head_dim) * 2
+
+
+def test_cp_prefill_errors(run_cli) -> None:
+    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--phase", "prefill", "--cp", "4",
+                           "--input-len", "1020", "--cluster", "dgx-h100:4")
+    assert code == 2 and err.startswith("error: input-len: must be divisible by 2*cp = 8"), err
+    code, out, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--phase", "prefill", "--cp", "4",
+                             "--input-len", "32768", "--cluster", "dgx-h100:4")
+    assert code == 0, err
+    assert "cp4(p2p)" in out

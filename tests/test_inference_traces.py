@@ -25,11 +25,38 @@ CASES = {
     "prefill tp2 pp2 dp2": (dict(dp=2, tp=2, pp=2), InferenceConfig("prefill", batch=8, input_len=1024)),
     "decode tp8": (dict(tp=8), InferenceConfig("decode", batch=32, context_len=8192, kv_cache_dtype="fp8")),
     "prefill pp4 dp2": (dict(dp=2, pp=4), InferenceConfig("prefill", batch=8, input_len=512)),
+    # weights in FP8 (W8A8) and int4 (W4A16)
+    "decode fp8 weights tp2 pp2 dp2": (dict(dp=2, tp=2, pp=2),
+                                       InferenceConfig("decode", batch=8, context_len=2048, weight_dtype="fp8")),
+    "prefill fp8 weights tp4 dp2": (dict(dp=2, tp=4), InferenceConfig("prefill", batch=4, input_len=1024,
+                                                                      weight_dtype="fp8")),
+    "decode int4 weights tp4 pp2": (dict(tp=4, pp=2), InferenceConfig("decode", batch=16, context_len=4096,
+                                                                      weight_dtype="int4")),
+    # context parallelism for long prompts: the ring, the all-gather, the all-to-alls within a ring
+    "prefill cp4 tp2 p2p": (dict(tp=2, cp=4), InferenceConfig("prefill", batch=2, input_len=16384)),
+    "prefill cp2 dp2 pp2 all-gather fp8 weights": (dict(cp=2, dp=2, pp=2, cp_comm="all-gather"),
+                                                   InferenceConfig("prefill", batch=4, input_len=8192,
+                                                                   weight_dtype="fp8")),
+    "prefill cp4 tp2 a2a+p2p": (dict(tp=2, cp=4, cp_comm="a2a+p2p", cp_a2a_size=2),
+                                InferenceConfig("prefill", batch=1, input_len=16384)),
+    # experts: independent replicas (experts inside tp), attention data parallelism (over dp)
+    "decode mixtral tp8 ep8": (dict(tp=8, ep=8, expert_tp=1), InferenceConfig("decode", batch=16, context_len=2048),
+                               "mixtral-8x7b"),
+    "decode mixtral attention-dp dp8 ep8": (dict(dp=8, ep=8),
+                                            InferenceConfig("decode", batch=64, context_len=2048, attention_dp=True),
+                                            "mixtral-8x7b"),
+    # latent attention: absorbed decode, expanded prefill, the latent cache
+    "decode deepseek attention-dp dp4 tp2 ep8 fp8": (dict(dp=4, tp=2, ep=8, expert_tp=1),
+                                                     InferenceConfig("decode", batch=32, context_len=4096,
+                                                                     attention_dp=True, weight_dtype="fp8"),
+                                                     "deepseek-v3"),
+    "prefill deepseek tp8 int4": (dict(tp=8), InferenceConfig("prefill", batch=2, input_len=2048, weight_dtype="int4"),
+                                  "deepseek-v3"),
 }
 
 
-def _workload(kw, inf):
-    model = get_preset("llama3-8b").with_overrides(layers=8)
+def _workload(kw, inf, preset: str = "llama3-8b"):
+    model = get_preset(preset).with_overrides(layers=4 if preset == "deepseek-v3" else 8)
     return synthesize(model, ParallelConfig(**kw), inference=inf), resolve_cluster("dgx-h100:8")
 
 

@@ -3,6 +3,7 @@ against closed forms worked out here, for many factorizations of the same ranks.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -78,7 +79,7 @@ def test_moe_model_flops_are_six_active_params_per_token(dp, tp, pp, ep, etp, sp
         if pp > m.layers:
             continue
         par = ParallelConfig(dp=dp, tp=tp, pp=pp, ep=ep, expert_tp=etp, sp=sp, micro_batch=1, global_batch=gb,
-                             seq_len=SEQ, moe_imbalance=1.5)
+                             seq_len=SEQ, moe_imbalance=1.5 if ep > 1 else 1.0)   # (one expert rank: balanced)
         w = synthesize(m, par)
         expect = 6 * _gemm_params_per_token(m) * gb * SEQ + _attention_flops(m, gb)
         assert w.total_model_flops() == pytest.approx(expect, rel=1e-9), m.name
@@ -174,6 +175,10 @@ def test_model_states_and_routed_activations_of_a_small_case() -> None:
     (dict(dp=16, ep=16), "ep", "must divide num-experts (8)"),
     (dict(dp=4, tp=2, ep=2), "sp", "sequence parallelism is required"),
     (dict(dp=4, tp=2, ep=4, expert_tp=4, sp=True), "ep", "must divide tp*cp*dp"),
+    # expert-tp alone cannot divide tp*cp*dp = 4: it is the flag to blame
+    (dict(dp=2, tp=2, expert_tp=3, sp=True), "expert-tp", "expert-tp*ep = 3*1 must divide tp*cp*dp = 2*1*2"),
+    (dict(dp=2, tp=2, ep=2, expert_tp=8, sp=True), "expert-tp", "must divide tp*cp*dp"),
+    (dict(dp=2, cp=2, ep=8), "ep", "expert-tp*ep = 1*8 must divide tp*cp*dp = 1*2*2"),
 ])
 def test_expert_layout_errors(kw, parameter, needle) -> None:
     with pytest.raises(UserError) as exc:
@@ -227,3 +232,161 @@ def test_real_astra_sim_runs_moe_exports(tmp_path: Path) -> None:
     ours = simulate(w, cluster, "astra")[0]
     assert len(real.config["astra_sim"]["per_rank_finished_ns"]) == 16
     assert ours.step_time_s == pytest.approx(real.step_time_s, rel=0.01)
+
+
+# -- load imbalance: what routing can do ------------------------------------------------------
+
+def _busiest_rank_bound(num_experts: int, topk: int, ep: int) -> float:
+    """By enumeration: a token picks topk distinct experts; the most copies of it one expert
+    rank (experts [0, E/ep)) can receive, over its mean share topk/ep. Every token routing
+    that way is the worst case for the whole batch."""
+    local = set(range(num_experts // ep))
+    most = max(len(local & set(c)) for c in itertools.combinations(range(num_experts), topk))
+    return most / (topk / ep)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 8])
+def test_imbalance_is_bounded_by_what_routing_can_do(ep) -> None:
+    """--moe-imbalance is at most ep * min(topk, E/ep) / topk (1 with one expert rank): the
+    bound is accepted, anything above it refused in one line that states it."""
+    for m in (TINY, TINY.with_overrides(num_experts=16, moe_router_topk=6)):
+        bound = _busiest_rank_bound(m.num_experts, m.moe_router_topk, ep)
+        base = dict(dp=8, ep=ep, micro_batch=1, global_batch=8, seq_len=SEQ)
+        ParallelConfig(**base, moe_imbalance=bound).check_against(m)
+        with pytest.raises(UserError) as exc:
+            ParallelConfig(**base, moe_imbalance=bound * 1.01).check_against(m)
+        assert exc.value.parameter == "moe-imbalance"
+        assert f"ep*min(topk, num-experts/ep)/topk = {ep}*min(" in exc.value.rule and f"= {bound:g} " in exc.value.rule
+        assert ("with ep 1" in exc.value.rule) == (ep == 1)
+    assert TINY.moe_router_topk == 2 and _busiest_rank_bound(8, 2, 8) == 4     # one expert per rank: 8 * 1/2
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.5, True])
+def test_imbalance_must_be_a_finite_number_of_at_least_one(value) -> None:
+    with pytest.raises(UserError) as exc:
+        ParallelConfig(dp=8, ep=8, moe_imbalance=value)
+    assert exc.value.parameter == "moe-imbalance" and "finite number >= 1" in exc.value.rule
+
+
+def test_dense_model_refuses_an_imbalance() -> None:
+    with pytest.raises(UserError) as exc:
+        synthesize(PRESETS["llama3-8b"].with_overrides(layers=2), ParallelConfig(dp=4, moe_imbalance=1.5, seq_len=SEQ))
+    assert exc.value.parameter == "moe-imbalance" and "needs a Mixture-of-Experts model" in exc.value.rule
+
+
+@pytest.mark.parametrize("args, parameter", [
+    (("--moe-imbalance", "inf", "--ep", "2", "--dp", "2"), "moe-imbalance"),
+    (("--moe-imbalance", "1e300", "--ep", "2", "--dp", "2"), "moe-imbalance"),     # above the bound (2)
+    (("--moe-imbalance", "9", "--ep", "2", "--dp", "2"), "moe-imbalance"),
+    (("--moe-imbalance", "1.5", "--dp", "2"), "moe-imbalance"),                    # ep 1
+    (("--moe-capacity-factor", "inf", "--moe-pad-to-capacity", "--ep", "2", "--dp", "2"), "moe-capacity-factor"),
+    (("--expert-tp", "3", "--tp", "2", "--dp", "2", "--sp"), "expert-tp"),
+])
+def test_cli_refuses_impossible_expert_settings_in_one_line(run_cli, args, parameter) -> None:
+    code, out, err = run_cli("simulate", "--model", "mixtral-8x7b", "--layers", "2", "--seq-len", "512",
+                             "--cluster", "dgx-h100:2", *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {parameter}: ")
+
+
+# -- costs: grouped GEMMs, all-to-all, the shared experts' overlap ------------------------------
+
+def _fwd_node(w, name: str, micro_batch: int = 0):
+    return next(n for n in _nodes(w) if n.name == name and n.phase == "fwd" and n.micro_batch == micro_batch)
+
+
+def _replayed(w, cluster):
+    """Every node's (start, end) on stage 0 in the exact replay."""
+    from stage_cosim.adapters.roofline.simulate import simulate
+
+    _, rep, _ = simulate(w, cluster, exact=True)
+    return {i: (rep.start[0][i], rep.end[0][i]) for i in range(len(rep.start[0]))}
+
+
+def test_grouped_gemm_efficiency_falls_off_for_small_experts() -> None:
+    """The experts' fc1 is one grouped GEMM of the rank's E/ep experts, each a GEMM of
+    (tokens per expert) x h x 2f; it runs at the efficiency of that per-expert shape:
+    t = max(FLOPs / (peak * eff * Fe / (Fe + half)), bytes / (HBM * mem_eff)) + overhead.
+    Cutting the same expert FLOPs into 4x as many 4x smaller experts (topk 4x, f / 4) is slower
+    by the curve's ratio."""
+    from stage_cosim.hardware import resolve_cluster
+
+    cluster = resolve_cluster("dgx-h100:4")
+    g = cluster.gpu
+    h, seq, ep = 1024, 1024, 4
+    times = {}
+    for e, k, f in ((8, 2, 1024), (32, 8, 256)):
+        m = ModelConfig.build("grouped", "llama", layers=1, hidden=h, ffn=4096, heads=8, kv_heads=8, vocab=1024,
+                              max_seq=4096, num_experts=e, moe_router_topk=k, moe_ffn_hidden_size=f)
+        w = synthesize(m, ParallelConfig(dp=4, ep=ep, micro_batch=1, global_batch=4, seq_len=seq))
+        fc1 = _fwd_node(w, "layer0.experts.fc1")
+        local, copies = e // ep, seq * k                  # balanced: the rank receives seq * k copies
+        per_expert = copies // local
+        fe = 2 * per_expert * h * 2 * f                   # gate and up projections of one expert
+        assert (fc1.groups, fc1.flops) == (local, local * fe)
+        nbytes = 2 * (copies * h + local * h * 2 * f + copies * 2 * f)     # bf16 tokens in, weights, out
+        t_flops = local * fe / (g.bf16_tflops * 1e12 * g.matmul_efficiency * fe / (fe + g.matmul_half_flops))
+        t_mem = nbytes / (g.hbm_GBps * 1e9 * g.memory_efficiency)
+        assert t_flops > t_mem                            # compute-bound: the curve sets the time
+        start, end = _replayed(w, cluster)[fc1.id]
+        assert end - start == pytest.approx(t_flops + g.kernel_overhead_us * 1e-6, rel=1e-9)
+        times[e] = (end - start, fe)
+    (coarse, fe_c), (fine, fe_f) = times[8], times[32]
+    curve = (fe_f + g.matmul_half_flops) / fe_f * fe_c / (fe_c + g.matmul_half_flops)
+    overhead = g.kernel_overhead_us * 1e-6
+    assert fine > coarse and (fine - overhead) / (coarse - overhead) == pytest.approx(curve, rel=1e-9)
+
+
+@pytest.mark.parametrize("gpus, ep", [(8, 8), (16, 16), (16, 4)])
+def test_all_to_all_costs_nvlink_inside_a_node_and_the_nic_across(gpus, ep) -> None:
+    """NCCL's all-to-all: each rank sends 1/n of its buffer to every peer; the m - 1 peers in
+    its node over NVLink, the n - m others over the NIC, the slower side sets the time:
+    max((m - 1) (B/n / bw_nvlink + lat_nvlink), (n - m) B/n / bw_nic + lat_nic [if it spans nodes]).
+    B: the rank's routed copies at the busiest rank's load (here 1.5)."""
+    from stage_cosim.hardware import resolve_cluster
+
+    cluster = resolve_cluster(f"dgx-h100:{gpus}")
+    g, up, out = cluster.gpu, cluster.scale_up, cluster.scale_out
+    m = TINY.with_overrides(layers=1, num_experts=16)
+    # ep innermost over dp: with 16 GPUs and ep 4 the groups stay in a node; ep 16 spans two
+    w = synthesize(m, ParallelConfig(dp=gpus, ep=ep, micro_batch=1, global_batch=gpus, seq_len=SEQ,
+                                     moe_imbalance=1.5))
+    a2a = _fwd_node(w, "layer0.dispatch.a2a_ep")
+    nbytes = 1.5 * SEQ * m.moe_router_topk * m.hidden * 2
+    assert a2a.comm_bytes == nbytes
+    per_node = min(ep, 8)
+    nvlink = (per_node - 1) * (nbytes / ep / (up.bandwidth_GBps * 1e9 * g.scale_up_efficiency) + up.latency_ns * 1e-9)
+    nic = 0.0
+    if ep > per_node:
+        bw_nic = out.bandwidth_GBps / out.oversubscription * 1e9 * g.scale_out_efficiency
+        nic = (ep - per_node) * nbytes / ep / bw_nic + out.latency_ns * 1e-9
+    start, end = _replayed(w, cluster)[a2a.id]
+    assert end - start == pytest.approx(max(nvlink, nic), rel=1e-12)
+    assert ep <= per_node or nic > nvlink           # across nodes the NIC is the bottleneck
+
+
+def test_shared_experts_compute_while_the_dispatch_is_in_flight() -> None:
+    """--moe-shared-expert-overlap: in the replayed timeline the shared experts' three kernels
+    run inside the dispatch all-to-all (here longer than them: it crosses two nodes), and the
+    step is shorter by exactly their time, once per MoE layer and micro-batch."""
+    from stage_cosim.adapters.roofline.compute import ComputeModel
+    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.hardware import resolve_cluster
+
+    cluster = resolve_cluster("dgx-h100:16")
+    par = ParallelConfig(dp=16, ep=16, micro_batch=1, global_batch=32, seq_len=SEQ)      # 2 micro-batches
+    steps, kernels = {}, None
+    for overlap in (False, True):
+        m = TINY_MLA.with_overrides(mtp_num_layers=0, num_experts=16, moe_shared_expert_overlap=overlap)
+        w = synthesize(m, par)
+        times = _replayed(w, cluster)
+        steps[overlap] = (simulate(w, cluster, exact=True)[0].step_time_s, simulate(w, cluster)[0].step_time_s)
+        shared = [_fwd_node(w, f"layer1.shared_experts.{k}") for k in ("fc1", "swiglu", "fc2")]
+        a2a = times[_fwd_node(w, "layer1.dispatch.a2a_ep").id]
+        inside = a2a[0] <= times[shared[0].id][0] and times[shared[-1].id][1] <= a2a[1]
+        assert inside == overlap
+        kernels = sum(ComputeModel(cluster.gpu).node_duration_s(n) for n in shared)
+        assert kernels < a2a[1] - a2a[0]
+    moe_layers, micro_batches = sum(TINY_MLA.moe_layers()), par.num_microbatches
+    for exact in (0, 1):          # the full replay and the fast path agree
+        saved = steps[False][exact] - steps[True][exact]
+        assert saved == pytest.approx(moe_layers * micro_batches * kernels, rel=1e-9)

@@ -66,7 +66,7 @@ def test_cache_never_simulates_twice(monkeypatch) -> None:
     real = runner.run_job
 
     def counting(job):
-        seen.append(json.dumps(job[3], sort_keys=True))
+        seen.append(json.dumps(job[4], sort_keys=True))   # (evaluate, model, cluster, parallel, point, …)
         return real(job)
 
     monkeypatch.setattr(runner, "run_job", counting)
@@ -199,14 +199,34 @@ def test_seeded_local_search_improves_on_its_seed(exhaustive) -> None:
 
 def test_expert_parallelism_is_searched_with_its_rules() -> None:
     """ep and expert_tp are dimensions of a MoE model's space; the layout rules count as reasons;
-    differential evolution finds the exhaustive optimum."""
+    cp folds into the ranks the experts re-factor (tp*cp*dp), as in ParallelConfig; differential
+    evolution finds the exhaustive optimum."""
     moe = get_preset("mixtral-8x7b").with_overrides(layers=4, hidden=1024, ffn=2048, heads=8, kv_heads=8)
     space = default_space(moe, CLUSTER, 32, 1024, overrides={"vp": (1,), "zero": (1,), "recompute": ("none",),
-                                                             "micro_batch": (1,), "sp": (True,), "pp": (1, 2)})
+                                                             "micro_batch": (1,), "sp": (True,), "pp": (1, 2),
+                                                             "cp": (1, 2), "cp_comm": ("p2p",)})
     assert {"ep", "expert_tp"} <= set(space.names()) and space.point([0] * len(space.names()))["ep"] == 1
     truth = optimize(space, CLUSTER, OptimizeSettings())
-    assert truth.proven_optimal and truth.infeasible.get("expert-tp * ep does not divide tp * dp", 0) > 0
+    assert truth.proven_optimal and truth.infeasible.get("expert-tp * ep does not divide tp * cp * dp", 0) > 0
     assert any(e.point["ep"] > 1 for e in truth.evaluated if e.feasible)
-    found = optimize(space, CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=40, seed=0))
+    # layouts whose experts need cp's ranks: ep*expert_tp divides tp*cp*dp but not tp*dp
+    needs_cp = [e.parallel for e in truth.evaluated
+                if e.feasible and (e.parallel["tp"] * e.parallel["dp"]) % (e.parallel["ep"] * e.parallel["expert_tp"])]
+    assert needs_cp and all(p["cp"] == 2 and p["edp"] == 1 for p in needs_cp)
+    # (174 distinct configurations pass the structural rules: a budget of about a third of them)
+    found = optimize(space, CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=60, seed=0))
     assert found.best.point == truth.best.point
     assert "ep" not in default_space(MODEL, CLUSTER, 32, 1024).names()     # a dense model has no experts
+
+
+def test_expert_layout_with_context_parallelism_is_feasible() -> None:
+    """Mixtral on 4 GPUs as tp1 cp2 dp2 with ep4: the experts re-factor all 4 ranks (edp 1),
+    which ParallelConfig accepts; the search's rule is the same one."""
+    from stage_cosim.search.space import check
+
+    cluster = resolve_cluster("dgx-h100:4")
+    space = default_space(get_preset("mixtral-8x7b"), cluster, 8, 8192)
+    par, reason = check(space, dict(tp=1, cp=2, cp_comm="p2p", pp=1, ep=4, expert_tp=1), cluster)
+    assert reason is None and (par.dp, par.cp, par.ep, par.edp) == (2, 2, 4, 1)
+    par, reason = check(space, dict(tp=1, cp=2, cp_comm="p2p", pp=2, ep=4, expert_tp=1), cluster)
+    assert par is None and reason == "expert-tp * ep does not divide tp * cp * dp"     # 1*2*1 ranks per stage

@@ -139,7 +139,7 @@ BREAKAGES = {
     "unknown group": (lambda ns: _set_attr(_first(ns, pb.COMM_COLL_NODE), "pg_name", string_val="999"), "not in the group file"),
     "unmatched send": (lambda ns: _set_attr(_first(ns, pb.COMM_SEND_NODE), "comm_tag", uint64_val=77777), "matching receive"),
     "send size": (lambda ns: _set_attr(_first(ns, pb.COMM_SEND_NODE), "comm_size", uint64_val=3), "the send carries"),
-    "zero tensor_size": (lambda ns: _set_attr(_first(ns, pb.COMP_NODE), "tensor_size", uint64_val=0), "tensor_size 0"),
+    "MEM_LOAD node": (lambda ns: setattr(_first(ns, pb.COMP_NODE), "type", pb.MEM_LOAD_NODE), "MEM_LOAD"),
 }
 
 

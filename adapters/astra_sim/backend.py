@@ -68,6 +68,8 @@ def simulate_astra_sim(w: Workload, cluster: Cluster, *, binary: str | None = No
               "model_flops_per_step": w.total_model_flops(), "executed_flops_per_step": w.total_executed_flops(),
               "astra_sim": {"compute": mode, "per_rank_finished_ns": out.finished_ns,
                             "per_rank_exposed_comm_ns": out.exposed_comm_ns}}
+    if result.warning:
+        config["astra_sim"]["warning"] = result.warning
     result = SimResult(step_time_s=step, tokens_per_s=par.global_batch * par.seq_len / step,
                        mfu=w.total_model_flops() / (step * peak), hfu=w.total_executed_flops() / (step * peak),
                        peak_memory_bytes=peak_mem, memory_capacity_bytes=cluster.gpu.memory_bytes,

@@ -39,13 +39,14 @@ NO_MEMORY_EXPANSION = "NO_MEMORY_EXPANSION"
 
 # -- helpers ----------------------------------------------------------------------------------
 
-def _load_json(path: Path, what: str) -> Any:
+def _load_json(path: Path, what: str, parameter: str) -> Any:
+    """The file's JSON; errors name ``parameter`` (the flag that gave the file) and the path."""
     try:
         return json.loads(Path(path).read_text())
     except OSError as exc:
-        raise UserError(str(path), f"cannot read the {what} ({exc.strerror or exc})") from exc
+        raise UserError(parameter, f"{path}: cannot read the {what} ({exc.strerror or exc})") from exc
     except json.JSONDecodeError as exc:
-        raise UserError(str(path), f"the {what} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+        raise UserError(parameter, f"{path}: the {what} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
 
 
 def _int(value: Any, key: str, minimum: int) -> int:
@@ -72,10 +73,11 @@ def _plain_number(value: float) -> int | float:
 
 # -- system.json ------------------------------------------------------------------------------
 
-def read_system_json(path: Path) -> AstraSystem:
-    """Parse an ASTRA-sim system configuration; unknown keys are kept in ``extra``."""
-    raw = _load_json(path, "system configuration")
-    require(isinstance(raw, dict), str(path), "the system configuration must be a JSON object")
+def read_system_json(path: Path, parameter: str = "system-configuration") -> AstraSystem:
+    """Parse an ASTRA-sim system configuration; unknown keys are kept in ``extra``. Errors about
+    the file as a whole name ``parameter``, errors about a key name the key."""
+    raw = _load_json(path, "system configuration", parameter)
+    require(isinstance(raw, dict), parameter, f"{path}: the system configuration must be a JSON object")
     require("preferred-dataset-splits" in raw, "preferred-dataset-splits",
             "is required (the simulator crashes at the first collective without it)")
     impls: dict[str, tuple[str, ...]] = {}
@@ -139,16 +141,17 @@ def write_system_json(system: AstraSystem, path: Path) -> None:
 
 # -- network.yml ------------------------------------------------------------------------------
 
-def read_network_yml(path: Path) -> list[NetworkDim]:
+def read_network_yml(path: Path, parameter: str = "network-configuration") -> list[NetworkDim]:
     """Parse an analytical network configuration: four lists of equal length, one entry per
     dimension (a scalar makes the simulator abort, so it is rejected here)."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
-        raise UserError(str(path), f"cannot read the network configuration ({exc.strerror or exc})") from exc
+        raise UserError(parameter, f"{path}: cannot read the network configuration ({exc.strerror or exc})") from exc
     except yaml.YAMLError as exc:
-        raise UserError(str(path), f"the network configuration is not valid YAML ({exc})") from exc
-    require(isinstance(raw, dict), str(path), "the network configuration must be a YAML mapping")
+        problem = " ".join(str(exc).split())
+        raise UserError(parameter, f"{path}: the network configuration is not valid YAML ({problem})") from exc
+    require(isinstance(raw, dict), parameter, f"{path}: the network configuration must be a YAML mapping")
     lists: dict[str, list[Any]] = {}
     for key in NETWORK_KEYS:
         require(key in raw, key, "is required in the network configuration")
@@ -192,9 +195,9 @@ def write_network_yml(dims: list[NetworkDim], path: Path) -> None:
 
 # -- memory.json ------------------------------------------------------------------------------
 
-def read_memory_json(path: Path) -> str:
+def read_memory_json(path: Path, parameter: str = "remote-memory-configuration") -> str:
     """The remote-memory type (the simulator requires the file even when memory is unused)."""
-    raw = _load_json(path, "remote-memory configuration")
+    raw = _load_json(path, "remote-memory configuration", parameter)
     require(isinstance(raw, dict) and "memory-type" in raw, "memory-type",
             "is required in the remote-memory configuration")
     kind = raw["memory-type"]

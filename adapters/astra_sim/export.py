@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,32 @@ class AstraSettings:
     collective_optimization: str = "baseline"
     scheduling_policy: str = "LIFO"
     endpoint_delay_ns: int = 10
+    # the fields a user set explicitly (command-line flags given), which override a run
+    # directory's own system.json when its traces are simulated; "compute" for --compute
+    given: frozenset[str] = field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
         if self.endpoint_delay_ns < 1:
             raise UserError("endpoint-delay", "must be at least 1 ns (0 trips an assertion in the simulator)")
+
+
+def apply_settings(system: AstraSystem, cluster: Cluster, mode: str, settings: AstraSettings,
+                   n_dims: int) -> AstraSystem:
+    """A system file's configuration with the explicitly given settings (``settings.given``) put
+    over it: what ``simulate --traces RUN --network-model astra`` runs when flags are given."""
+    given = settings.given
+    base = system_for(cluster, mode, settings)
+    changes: dict[str, Any] = {f: getattr(settings, f) for f in ("preferred_dataset_splits",
+                                                                  "active_chunks_per_dimension",
+                                                                  "collective_optimization") if f in given}
+    if "implementation" in given:
+        changes["implementations"] = {c: (settings.implementation,) * n_dims for c in COLLECTIVES}
+    if "compute" in given:
+        changes["roofline_enabled"] = mode == "roofline"
+        if mode == "roofline":
+            changes["peak_perf_TFLOPS"] = system.peak_perf_TFLOPS or base.peak_perf_TFLOPS
+            changes["local_mem_bw_GBps"] = system.local_mem_bw_GBps or base.local_mem_bw_GBps
+    return replace(system, **changes) if changes else system
 
 
 def system_for(cluster: Cluster, mode: str, settings: AstraSettings) -> AstraSystem:
@@ -119,7 +141,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
     check_compute_mode(w, mode)
     dims = cluster.network_dims()
     system = system_for(cluster, mode, settings)
-    check_runs(w, cluster, system)
+    warnings = check_runs(w, cluster, system)
     compute = ComputeModel(cluster.gpu)
     with atomic_directory(out, force) as d:
         (d / TRACE_DIR).mkdir()
@@ -131,7 +153,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
         write_memory_json(d / "memory.json")
         run_sh = d / "run.sh"
         run_sh.write_text(RUN_SH.format(default=DEFAULT_BINARY, env=BINARY_ENV, traces=TRACE_DIR,
-                                        prefix=TRACE_PREFIX, groups=GROUPS_FILE))
+                                        prefix=TRACE_PREFIX, groups=GROUPS_FILE, ranks=w.world_size))
         run_sh.chmod(run_sh.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
         manifest = {
             "generator": "stage-cosim astra-sim export",
@@ -148,16 +170,19 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
             "model_flops_per_step": w.total_model_flops(),
             "executed_flops_per_step": w.total_executed_flops(),
         }
+        if warnings:
+            manifest["warnings"] = warnings
         (d / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
-def check_runs(w: Workload, cluster: Cluster, system: AstraSystem) -> None:
+def check_runs(w: Workload, cluster: Cluster, system: AstraSystem) -> list[str]:
     """Refuse what the simulator would hang or abort on (astra-sim-cost-model.md §9) — messages
     of zero bytes, an all-gather smaller than the split count, implementations that cannot run
     a collective — and the deadlocks of its one-communication-operation-at-a-time rule, by
-    replaying the export (one rank per pipeline stage where exact) before writing it."""
-    from stage_cosim.adapters.roofline.astra import deadlock_message, replay_workload
+    replaying the export (one rank per pipeline stage where exact) before writing it. Returns
+    warnings: what the binary runs to the end but then trips on (its double free on exit)."""
+    from stage_cosim.adapters.roofline.astra import deadlock_message, exit_warnings, replay_workload, workload_uses
     from stage_cosim.adapters.roofline.astra_replay import Deadlock
 
     for role in w.roles:
@@ -168,3 +193,4 @@ def check_runs(w: Workload, cluster: Cluster, system: AstraSystem) -> None:
         replay_workload(w, cluster, system)
     except Deadlock as d:
         raise UserError("traces", f"ASTRA-sim would never finish this export: {deadlock_message(d)}") from None
+    return exit_warnings(workload_uses(w), system)

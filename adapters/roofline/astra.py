@@ -168,12 +168,6 @@ def input_problems(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim]
         if c not in first_rank:
             continue
         r0 = first_rank[c]
-        for i, t in enumerate(table.types):
-            if t in (2, 3):
-                out.append(Problem(r0, table.ids[i], "MEM_LOAD / MEM_STORE nodes: the simulator aborts on them "
-                                                     "without remote memory, and its remote-memory models are not "
-                                                     "reproduced here"))
-                break
         try:
             durations_ns(table, system)
         except UserError as exc:
@@ -207,29 +201,119 @@ def input_problems(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim]
     return out
 
 
+NOMINAL_NOTE = " (under a nominal network: give the system and network files to check the ones you will run)"
+
+
+@dataclass
+class Checked:
+    """What :func:`check` found: problems (the simulator would abort or hang) and warnings (it
+    runs and prints every result, but something else goes wrong)."""
+
+    problems: list[Problem]
+    warnings: list[str]
+
+
 @gc_paused()
 def check(ts: TraceSet, system: AstraSystem | None, dims: Sequence[NetworkDim] | None,
-          limit: int = 1000) -> list[Problem]:
+          limit: int = 1000) -> Checked:
     """Everything wrong with a trace set for the simulator: the trace checks, then (if those
     pass) the system- and network-dependent ones and a replay that finds the deadlocks of its
-    one-operation-at-a-time rule. Without a system and network a nominal one is used for the
-    replay (a deadlock can depend on timing: check with the files you will run)."""
+    one-operation-at-a-time rule. Without a system and network a nominal one is used (a
+    deadlock can depend on timing: check with the files you will run), and what it finds is
+    reported as found under it, never dropped."""
     problems = validate(ts, limit)
     if problems:
-        return problems
+        return Checked(problems, [])
     given = system is not None and dims is not None
     if not given:
         system, dims = nominal(len(ts.class_of))
     assert system is not None and dims is not None
+    where = "" if given else NOMINAL_NOTE
     problems = input_problems(ts, system, dims)
     if problems:
-        return problems if given else []
+        return Checked([Problem(p.rank, p.node, p.message + where, p.others) for p in problems], [])
     try:
         replay_trace_set(ts, system, dims)
     except Deadlock as d:
-        where = "" if given else " (under a nominal network: give the system and network files to check the ones you will run)"
-        return [Problem(None, None, deadlock_message(d) + where)]
-    return []
+        return Checked([Problem(None, None, deadlock_message(d) + where)], [])
+    return Checked([], exit_warnings(trace_set_uses(ts, Network(list(dims)).n_ranks), system) if given else [])
+
+
+# -- the binary's exit -------------------------------------------------------------------------------
+
+def trace_set_uses(ts: TraceSet, n_ranks: int) -> dict[tuple[str, tuple[str, ...]], list[int]]:
+    """(collective, the communicator groups smaller than the network it runs on) -> the ranks
+    that run it on two or more such groups (see :func:`exit_warnings`)."""
+    members_of = _members_of(ts.groups, n_ranks)
+    full: dict[object, bool] = {}
+    out: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for r in ts.ranks:
+        table = ts.classes[ts.class_of[r]]
+        per: dict[str, set[str]] = {}
+        for i, value in zip(table.holes, ts.values_of(r)):
+            if table.types[i] != COLL:
+                continue
+            name = COLLECTIVE_BY_CODE.get(table.int_attr(i, "comm_type"))  # type: ignore[arg-type]
+            g = target_of(value, K_COLL)
+            if name is None or g == ALL:
+                continue
+            if g not in full:
+                full[g] = len(set(members_of(g))) >= n_ranks
+            if not full[g]:
+                per.setdefault(name, set()).add(str(g))
+        for name, gs in per.items():
+            if len(gs) > 1:
+                out.setdefault((name, tuple(sorted(gs, key=lambda x: (len(x), x)))), []).append(r)
+    return out
+
+
+def workload_uses(w) -> dict[tuple[str, tuple[str, ...]], list[int]]:  # noqa: ANN001
+    """:func:`trace_set_uses` of a synthesized workload's export (every rank of a pipeline stage
+    uses groups of the same kinds)."""
+    from stage_cosim.schedule.program import COLL as R_COLL
+
+    out: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    n = w.world_size
+    for s in range(w.parallel.pp):
+        rank = w.mesh.rank(pp=s)
+        per: dict[str, set[str]] = {}
+        for kind in {(node.coll.value, node.group) for node in w.roles[s].nodes if node.type == R_COLL}:
+            name, group = kind
+            if name in COLLECTIVE_BY_CODE.values() and len(w.group_members(rank, group)) < n:
+                per.setdefault(name, set()).add(str(w.group_id(rank, group)))
+        for name, gs in per.items():
+            if len(gs) > 1:
+                ranks = [r for r in range(n) if w.role_of(r) == s]
+                out.setdefault((name, tuple(sorted(gs, key=lambda x: (len(x), x)))), []).extend(ranks)
+    return out
+
+
+def exit_warnings(uses: Mapping[tuple[str, tuple[str, ...]], list[int]], system: AstraSystem) -> list[str]:
+    """The binary's double free on exit: a communicator group smaller than the network gets its
+    own plan per collective, which owns its implementation only when the implementation list has
+    several entries (then it is a fresh ring); with one entry it holds the system's shared entry,
+    yet frees it when the group is destroyed. A rank that runs one collective on two such groups
+    frees that entry twice, after every rank's result is printed: the heap is corrupt, and the
+    process may abort (status 134, e.g. "malloc_consolidate(): unaligned fastbin chunk detected")
+    or exit 0, depending on the heap's layout. The results printed are complete and correct."""
+    by_collective: dict[str, tuple[tuple[str, ...], list[int]]] = {}
+    for (name, groups), ranks in uses.items():
+        impls = system.implementations.get(name, ())
+        if len(impls) != 1:
+            continue
+        if name not in by_collective:
+            by_collective[name] = (groups, [])
+        by_collective[name][1].extend(ranks)
+    out = []
+    for name, (groups, ranks) in sorted(by_collective.items()):
+        first, others = min(ranks), len(set(ranks)) - 1
+        key = name.lower().replace("_", "-") + "-implementation"
+        also = f" (as do {others} other rank{'s' if others > 1 else ''})" if others else ""
+        shown = ", ".join(groups[:-1]) + f" and {groups[-1]}"
+        out.append(f"rank {first} runs {name} on communicator groups {shown}{also}: with one {key} entry the "
+                   f"simulator frees that entry once per group when it exits, a double free, so after printing "
+                   f"every result it may abort (status 134, heap corruption); the results it printed are complete")
+    return out
 
 
 def deadlock_message(d: Deadlock, shown: int = 4) -> str:

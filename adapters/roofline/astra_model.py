@@ -46,6 +46,14 @@ SCHEDULING_POLICIES = ("LIFO", "FIFO")
 OPTIMIZATIONS = ("baseline", "localBWAware")
 # A communicator group that is not all ranks always pays this endpoint delay (§2).
 GROUP_ENDPOINT_DELAY_NS = 10
+# The most preferred-dataset-splits simulated. Every split is a chunk that each member of a
+# collective's group carries through every phase: the replay holds a queue entry and an event per
+# chunk, phase and member (about 100 B) and spends about 50 µs of CPU on each, per distinct
+# collective (benchmarks/astra_replay_speed.py --splits measures it). At 4096 splits one
+# all-reduce over 64 ranks takes about 13 s; at 10^5 it would take minutes per collective. The
+# binary is slower still: about 5 s for one 4-rank all-reduce at 10^4 splits, not done after 300 s
+# at 10^5. ASTRA-sim's own examples use 4 to 64.
+MAX_DATASET_SPLITS = 4096
 
 # Chakra node types (et_def.proto NodeType).
 COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE = 4, 5, 6, 7
@@ -80,6 +88,9 @@ class AstraSystem:
         _require_int(self.endpoint_delay_ns, "endpoint-delay", minimum=0)
         _require_int(self.active_chunks_per_dimension, "active-chunks-per-dimension", minimum=1)
         _require_int(self.preferred_dataset_splits, "preferred-dataset-splits", minimum=1)
+        require(self.preferred_dataset_splits <= MAX_DATASET_SPLITS, "preferred-dataset-splits",
+                f"must be at most {MAX_DATASET_SPLITS}, got {self.preferred_dataset_splits} (each split is a chunk "
+                f"that every group member carries through every phase: more cannot be simulated in reasonable time)")
         impls: dict[str, tuple[str, ...]] = {}
         for coll, names in dict(self.implementations).items():
             require(coll in COLLECTIVES, "implementations",
@@ -511,7 +522,7 @@ def check_phase(phase: Phase, n: int, size: int) -> None:
         require(kind == ALL_REDUCE, _impl_key(kind),
                 f"doubleBinaryTree is reproduced for ALL_REDUCE only, not {kind}")
         require(n & (n - 1) == 0, "doubleBinaryTree", f"needs a power-of-two rank count, got {n} "
-                                                      "(the simulator never finishes)")
+                                                      "(the simulator aborts)")
         smallest = size
     else:
         raise UserError("implementation", f"unknown implementation {algo!r}")

@@ -58,9 +58,10 @@ def _stream_use(prog: AgentProgram, rep: Replay, skip: int = 0) -> dict[str, tup
 
 def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w: Workload, role: RoleGraph,
              compute: ComputeModel, network: NetworkModel, durations: dict,
-             waits: list[float] | None = None) -> AgentProgram:
+             waits: list[float] | None = None, members: dict[str, tuple[int, ...]] | None = None) -> AgentProgram:
     """One agent program from template rows (tuples) or graph nodes; ``waits`` prepends WAIT
-    nodes (index 0 … len-1) that finish at the given times."""
+    nodes (index 0 … len-1) that finish at the given times; ``members``: the rank's group
+    members by kind (computed here when not given)."""
     waits = waits or []
     nw = len(waits)
     n = nw + len(rows_or_nodes)
@@ -68,7 +69,8 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
                         duration=list(waits) + [0.0] * (n - nw), kind=[""] * n, coll=[None] * n, nbytes=[0] * n,
                         peer=[-1] * n, tag=[0] * n, group=[None] * n, members=[None] * n,
                         streams=[f"wait{i}" for i in range(nw)])
-    members = {k: tuple(w.group_members(rank, k)) for k in w.group_kinds}
+    if members is None:
+        members = _members(w, rank)
     for j, item in enumerate(rows_or_nodes):
         i = nw + j
         if isinstance(item, tuple):
@@ -105,6 +107,10 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
     return prog
 
 
+def _members(w: Workload, rank: int) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(w.group_members(rank, k)) for k in w.group_kinds}
+
+
 def _window_breakdown(prog: AgentProgram, rep: Replay, lo: float, hi: float, waiting: str) -> dict[str, float]:
     return charge(intervals(prog.types, prog.kind, rep.start[0], rep.end[0]), lo, hi, waiting)
 
@@ -123,20 +129,34 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
         parts: dict[Hashable, int] = {g: 1 for g in prog.group if g is not None}
         return replay([prog], network, parts, single)
 
-    # 1. every pass template once, standalone
+    stage_members = [_members(w, r) for r in reps]
+    # Where each stage's groups lie, as far as the network's costs tell: stages placed alike
+    # (every stage, when pp is the outermost axis) time a block of the same kind alike, so
+    # it is simulated once for all of them (bitwise the same run). A network that cannot
+    # tell, and a block with point-to-point messages (their cost depends on the peer), keep
+    # a run per stage.
+    placement_key = getattr(network, "placement_key", None)
+    placed_as = [tuple((k, placement_key(m)) for k, m in sorted(stage_members[s].items())) if placement_key else s
+                 for s in range(pp)]
+
+    # 1. every pass template once, standalone (a template of blocks that follow each other:
+    #    each kind of block once)
     template_runs: dict[tuple[int, tuple], _PassRun] = {}
+    block_runs: dict[tuple, _PassRun] = {}
     for s, role in enumerate(roles):
-        for key, t in role.templates.items():
-            prog = _program(f"stage{s}", reps[s], t.rows, [[d for d in r[2] if d >= 0] for r in t.rows], w, role,
-                            compute, network, durations)
+
+        def standalone(rows: list[tuple], exits: list[int], sinks: list[int], _s=s, _role=role) -> _PassRun:
+            prog = _program(f"stage{_s}", reps[_s], rows, [[d for d in r[2] if d >= 0] for r in rows], w, _role,
+                            compute, network, durations, members=stage_members[_s])
             rep = run_one(prog)
             end = rep.end[0]
-            total = max(end, default=0.0)
-            template_runs[(s, key)] = _PassRun(
-                rep.start[0], end, max((end[e] for e in t.exits), default=0.0),
-                max((end[i] for i in t.sinks), default=total),
-                _window_breakdown(prog, rep, 0.0, max((end[i] for i in t.sinks), default=total), waiting),
-                _stream_use(prog, rep))
+            done = max((end[i] for i in sinks), default=max(end, default=0.0))
+            return _PassRun(rep.start[0], end, max((end[e] for e in exits), default=0.0), done,
+                            _window_breakdown(prog, rep, 0.0, done, waiting), _stream_use(prog, rep))
+
+        for key, t in role.templates.items():
+            run = _composed(t, standalone, block_runs, placed_as[s], s) if t.segments else None
+            template_runs[(s, key)] = run or standalone(t.rows, t.exits, t.sinks)
 
     # 2. the pipeline, pass by pass
     t0s: list[list[float]] = [[0.0] * len(r.passes) for r in roles]
@@ -218,7 +238,8 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
             pass_deps = [d for d in n.deps if d < role.step_end_start]
             waits.append(max((abs_end(d) for d in pass_deps), default=0.0))
             deps.append([j] + [len(tail) + d - role.step_end_start for d in n.deps if d >= role.step_end_start])
-        prog = _program(f"stage{s}", reps[s], tail, deps, w, role, compute, network, durations, waits=waits)
+        prog = _program(f"stage{s}", reps[s], tail, deps, w, role, compute, network, durations, waits=waits,
+                        members=stage_members[s])
         programs.append(prog)
         for g, members in zip(prog.group, prog.members):
             if g is not None:   # one agent per stage among the group's members
@@ -238,6 +259,57 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     for s in range(pp):
         totals[s][waiting] += step - finishes[s]    # charged over the whole step, as the full replay does
     return finishes, totals
+
+
+def _composed(t, standalone, block_runs: dict[tuple, _PassRun], placed_as: Hashable,  # noqa: ANN001
+              stage: int) -> _PassRun | None:
+    """A pass template's run from one standalone run per kind of block (``t.segments``): each
+    block starts when the exits of the one before are done. Exact when nothing of a block
+    outlives the exits the next one waits for (every stream is then idle when it starts);
+    None where that fails (the whole template is replayed instead). ``block_runs`` is shared
+    by the stages: a run is keyed by where the stage's groups lie (``placed_as``), or by the
+    ``stage`` for a block with point-to-point messages."""
+    n = t.num_rows
+    start = [0.0] * n
+    end = [0.0] * n
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    streams: dict[str, tuple[float, float]] = {}
+    busy_until = 0.0
+    segments = t.segments
+    for k, (kind, lo, hi, entry, src) in enumerate(segments):
+        offset = max((end[d] for d in entry if d >= 0), default=0.0)
+        if busy_until > offset + 1e-12:
+            return None
+        # what the rest waits on: the next block's entry, or (the last block) the pass's exits
+        # and sinks
+        if k + 1 < len(segments):
+            exits = sinks = tuple(sorted(d - lo for d in segments[k + 1][3] if lo <= d < hi))
+        else:
+            exits = tuple(e - lo for e in t.exits if lo <= e < hi)
+            sinks = tuple(i - lo for i in t.sinks if lo <= i < hi)
+        p2p = block_runs.get(("p2p", kind))
+        if p2p is None:
+            p2p = block_runs[("p2p", kind)] = any(r[1] in (SEND, RECV) for r in t.block_rows(src)[:hi - lo])
+        key = (kind, exits, sinks, stage if p2p else placed_as)
+        run = block_runs.get(key)
+        if run is None:
+            # the generated block of this kind, its ids made relative (outside ones dropped)
+            rows = [(*r[:2], tuple(d - src for d in r[2] if d >= src), *r[3:]) for r in t.block_rows(src)[:hi - lo]]
+            run = block_runs[key] = standalone(rows, list(exits), list(sinks))
+        start[lo:hi] = [x + offset for x in run.start]
+        end[lo:hi] = [x + offset for x in run.end]
+        busy_until = max(end[lo:hi], default=offset)
+        for c, v in run.breakdown.items():
+            breakdown[c] += v
+        for st, (first, last) in (run.streams or {}).items():
+            lo_t, hi_t = streams.get(st, (float("inf"), float("-inf")))
+            streams[st] = (min(lo_t, first + offset), max(hi_t, last + offset))
+    total = max(end, default=0.0)
+    exit_t = max((end[e] for e in t.exits), default=0.0)
+    sinks = max((end[i] for i in t.sinks), default=total)
+    if total > sinks + 1e-12:
+        return None
+    return _PassRun(start, end, exit_t, sinks, breakdown, streams)
 
 
 def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready: float, prologue: list[int],  # noqa: ANN001

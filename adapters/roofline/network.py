@@ -85,6 +85,12 @@ class CalibratedNetwork:
         k = len(domains)
         return k, max(1, len(members) // k)
 
+    def placement_key(self, members: Sequence[int]) -> tuple[int, int]:
+        """What a collective's cost depends on besides its kind and size: collectives over
+        member lists with equal keys take equally long (the fast simulator times a block once
+        for all pipeline stages whose groups are placed alike)."""
+        return len(members), self._shape(members)[0]
+
     def duration(self, coll: str, nbytes: int, members: Sequence[int]) -> float:
         n = len(members)
         if n <= 1:

@@ -3,8 +3,11 @@
 Compute time: a trace set that carries durations (any compute node with ``duration_micros``
 > 0, as ASTRA-sim's ``--compute replay`` traces and our exports do) is replayed by them;
 otherwise each kernel is timed by our GPU model from ``num_ops``, ``tensor_size`` and its
-``op_kind`` (matmul, attention, vector; a trace without it is taken as matmuls). So the traces
-``synth`` and ``astra-sim export`` write read back to the step time of the direct simulation.
+``op_kind`` (matmul, attention, vector). So the traces ``synth`` and ``astra-sim export`` write
+read back to the step time of the direct simulation. Traces from other generators carry no
+``op_kind``: it is read from the node's op type, its name (``aten::mm``, a cuBLAS/CUTLASS GEMM
+kernel, flash attention, ``aten::softmax`` ...), and where the name says nothing, from its
+arithmetic intensity (see :func:`op_kind_of`).
 
 Ranks with equal traces (one pipeline stage) are simulated once where that is exact (see
 :mod:`astra_replay`); communicator groups are named by their kind (tp, dp, embedding) when the
@@ -15,6 +18,7 @@ the direct simulation.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Hashable, Sequence
 
@@ -39,6 +43,35 @@ def carries_durations(ts: TraceSet) -> bool:
     return any(d > 0 for t in ts.classes for typ, d in zip(t.types, t.duration_micros) if typ == 4)
 
 
+# Op types by name, for traces without ``op_kind`` (PyTorch operators as Chakra's converter names
+# them, and GPU kernel names): attention kernels, then GEMM-like ones, then known memory-bound ones.
+_ATTENTION = re.compile(r"attention|flash|fmha|sdpa|scaled_dot_product", re.I)
+_GEMM = re.compile(r"gemm|matmul|xmma|wgmma|cutlass|cublas|nvjet|s16816|convolution|conv[123]d|cudnn|linear"
+                   r"|(?:^|[^a-z])(?:add|badd|addb)?b?mm(?:[^a-z]|$)", re.I)
+_MEMORY_BOUND = re.compile(r"elementwise|norm|softmax|gelu|silu|relu|swiglu|dropout|add|mul|copy|cat|fill|embedding"
+                           r"|index|reduce|sum|mean|cast|convert|clone|contiguous|transpose|permute|rope|rotary|zero|scale|exp"
+                           r"|sigmoid|tanh|where|pad|slice|split",
+                           re.I)
+
+
+def op_kind_of(name: str, num_ops: int, tensor_size: int, compute: ComputeModel) -> str:
+    """The op type of a compute node that does not say it (another generator's trace): attention
+    and GEMM-like kernels by name (they run on the tensor cores); other named ops (normalization,
+    softmax, element-wise ...) at the vector rate, which makes them memory-bound on their
+    ``tensor_size``; a name that says nothing by arithmetic intensity — above the GPU's vector
+    ridge point (vector FLOP/s over achievable bandwidth) only tensor-core work gets, so it is
+    taken as a GEMM, below it the vector rate."""
+    if _ATTENTION.search(name):
+        return "attention"
+    if _GEMM.search(name):
+        return "matmul"
+    if _MEMORY_BOUND.search(name) or num_ops <= 0:
+        return "vector"
+    g = compute.gpu
+    ridge = g.vector_peak_tflops * 1e12 / (g.hbm_GBps * 1e9 * g.memory_efficiency)
+    return "matmul" if tensor_size <= 0 or num_ops / tensor_size > ridge else "vector"
+
+
 def kernel_seconds(ts: TraceSet, compute: ComputeModel) -> list[list[float]]:
     """Per class, each compute node's time (file order; 0 for other nodes)."""
     by_duration = carries_durations(ts)
@@ -51,10 +84,12 @@ def kernel_seconds(ts: TraceSet, compute: ComputeModel) -> list[list[float]]:
             cpu = t.attrs[i].get("is_cpu_op", (None, False))[1] is True
             if by_duration or cpu:
                 secs[i] = replay_ns(t.duration_micros[i]) * 1e-9
-            else:
-                kind = t.attrs[i].get("op_kind", (None, "matmul"))[1]
-                secs[i] = compute.duration_of(t.int_attr(i, "num_ops", 0) or 0, t.int_attr(i, "tensor_size", 0) or 0,
-                                              str(kind), keys=t.int_attr(i, "attention_keys", 0) or 0)
+                continue
+            ops, size = t.int_attr(i, "num_ops", 0) or 0, t.int_attr(i, "tensor_size", 0) or 0
+            kind = t.attrs[i].get("op_kind")
+            secs[i] = compute.duration_of(ops, size, str(kind[1]) if kind is not None else
+                                          op_kind_of(t.names[i], ops, size, compute),
+                                          keys=t.int_attr(i, "attention_keys", 0) or 0)
         out.append(secs)
     return out
 
@@ -188,8 +223,10 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     manifest = _manifest(located)
     kinds = group_kinds(manifest)
     compute = ComputeModel(cluster.gpu)
+    warnings: list[str] = []
+    astra_files: list[str] = []
     if network_model == "astra":
-        programs, rep = _astra(ts, cluster, compute, astra_settings, compute_mode, symmetric)
+        programs, rep = _astra(ts, located, cluster, compute, astra_settings, compute_mode, symmetric, astra_files)
     elif network_model == "calibrated":
         from stage_cosim.adapters.roofline.network import CalibratedNetwork
 
@@ -199,6 +236,7 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
             rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
         except DeadlockError as exc:
             raise UserError("traces", f"the traces never finish: {exc}") from None
+        warnings += astra_deadlock_warning(ts, located)
     else:
         raise UserError("network-model", f"must be calibrated or astra, got {network_model!r}")
     step = max(rep.finish)
@@ -223,6 +261,10 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
               "network_model": network_model, "symmetric": len(programs) < n, "model": manifest.get("model"),
               "parallel": par or None, "model_flops_per_step": model_flops, "executed_flops_per_step": executed,
               "compute": "trace durations" if carries_durations(ts) else "GPU model"}
+    if astra_files:
+        config["astra_files"] = astra_files
+    if warnings:
+        config["warnings"] = warnings
     result = SimResult(step_time_s=step, tokens_per_s=tokens / step if tokens else 0.0,
                        mfu=model_flops / (step * peak), hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
                        memory_capacity_bytes=cluster.gpu.memory_bytes,
@@ -231,19 +273,63 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     return result, rep, programs
 
 
-def _astra(ts: TraceSet, cluster: Cluster, compute: ComputeModel, settings, compute_mode: str,  # noqa: ANN001
-           symmetric: bool) -> tuple[list[AgentProgram], Replay]:
+def astra_inputs(located: traceset.Located, cluster: Cluster, settings, compute_mode: str,  # noqa: ANN001
+                 used: list[str] | None = None):  # noqa: ANN201 (AstraSystem, list[NetworkDim])
+    """The system and network the astra model runs a trace set under: the run directory's own
+    system.json and network.yml where they are (what the binary would run), with the settings
+    given explicitly on the command line put over the file's; else the export's defaults for the
+    cluster with those settings."""
+    from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
+    from stage_cosim.adapters.astra_sim.export import AstraSettings, apply_settings
+    from stage_cosim.adapters.roofline.simulate import astra_system
+
+    settings = settings or AstraSettings()
+    run_dir = located.run_dir
+    if run_dir is None:
+        return astra_system(cluster, settings, compute_mode), cluster.network_dims()
+    network_file = run_dir / "network.yml"
+    dims = read_network_yml(network_file) if network_file.is_file() else cluster.network_dims()
+    system = apply_settings(read_system_json(run_dir / "system.json"), cluster, compute_mode, settings, len(dims))
+    if used is not None:
+        used += [str(run_dir / "system.json")] + ([str(network_file)] if network_file.is_file() else [])
+    return system, dims
+
+
+def astra_deadlock_warning(ts: TraceSet, located: traceset.Located) -> list[str]:
+    """Whether ASTRA-sim would deadlock on these traces (one communication operation at a time
+    per rank, issued in id order), under the run directory's files or a nominal network: the
+    calibrated model runs them (real clusters overlap their communication streams), but the
+    simulator they were written for would not."""
+    from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
+    from stage_cosim.adapters.roofline.astra import NOMINAL_NOTE, deadlock_message, nominal, replay_trace_set
+    from stage_cosim.adapters.roofline.astra_replay import Deadlock
+
+    run_dir = located.run_dir
+    try:
+        if run_dir is not None and (run_dir / "network.yml").is_file():
+            system, dims, where = read_system_json(run_dir / "system.json"), read_network_yml(run_dir / "network.yml"), ""
+        else:
+            (system, dims), where = nominal(len(ts.class_of)), NOMINAL_NOTE
+        replay_trace_set(ts, system, dims)
+    except Deadlock as d:
+        return [f"ASTRA-sim would never finish these traces: {deadlock_message(d)}{where}; the calibrated model "
+                f"overlaps communication as real clusters do and finishes them"]
+    except UserError:
+        return []          # an input the simulator cannot run at all: validate says which
+    return []
+
+
+def _astra(ts: TraceSet, located: traceset.Located, cluster: Cluster, compute: ComputeModel, settings,  # noqa: ANN001
+           compute_mode: str, symmetric: bool, used: list[str]) -> tuple[list[AgentProgram], Replay]:
     """The astra model on a trace set: the simulator's own compute rule where the traces carry
     durations (or system.json asks for its roofline); our GPU model's, in ns, where they do not."""
     from stage_cosim.adapters.roofline.astra import engine_view, replay_checked
-    from stage_cosim.adapters.roofline.simulate import astra_system
 
-    system = astra_system(cluster, settings, compute_mode)
+    system, dims = astra_inputs(located, cluster, settings, compute_mode, used)
     durations = None
     if not system.roofline_enabled and not carries_durations(ts):
         secs = kernel_seconds(ts, compute)
         durations = [[max(1, round(s * 1e9)) if typ == 4 else 0 for s, typ in zip(secs[c], t.types)]
                      for c, t in enumerate(ts.classes)]
-    done = replay_checked(ts, system, cluster.network_dims(), "traces", symmetric=symmetric, record=True,
-                          durations=durations)
+    done = replay_checked(ts, system, dims, "traces", symmetric=symmetric, record=True, durations=durations)
     return engine_view(done)

@@ -6,8 +6,9 @@ from the last event seen; downloads resume from the bytes already on disk. Calls
 UNAVAILABLE (server restarting, connection dropped) and, when the server says how long to wait,
 on a full queue.
 
-Files the user names (a Hugging Face config.json, a cluster YAML file, a trace directory) are
-read here, on the client: the server never reads a client's paths.
+Files the user names (a Hugging Face config.json, a cluster YAML file, a trace directory, a
+serving simulation's request trace) are read here, on the client: the server never reads a
+client's paths.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class JobFailed(Exception):
 # -- files the user names ---------------------------------------------------------------------------
 
 def localize(req: Mapping[str, Any]) -> dict[str, Any]:
-    """Replace local file names in a request by their content (``model``, ``cluster``, ``baseline``).
+    """Replace local file names in a request by their content (``model``, ``cluster``, ``baseline``,
+    and a serving simulation's ``trace``, which becomes inline ``requests`` rows).
 
     The result means on the server what the names mean here: the model's and the cluster's names
     are filled in the way the local readers would (from the file's folder, from the path).
@@ -101,7 +103,21 @@ def localize(req: Mapping[str, Any]) -> dict[str, Any]:
                 raise UserError(key, f"{value}: expected a mapping")
             doc.setdefault("name", value)
             out[key] = doc
+    trace = out.get("trace")
+    if isinstance(trace, (str, Path)):
+        out.pop("trace")
+        out["requests"] = trace_rows(trace)
     return out
+
+
+def trace_rows(path: str | Path) -> list[dict[str, Any]]:
+    """A request trace file (CSV or JSON lines, as ``serve-sim --trace`` reads it) as inline rows;
+    the server sorts and checks them as the local reader does."""
+    from stage_cosim.serving.requests import read_trace
+
+    reqs = read_trace(path, "trace")
+    return [{"arrival_s": float(a), "input_len": int(i), "output_len": int(o)}
+            for a, i, o in zip(reqs.arrival_s, reqs.input_len, reqs.output_len)]
 
 
 def name_traces(result: Any, upload_id: str, traces: str | Path | None) -> None:
@@ -292,28 +308,29 @@ class Client:
                timeout_s: float = 0.0, no_cache: bool = False, traces_upload: str = "", full: bool = False,
                timeline: bool = False, format: str = "", settings: Mapping[str, Any] | None = None,
                **fields: Any) -> pb.Job:
-        """Queue a job of ``kind`` (simulate, synthesize, optimize, explore); returns at once.
+        """Queue a job of ``kind`` (simulate, synthesize, optimize, explore, serve_sim); returns at once.
 
-        ``request`` and ``fields`` are design keys (the api vocabulary); for optimize and explore,
-        keys that are not design fields — and ``settings`` — are the search's settings.
+        ``request`` and ``fields`` are design keys (the api vocabulary); for optimize, explore and
+        serve_sim, keys that are not design fields — and ``settings`` — are its settings.
         """
         from stage_cosim.bridge.codec import DESIGN_FIELDS
 
         req = localize({**(request or {}), **fields})
         msg = pb.SubmitJobRequest(request_id=request_id or str(uuid.uuid4()), timeout_s=timeout_s, no_cache=no_cache)
-        if kind in ("optimize", "explore"):
-            extra = dict(settings or {})
+        if kind in ("optimize", "explore", "serve_sim"):
+            extra = localize(settings or {})
             extra.update({k: v for k, v in req.items() if k not in DESIGN_FIELDS and k != "model_config"})
             design = {k: v for k, v in req.items() if k not in extra}
-            getattr(msg, kind).CopyFrom(pb.SearchJob(design=design_from_request(design),
-                                                     settings_json=json.dumps(extra) if extra else ""))
+            body = pb.ServeSimJob if kind == "serve_sim" else pb.SearchJob
+            getattr(msg, kind).CopyFrom(body(design=design_from_request(design),
+                                             settings_json=json.dumps(extra) if extra else ""))
         elif kind == "simulate":
             msg.simulate.CopyFrom(pb.SimulateJob(design=design_from_request(req), traces_upload=traces_upload,
                                                  full=full, timeline=timeline))
         elif kind == "synthesize":
             msg.synthesize.CopyFrom(pb.SynthJob(design=design_from_request(req), format=format))
         else:
-            raise UserError("kind", f"must be simulate, synthesize, optimize or explore, got {kind!r}")
+            raise UserError("kind", f"must be simulate, synthesize, optimize, explore or serve_sim, got {kind!r}")
         return self._unary("SubmitJob", msg)
 
     def job(self, job_id: str) -> pb.Job:
@@ -419,6 +436,11 @@ class Client:
 
     def explore(self, request: Mapping[str, Any] | None = None, **fields: Any) -> Any:
         return self.result(self.submit("explore", request, **fields).id)
+
+    def serve_sim(self, request: Mapping[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        """A serving simulation remotely; returns what ``stage-cosim serve-sim --json`` prints
+        (== ``stage_cosim.api.serve_sim``). A ``trace`` file is read here and sent inline."""
+        return self.result(self.submit("serve_sim", request, **fields).id)
 
     # -- data ------------------------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 Every change to a job is an event with a sequence number (1, 2, 3, ...), kept for the job's
 life and written to the job's log on disk before any watcher sees it. A watcher that lost its
 stream — or its server, killed and restarted — asks again with the last number it saw and
-receives the rest: nothing is lost, nothing repeated, and the stream ends with the final state. Heartbeats are not stored; they repeat the latest
+receives the rest: nothing is lost, nothing repeated, and the stream ends with the final state
+— always: a watcher whose number is at or past the final state event (it saw the end already, or
+holds a number a server lost with the end of its log) receives that event once more, with its
+own number, rather than a silent, empty stream. Heartbeats are not stored; they repeat the latest
 number. Log events are capped per job (the cap is announced as one more log line); the tail of
 the log is always kept for error reports.
 
@@ -33,6 +36,13 @@ EXCERPT_LINES = 40
 # the request by the server's request limit, the result inline up to INLINE_RESULT_LIMIT, these:
 MAX_ERROR_CHARS = 2000
 MAX_PROGRESS_CHARS = 64 << 10
+# So the largest message a server sends — a Job with its inline result, its progress, its error
+# twice (also the state change's message) and its log excerpt (UTF-8: up to 4 bytes a character)
+# — fits a default client's 4 MiB, a request may take at most what these leave:
+DEFAULT_MESSAGE_BYTES = 4 << 20
+RECORD_BYTES_BESIDES_REQUEST = (INLINE_RESULT_LIMIT + 2 * MAX_PROGRESS_CHARS
+                                + 4 * (EXCERPT_LINES * MAX_LINE_CHARS + 2 * MAX_ERROR_CHARS) + (16 << 10))
+MAX_REQUEST_BYTES = (DEFAULT_MESSAGE_BYTES - RECORD_BYTES_BESIDES_REQUEST) >> 10 << 10
 
 
 def clip(text: str, limit: int) -> str:
@@ -127,13 +137,19 @@ class JobRecord:
     # -- watching ------------------------------------------------------------------------------
 
     async def watch(self, after_seq: int, heartbeat_s: float) -> AsyncIterator[pb.JobEvent]:
-        """Stored events after ``after_seq``, then live ones, until the final state event."""
+        """Stored events after ``after_seq``, then live ones, until the final state event — which
+        ends every stream of a finished job, sent again when ``after_seq`` is at or past it."""
         seq = max(0, after_seq)
+        ended = False
         while True:
             while seq < len(self.events):
-                yield self.events[seq]
+                event = self.events[seq]
+                ended = ended or (event.HasField("state") and event.state.state in FINAL)
+                yield event
                 seq += 1
             if self.final:
+                if not ended:
+                    yield self.final_event()
                 return
             changed = self._changed
             try:
@@ -141,6 +157,14 @@ class JobRecord:
             except asyncio.TimeoutError:
                 yield pb.JobEvent(seq=len(self.events), time=time.time(), job_id=self.id,
                                   heartbeat=pb.Heartbeat(state=self.state))
+
+    def final_event(self) -> pb.JobEvent:
+        """The event that made this (final) job final; rebuilt from the record if the log lost it."""
+        for event in reversed(self.events):
+            if event.HasField("state") and event.state.state in FINAL:
+                return event
+        return pb.JobEvent(seq=len(self.events), time=self.finished_at, job_id=self.id,
+                           state=pb.StateChange(state=self.state, message=self.error, job=self.to_proto()))
 
     # -- views ---------------------------------------------------------------------------------
 

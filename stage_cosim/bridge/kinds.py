@@ -10,6 +10,8 @@ command prints with ``--json``. Library functions do the work; the runners only 
 * synthesize: ``stage_cosim.api.synth`` into ``traces/``; the result is the manifest.
 * optimize, explore: ``stage_cosim.api.optimize`` / ``explore``, looked up when the job runs
   (they arrive later than the bridge; a missing one fails the job, it does not break the server).
+* serve_sim: ``stage_cosim.api.serve_sim`` (looked up the same way); its progress callback's
+  (requests done, total) become the job's progress.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from stage_cosim.errors import UserError
 
-KINDS = ("simulate", "synthesize", "optimize", "explore")
+KINDS = ("simulate", "synthesize", "optimize", "explore", "serve_sim")
 TRACES_DIR = "traces"
 TIMELINE_FILE = "timeline.json"
 
@@ -38,6 +40,8 @@ def run(kind: str, req: dict[str, Any], options: Mapping[str, Any], out: Path, r
         return synthesize(req, options, out, report)
     if kind in ("optimize", "explore"):
         return search(kind, req, report, server or {})
+    if kind == "serve_sim":
+        return serve_sim(req, report)
     raise UserError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
@@ -64,8 +68,9 @@ def simulate(req: dict[str, Any], options: Mapping[str, Any], out: Path) -> dict
         names = None
     else:
         model, parallel = api.model_of(req), api.parallel_of(req)
-        workload = synth_workload(model, parallel)
-        result, rep, programs = run_sim(workload, api.cluster_of(req, parallel.world_size), network_model,
+        cluster = api.cluster_of(req, parallel.world_size)
+        workload = synth_workload(model, parallel, cluster.gpu, inference=api.inference_of(req))
+        result, rep, programs = run_sim(workload, cluster, network_model,
                                         symmetric=not full, exact=True if timeline else None)
         names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
     if timeline:
@@ -119,3 +124,12 @@ def search(kind: str, req: dict[str, Any], report: Reporter, server: Mapping[str
         report.progress(int(done or 0), int(detail.get("total", total) or 0), detail)
 
     return fn(req, progress=progress, should_stop=report.should_stop)
+
+
+def serve_sim(req: dict[str, Any], report: Reporter) -> Any:
+    import stage_cosim.api as api
+
+    fn: Callable[..., Any] | None = getattr(api, "serve_sim", None)
+    if fn is None:
+        raise UserError("serve_sim", "is not available in this build (stage_cosim.api.serve_sim is missing)")
+    return fn(req, progress=lambda done, total: report.progress(int(done), int(total)))

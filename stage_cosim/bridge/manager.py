@@ -320,8 +320,8 @@ class JobManager:
         if run in done:
             try:
                 answer = run.result()
-            except WorkerDied as exc:
-                job.error = f"worker: {exc}"
+            except WorkerDied as exc:        # a limit's own one-line error, or what ended the worker
+                job.error = str(exc) if exc.limit else f"worker: {exc}"
                 job.set_state(J.FAILED, job.error)
                 await self._persist(job)
                 return False

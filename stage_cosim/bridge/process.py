@@ -3,11 +3,18 @@
 The worker runs in its own session, so ``kill()`` reaches every process a job started (an
 ASTRA-sim binary included) with one ``killpg``: SIGTERM first — searches see ``should_stop()``
 — then SIGKILL after a short grace. A killed worker is never reused.
+
+A job at its memory limit may never fail on its own: every allocation is refused, slowly, and
+code that catches the MemoryError (or a C call retrying) can go on for as long as its CPU limit
+allows. So while a job runs, the worker's address space is looked at every ``MEMORY_POLL_S``; a
+worker that has sat within ``AT_LIMIT_BYTES`` of its limit for ``AT_LIMIT_S`` is killed, and the
+job fails with the same one-line memory error the worker itself would give (Linux: /proc).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,9 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from stage_cosim.bridge.worker import END_MARK
+from stage_cosim.bridge.worker import END_MARK, RESERVE_BYTES, memory_error
 
 STREAM_LIMIT = 16 << 20          # longest protocol or log line read in one piece
+MEMORY_POLL_S = 0.5
+AT_LIMIT_S = 5.0
+AT_LIMIT_BYTES = RESERVE_BYTES   # nearer than the worker's own reserve: it can no longer answer
 
 
 @dataclass(frozen=True)
@@ -47,12 +57,29 @@ def default_memory_bytes(workers: int) -> int:
 
 
 class WorkerDied(Exception):
-    """The worker process ended while it had a job (crash, out of memory, killed)."""
+    """The worker process ended while it had a job (crash, out of memory, killed).
+
+    ``limit``: it was stopped by a resource limit, and the message is the job's one-line error."""
+
+    def __init__(self, message: str, limit: bool = False) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+def address_space(pid: int) -> int | None:
+    """A process's address space in bytes (VmSize, what RLIMIT_AS limits); None when unknown."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class WorkerProcess:
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, memory_bytes: int = 0) -> None:
         self.proc = proc
+        self.memory_bytes = memory_bytes
+        self.at_memory_limit = False      # killed by the memory watchdog
         self.jobs_run = 0
         self._on_log: Callable[[str], None] | None = None
         self._end_of_log = asyncio.Event()
@@ -80,7 +107,7 @@ class WorkerProcess:
             *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, start_new_session=True, env=env, limit=STREAM_LIMIT,
             cwd=str(cwd) if cwd is not None else None)
-        worker = cls(proc)
+        worker = cls(proc, memory_bytes)
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), ready_timeout_s)  # type: ignore[union-attr]
             if not line or json.loads(line).get("type") != "ready":
@@ -120,12 +147,20 @@ class WorkerProcess:
             self.proc.stdin.write((json.dumps(job) + "\n").encode())
             await self.proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
-            raise WorkerDied(self._died()) from None
+            raise self._died() from None
+        watchdog = asyncio.create_task(self._watch_memory())
+        try:
+            return await self._relay(on_progress)
+        finally:
+            watchdog.cancel()
+
+    async def _relay(self, on_progress: Callable[[dict], None]) -> dict[str, Any]:
+        assert self.proc.stdout is not None
         while True:
             line = await self.proc.stdout.readline()
             if not line:
                 await self.proc.wait()
-                raise WorkerDied(self._died())
+                raise self._died()
             msg = json.loads(line)
             if msg.get("type") == "progress":
                 on_progress(msg)
@@ -137,13 +172,34 @@ class WorkerProcess:
                 self._on_log = None
                 return msg
 
-    def _died(self) -> str:
+    async def _watch_memory(self) -> None:
+        """Kill the worker once it has sat at its memory limit for AT_LIMIT_S (see the module)."""
+        if not self.memory_bytes or address_space(self.proc.pid) is None:
+            return
+        since: float | None = None
+        loop = asyncio.get_running_loop()
+        while self.alive:
+            await asyncio.sleep(MEMORY_POLL_S)
+            size = address_space(self.proc.pid)
+            if size is None or size < self.memory_bytes - AT_LIMIT_BYTES:
+                since = None
+                continue
+            since = loop.time() if since is None else since
+            if loop.time() - since >= AT_LIMIT_S:
+                self.at_memory_limit = True
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                return
+
+    def _died(self) -> WorkerDied:
         code = self.proc.returncode
+        if self.at_memory_limit:
+            return WorkerDied(memory_error(self.memory_bytes), limit=True)
         if code is not None and code < 0:
             if -code == signal.SIGXCPU:
-                return "cpu: the job used more than its CPU time (its process was stopped)"
-            return f"the worker process was killed by signal {signal.Signals(-code).name}"
-        return f"the worker process exited with status {code}"
+                return WorkerDied("cpu: the job used more than its CPU time (its process was stopped)", limit=True)
+            return WorkerDied(f"the worker process was killed by signal {signal.Signals(-code).name}")
+        return WorkerDied(f"the worker process exited with status {code}")
 
     async def kill(self, grace_s: float = 1.0) -> None:
         """End the worker and everything it started (its whole process group)."""

@@ -15,16 +15,20 @@ worker processes run that way for good.
 Process-level resources are the operator's: a request that names the Ray address or the number
 of search processes is refused here, before anything starts (``serve --ray``,
 ``--search-workers`` set them).
+
+The kinds that hand their request to a library function — optimize, explore, serve_sim — are
+checked with that function's own parsing (``checks.py``), so a bad setting never starts a job.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from stage_cosim import __version__
+from stage_cosim.bridge import checks
 from stage_cosim.bridge.codec import dumps
-from stage_cosim.bridge.sizing import check_fits
+from stage_cosim.bridge.sizing import check_fits, check_requests_fit
 from stage_cosim.errors import UserError
 from stage_cosim.files import without_local_files
 
@@ -32,6 +36,9 @@ NETWORK_MODELS = ("calibrated", "astra")
 BACKENDS = ("roofline", "astra-sim")
 # request keys that choose the server's processes, and the serve flags that set them instead
 SERVER_SETTINGS = {"ray": "--ray", "workers": "--search-workers"}
+SEARCHES = ("optimize", "explore")
+# a check of a search request at submit, in place of the real one (tests whose workers run stand-ins)
+SearchCheck = Callable[[str, Mapping[str, Any]], None]
 
 
 def check_server_settings(req: Mapping[str, Any]) -> None:
@@ -60,6 +67,9 @@ def check_no_server_paths(req: Mapping[str, Any]) -> None:
         if name not in CLUSTER_PRESETS or (colon and not count.isdigit()):
             raise UserError(key, f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}, optionally "
                                  f"with ':GPUS'); the server reads no files: {content}")
+    if req.get("trace") is not None:        # a serving simulation's request file
+        raise UserError("trace", "names a file, and the server reads no files: send the requests inline as "
+                                 "requests, rows of {arrival_s, input_len, output_len}")
     for key, value in req.items():
         if key not in ("model", "cluster", "baseline") and isinstance(value, str) \
                 and ("/" in value or "\\" in value or value.endswith((".yaml", ".yml", ".json"))):
@@ -87,23 +97,39 @@ def digest_of(value: Any) -> str:
     return hashlib.sha256(dumps(value).encode()).hexdigest()
 
 
-def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_bytes: int = 0) -> str:
+def _requests_in(req: Mapping[str, Any]) -> tuple[int, str]:
+    """How many requests a serving simulation's stream holds, and the field that says so."""
+    rows = req.get("requests")
+    if isinstance(rows, list):
+        return len(rows), "requests"
+    count = req.get("num_requests")
+    return (count, "num_requests") if isinstance(count, int) and not isinstance(count, bool) else (1000, "num_requests")
+
+
+def resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_bytes: int = 0,
+            search_check: SearchCheck | None = None) -> str:
     """Validate ``req`` for ``kind``; returns the digest of its resolved inputs (the cache key).
 
     ``memory_bytes``: the per-job memory limit; a job that cannot be simulated within it is
-    refused (``sizing.py``)."""
+    refused (``sizing.py``). ``search_check``: checks optimize and explore requests instead of
+    the real searches' parsing (a server whose workers run stand-ins)."""
     check_server_settings(req)
     check_no_server_paths(req)
     with without_local_files():
-        return _resolve(kind, req, options, memory_bytes)
+        return _resolve(kind, req, options, memory_bytes, search_check)
 
 
-def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_bytes: int) -> str:
+def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_bytes: int,
+             search_check: SearchCheck | None) -> str:
     from stage_cosim import api
 
-    if kind in ("optimize", "explore"):
+    if kind in SEARCHES or kind == "serve_sim":
+        (search_check if search_check is not None and kind in SEARCHES else checks.check)(kind, req)
         model = api.model_of(req)
-        _check_search_size(kind, req, model, memory_bytes)
+        if kind == "serve_sim":
+            check_requests_fit(*_requests_in(req), limit_bytes=memory_bytes)
+        else:
+            _check_search_size(kind, req, model, memory_bytes)
         return digest_of({"v": __version__, "kind": kind, "model": model.to_dict(), "request": req})
     api.check_request(req)
     model, parallel = api.model_of(req), api.parallel_of(req)

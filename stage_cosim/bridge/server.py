@@ -74,6 +74,9 @@ class ServerConfig:
     heartbeat_s: float = 5.0
     drain_timeout_s: float = 30.0
     worker_init: str | None = None            # MODULE:FUNCTION run in each worker (tests)
+    # MODULE:FUNCTION(kind, request) checking optimize and explore requests at submit instead of
+    # the real searches' parsing: for workers that run stand-in searches (tests)
+    search_check: str | None = None
     worker: WorkerSettings = field(default_factory=WorkerSettings)   # the operator's, never a request's
     documents: DocumentLimits = field(default_factory=DocumentLimits)  # what one request may carry
 
@@ -190,6 +193,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self.config = config
         # a few threads: a flood of large submits waits its turn instead of taking the process
         self._resolver = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="bridge-resolve")
+        self._search_check = _load_function(config.search_check) if config.search_check else None
 
     @_guard
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
@@ -218,7 +222,7 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             options["format"] = body.format or "chakra"
             if options["format"] not in ("chakra", "json"):
                 raise invalid("format", f"must be chakra or json, got {body.format!r}")
-        else:
+        else:                               # optimize, explore, serve_sim: design + settings
             settings = loads_object(body.settings_json, "settings_json", limits)
             for key, value in settings.items():
                 if key in req:
@@ -226,8 +230,10 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                 if isinstance(value, str) and not value.strip():
                     raise invalid(key, "is empty (leave the setting out for the default)")
             req.update(settings)
-        check_request_size(req, limits)
-        digest = resolve(kind, req, options, self.manager.worker_settings.memory_bytes or 0)
+        # a request key named after the field it came from
+        names = {"cluster": "cluster_description"} if body.design.HasField("cluster_description") else {}
+        check_request_size(req, limits, names)
+        digest = resolve(kind, req, options, self.manager.worker_settings.memory_bytes or 0, self._search_check)
         bare = pb.SubmitJobRequest()
         bare.CopyFrom(request)
         bare.request_id = ""
@@ -333,6 +339,14 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                              search_workers=m.worker_settings.search_workers)
 
 
+def _load_function(spec: str) -> Callable[..., Any]:
+    """The function named ``MODULE:FUNCTION``."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _page(items: list, start: int, size: int, to_proto: Callable[[Any], Any]) -> tuple[list, str]:
     """Up to ``size`` items from ``start`` as messages, and the next page's token ("" at the end).
     A page also ends before it would outgrow a default client's message limit."""
@@ -413,6 +427,9 @@ class BridgeServer:
 
     async def start(self) -> int:
         cfg = self.config
+        if cfg.documents.max_request_bytes > J.MAX_REQUEST_BYTES or cfg.documents.max_bytes > J.MAX_REQUEST_BYTES:
+            raise UserError("max-request-kib", f"must be at most {J.MAX_REQUEST_BYTES >> 10:,}: a job record, which "
+                                               "holds the request, must fit a default client's 4 MiB messages")
         if cfg.data_dir is None:
             self._tmp = tempfile.mkdtemp(prefix="stage-cosim-bridge-")
         data = Path(cfg.data_dir or self._tmp)  # type: ignore[arg-type]

@@ -19,7 +19,13 @@ before it records the job's end.
 Limits: the address space (``--memory-bytes``, RLIMIT_AS: an allocation past it raises
 MemoryError) for the worker's life, and the CPU seconds of each job (the job's ``cpu_s``,
 RLIMIT_CPU: SIGXCPU stops the job). A job stopped by either fails with a one-line error, and the
-worker is not used again. A worker never outlives its server (``die_with_parent``).
+worker is not used again. At its memory limit a process can hardly do anything — every
+allocation fails, slowly, and the job's data is still held by the traceback — so the worker
+keeps a reserve of address space, released first on MemoryError, and drops the job's frames
+before it answers (the server also ends a worker that sits at its limit: ``process.py``).
+
+A worker never outlives its server (``die_with_parent``), even one stuck where no Python code
+runs: a small guard process watches the server and ends the worker's process group.
 
 Run as ``python -m stage_cosim.bridge.worker [--parent PID] [--memory-bytes N] [--init
 MODULE:FUNCTION]``; ``--init`` is called once at start (the tests install stand-ins for the
@@ -32,6 +38,7 @@ import contextlib
 import hashlib
 import importlib
 import json
+import mmap
 import os
 import queue
 import signal
@@ -47,6 +54,15 @@ RESULT_FILE = "result.json"
 ARTIFACTS_DIR = "artifacts"
 ARTIFACT_INDEX = "artifacts.json"
 PROGRESS_INTERVAL_S = 0.1
+RESERVE_BYTES = 16 << 20          # address space set aside for answering after a MemoryError
+GUARD_POLL_S = 0.5
+
+
+def memory_error(limit_bytes: int) -> str:
+    """The one-line error of a job that outgrew the per-job memory limit (0: no limit)."""
+    rule = f"more than this server's {limit_bytes / (1 << 20):,.0f} MiB per job" if limit_bytes else \
+        "more than the machine had"
+    return f"memory: the job needed {rule}"
 
 _stop_requested = False
 
@@ -141,12 +157,12 @@ def run_job(job: Mapping[str, Any], channel: Channel) -> dict[str, Any]:
         return {"type": "done", "ok": False, "error": str(exc), "parameter": exc.parameter}
     except TraceFormatError as exc:
         return {"type": "done", "ok": False, "error": f"traces: {exc}", "parameter": "traces"}
-    except MemoryError:
-        # the address-space limit stopped an allocation: whatever the job held is suspect
-        limit = _limits.memory_bytes
-        rule = f"more than this server's {limit / (1 << 20):,.0f} MiB per job" if limit else "more than the machine had"
-        return {"type": "done", "ok": False, "error": f"memory: the job needed {rule}", "parameter": None,
-                "retire": True}
+    except MemoryError as exc:
+        # The address-space limit stopped an allocation. Nothing may be allocated before room is
+        # made: the reserve goes first, then the job's frames (held by the traceback) and data.
+        _limits.release_reserve()
+        exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+        return _limits.memory_answer
     except CpuLimitExceeded as exc:
         return {"type": "done", "ok": False, "error": f"cpu: the job used more than its {exc.seconds:,.0f} s of "
                 "CPU time", "parameter": None, "retire": True}
@@ -173,6 +189,15 @@ class _Limits:
     memory_bytes = 0
     cpu_s = 0.0
     in_job = False
+    reserve: mmap.mmap | None = None
+    # built before it is needed: at the limit, building it could fail
+    memory_answer: dict[str, Any] = {"type": "done", "ok": False, "error": memory_error(0), "parameter": None,
+                                     "retire": True}
+
+    def release_reserve(self) -> None:
+        if self.reserve is not None:
+            self.reserve.close()           # unmapped: its address space is free again
+            self.reserve = None
 
 
 _limits = _Limits()
@@ -209,6 +234,11 @@ def limit_memory(max_bytes: int) -> None:
     if max_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
         _limits.memory_bytes = max_bytes
+        _limits.memory_answer = dict(_limits.memory_answer, error=memory_error(max_bytes))
+        try:       # anonymous and untouched: address space, no memory
+            _limits.reserve = mmap.mmap(-1, RESERVE_BYTES)
+        except (OSError, ValueError):
+            _limits.reserve = None
 
 
 def _kill_my_group(*_: object) -> None:
@@ -219,20 +249,61 @@ def _kill_my_group(*_: object) -> None:
 def die_with_parent(parent: int) -> None:
     """Make sure this worker never outlives the server that started it.
 
-    Two ways, both ending the whole process group (the job's children too): on Linux the kernel
-    signals the worker when its parent dies (PR_SET_PDEATHSIG); everywhere, the server's end of
-    the job pipe closes when it dies, which the thread reading jobs sees (``read_jobs``).
+    Three ways, each ending the whole process group (the job's children too): on Linux the
+    kernel signals the worker when its parent dies (PR_SET_PDEATHSIG); everywhere, the server's
+    end of the job pipe closes when it dies, which the thread reading jobs sees (``read_jobs``);
+    both need the interpreter to run, so on Linux a guard process watches too (``start_guard``).
     """
     signal.signal(signal.SIGHUP, _kill_my_group)
     if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP), 0, 0, 0)   # PR_SET_PDEATHSIG = 1
-        except (OSError, AttributeError):
-            pass
+        _set_parent_death_signal(signal.SIGHUP)
     if parent and os.getppid() != parent:        # the server died before the signal was armed
         _kill_my_group()
+    start_guard(parent)
+
+
+def _parent_of(pid: int) -> int:
+    """The parent process of ``pid`` (Linux: from /proc), 0 when ``pid`` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def start_guard(server: int) -> None:
+    """Fork a guard that ends this worker's process group once the server is gone.
+
+    The parent-death signal reaches Python code only between two bytecodes; a worker stuck in
+    one long C call (an allocation retried at the memory limit) would outlive its server. The
+    guard runs no job and holds no pipe: every half second it checks that the worker's parent is
+    still the server, and kills the whole group when it is not; it ends with the worker.
+    Linux only (it reads /proc)."""
+    if not sys.platform.startswith("linux") or not server:
+        return
+    worker = os.getpid()
+    if os.fork() != 0:
+        return
+    try:                                     # the guard
+        os.closerange(0, os.sysconf("SC_OPEN_MAX"))   # no pipe of the server's stays open because of it
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # only the group's SIGKILL, or the worker's end, stops it
+        _set_parent_death_signal(signal.SIGKILL)
+        while os.getppid() == worker:
+            if _parent_of(worker) != server:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(GUARD_POLL_S)
+    finally:
+        os._exit(0)
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)   # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def read_jobs(stream: TextIO, jobs: "queue.Queue[str | None]") -> None:

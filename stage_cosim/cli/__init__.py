@@ -26,6 +26,7 @@ COMMANDS = {
     "validate": "stage_cosim.cli.validate_cmd.validate",
     "models": "stage_cosim.cli.models_cmd.models",
     "clusters": "stage_cosim.cli.clusters_cmd.clusters",
+    "serve-sim": "stage_cosim.cli.serve_sim_cmd.serve_sim",
     "serve": "stage_cosim.cli.bridge_cmd.serve",
     "remote": "stage_cosim.cli.bridge_cmd.remote",
 }

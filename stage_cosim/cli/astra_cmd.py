@@ -32,16 +32,37 @@ def with_astra_options(f):  # noqa: ANN001, ANN201
 
 def settings_from(kw: dict):  # noqa: ANN201
     from stage_cosim.adapters.astra_sim.export import AstraSettings
+    from stage_cosim.adapters.roofline.astra_model import MAX_DATASET_SPLITS
     from stage_cosim.errors import UserError
 
     splits, chunks = kw.pop("dataset_splits"), kw.pop("active_chunks")
     if splits < 1:
         raise UserError("dataset-splits", f"must be at least 1, got {splits} (0 crashes the simulator)")
+    if splits > MAX_DATASET_SPLITS:
+        raise UserError("dataset-splits", f"must be at most {MAX_DATASET_SPLITS}, got {splits} (each split is a "
+                                          "chunk that every group member carries through every phase: more cannot "
+                                          "be simulated in reasonable time)")
     if chunks < 1:
         raise UserError("active-chunks", f"must be at least 1, got {chunks}")
     return AstraSettings(implementation=kw.pop("implementation"), preferred_dataset_splits=splits,
                          active_chunks_per_dimension=chunks,
-                         collective_optimization=kw.pop("collective_optimization"))
+                         collective_optimization=kw.pop("collective_optimization"), given=_given())
+
+
+# option name -> the AstraSettings field it sets ("compute": the compute mode)
+_FIELDS = {"implementation": "implementation", "dataset_splits": "preferred_dataset_splits",
+           "active_chunks": "active_chunks_per_dimension", "collective_optimization": "collective_optimization",
+           "compute_mode": "compute"}
+
+
+def _given() -> frozenset[str]:
+    """The settings given on the command line (not left at their defaults)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return frozenset()
+    return frozenset(f for name, f in _FIELDS.items()
+                     if name in ctx.params and ctx.get_parameter_source(name) not in
+                     (click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP, None))
 
 
 @click.command("export")
@@ -68,3 +89,5 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
     click.echo(f"wrote an ASTRA-sim run directory for {manifest['ranks']} ranks to {out} "
                f"({manifest['trace_bytes'] / 2**20:.1f} MiB of traces, compute: {compute_mode})")
     click.echo(f"run it with: {out}/run.sh /path/to/AstraSim_Analytical_Congestion_Unaware")
+    for warning in manifest.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)

@@ -1,8 +1,8 @@
 """``stage-cosim serve`` and ``stage-cosim remote …``: the gRPC bridge from the command line.
 
-``remote simulate`` and ``remote synth`` take the local commands' own flags (the same click
-parameters) and print what the local commands print; ``remote simulate --json`` prints exactly
-what ``simulate --json`` prints. Server errors become the usual one-line ``error: <parameter>:
+``remote simulate``, ``synth``, ``optimize``, ``explore`` and ``serve-sim`` take the local
+commands' own flags (the same click parameters) and print what the local commands print;
+``remote simulate --json`` prints exactly what ``simulate --json`` prints. Server errors become the usual one-line ``error: <parameter>:
 <rule>`` with exit status 2; a job that fails for another reason prints its error and the end of
 its log, exit status 1.
 """
@@ -18,10 +18,12 @@ from typing import Any, Callable
 
 import click
 
-from stage_cosim.cli import explore_cmd, optimize_cmd, simulate_cmd, synth_cmd
+from stage_cosim.bridge.jobs import MAX_REQUEST_BYTES
+from stage_cosim.cli import explore_cmd, optimize_cmd, serve_sim_cmd, simulate_cmd, synth_cmd
 from stage_cosim.errors import UserError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MIN_JOB_MEMORY_MIB = 256         # below this a worker cannot hold the library, let alone a job
 
 
 # -- serve -----------------------------------------------------------------------------------------------
@@ -59,12 +61,16 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
               help="CPU seconds a job may use [default 0: its run-time limit].")
 @click.option("--max-request-kib", type=int, default=256, show_default=True,
               help="Largest document a request carries (model_config, cluster_description, settings_json) "
-                   "and largest request once parsed.")
+                   f"and largest request once parsed [at most {MAX_REQUEST_BYTES >> 10:,}: a job record "
+                   "must fit a default client's 4 MiB messages].")
 @click.option("--worker-init", default=None, hidden=True, help="MODULE:FUNCTION to run in each worker (tests).")
+@click.option("--search-check", default=None, hidden=True,
+              help="MODULE:FUNCTION checking optimize and explore requests instead of the searches (tests).")
 def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_key: Path | None, workers: int,
           max_queue: int, job_timeout: float, max_job_timeout: float, max_upload_mib: int, data_dir: Path | None,
           drain_timeout: float, heartbeat: float, search_workers: int, ray_address: str | None,
-          max_job_memory_mib: int | None, job_cpu_s: float, max_request_kib: int, worker_init: str | None) -> None:
+          max_job_memory_mib: int | None, job_cpu_s: float, max_request_kib: int, worker_init: str | None,
+          search_check: str | None) -> None:
     """Serve synthesis, simulation and search over gRPC (stagecosim.v1.Bridge)."""
     import asyncio
 
@@ -85,6 +91,12 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
                         ("max-job-memory-mib", max_job_memory_mib or 0)):
         if value < 0:
             raise UserError(name, f"must not be negative, got {value}")
+    if max_request_kib << 10 > MAX_REQUEST_BYTES:
+        raise UserError("max-request-kib", f"must be at most {MAX_REQUEST_BYTES >> 10:,} (a job record, which holds "
+                                           f"the request, must fit a default client's 4 MiB messages), got {max_request_kib:,}")
+    if max_job_memory_mib and max_job_memory_mib < MIN_JOB_MEMORY_MIB:
+        raise UserError("max-job-memory-mib", f"must be 0 (no limit) or at least {MIN_JOB_MEMORY_MIB} (a worker holds "
+                                              f"the library before any job), got {max_job_memory_mib}")
     if bool(tls_cert) != bool(tls_key):
         raise UserError("tls-key" if tls_cert else "tls-cert", "is required with the other TLS flag (give both)")
     if host not in LOOPBACK and not token:
@@ -96,6 +108,7 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
     config = ServerConfig(host=host, port=port, token=token or None, tls_cert=tls_cert, tls_key=tls_key,
                           data_dir=data_dir, limits=limits, max_upload_bytes=max_upload_mib << 20,
                           heartbeat_s=heartbeat, drain_timeout_s=drain_timeout, worker_init=worker_init,
+                          search_check=search_check,
                           worker=WorkerSettings(search_workers=search_workers, ray=ray_address or None,
                                                 memory_bytes=None if max_job_memory_mib is None else max_job_memory_mib << 20,
                                                 cpu_s=job_cpu_s),
@@ -381,6 +394,53 @@ def remote_explore(**kw: Any) -> None:
 
 
 remote_explore.params[:0] = _local_params(explore_cmd.explore)
+
+
+@remote.command("serve-sim")
+@connection_options
+@job_options
+@_errors
+def remote_serve_sim(**kw: Any) -> None:
+    """Simulate serving a request stream on the server (the flags of 'stage-cosim serve-sim').
+
+    A --trace file is read here and its requests sent inline; --json, --plot and --quiet act here.
+    """
+    from stage_cosim.bridge.client import localize
+    from stage_cosim.files import FIGURE_SUFFIXES, check_output
+
+    plot, as_json, quiet, rates = kw["plot"], kw["as_json"], kw["quiet"], kw["rates"]
+    check_output(plot, "plot", FIGURE_SUFFIXES)
+    local = {"plot", "as_json", "quiet", "rates", "arch", *CONNECTION_KEYS, *JOB_KEYS}
+    if kw.get("arch") is not None:
+        raise UserError("arch", "serve-sim takes a model by --model (a preset or config.json)")
+    # the request the local command builds from the same flags
+    req = {k: v for k, v in kw.items() if v is not None and k not in local}
+    if plot is not None:
+        if rates is None and req.get("rate") is None:
+            raise UserError("plot", "sweeps the arrival rate: give --rate (or --rates)")
+        req["rates"] = rates or ",".join(f"{f * req['rate']:g}" for f in serve_sim_cmd.SWEEP)
+    elif rates is not None:
+        raise UserError("rates", "is the sweep of --plot")
+    with _client(kw) as client:
+        job = _submit(client, "serve_sim", localize(req), kw)
+        if kw["detach"]:
+            click.echo(job.id)
+            return
+        report = _wait(client, job.id, progress=not (quiet or as_json))
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        serve_sim_cmd.print_report(report)
+    if plot is not None:
+        try:
+            serve_sim_cmd.plot_sweep(report["runs"], plot)
+        except OSError as exc:
+            raise UserError("plot", f"{plot}: could not be written ({exc.strerror or exc})") from None
+        if not as_json:
+            click.echo(f"plot             {plot} (latency against load, {len(report['runs'])} rates)")
+
+
+remote_serve_sim.params[:0] = _local_params(serve_sim_cmd.serve_sim)
 
 
 # -- remote: jobs ------------------------------------------------------------------------------------------

@@ -17,25 +17,44 @@ def _fmt_values(values: dict) -> str:
     return ", ".join(f"{k}={v:g}" for k, v in values.items())
 
 
+# How each objective's value reads (lower is better for all of them)
+METRIC_LABELS = {"step_time_s": "step time (s)", "gpu_seconds_per_token": "GPU-seconds per decoded token",
+                 "gpu_seconds_per_request": "GPU-seconds per request meeting the SLOs"}
+UNITS = {"step_time_s": "s/step", "gpu_seconds_per_token": "GPU-s/token", "gpu_seconds_per_request": "GPU-s/request"}
+
+
+def _layout(best: dict | None) -> str:
+    """The best configuration of a candidate: a parallelization, or a serving layout."""
+    if not best:
+        return "-"
+    if "layout" in best:
+        from stage_cosim.cli.optimize_serve import _describe
+
+        return _describe(best["point"])
+    return describe_point(best["point"], best["config"]["parallel"])
+
+
 def plot_frontier(doc: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    m = doc.get("metric", "step_time_s")
     fig, ax = plt.subplots(figsize=(8, 5))
-    pts = [c for c in doc["all"] if c["step_time_s"] is not None]
-    ax.scatter([c["cost_per_gpu"] for c in pts], [c["step_time_s"] for c in pts], s=10, c="lightgray",
+    pts = [c for c in doc["all"] if c[m] is not None]
+    ax.scatter([c["cost_per_gpu"] for c in pts], [c[m] for c in pts], s=10, c="lightgray",
                label="candidates")
     front = doc.get("frontier") or doc.get("best") or []
-    ax.plot([c["cost_per_gpu"] for c in front], [c["step_time_s"] for c in front], "o-", color="tab:blue",
+    ax.plot([c["cost_per_gpu"] for c in front], [c[m] for c in front], "o-", color="tab:blue",
             label="best per cost (confirmed)")
     b = doc["baseline"]
-    ax.scatter([b["cost_per_gpu"]], [b["step_time_s"]], marker="*", s=200, color="tab:red", zorder=5,
+    ax.scatter([b["cost_per_gpu"]], [b[m]], marker="*", s=200, color="tab:red", zorder=5,
                label="baseline")
     ax.set_xlabel("cost per GPU ($)")
-    ax.set_ylabel("step time (s)")
-    ax.set_title("Step time against hardware cost")
+    label = METRIC_LABELS.get(m, m)
+    ax.set_ylabel(label)
+    ax.set_title(f"{label[0].upper()}{label[1:]} against hardware cost")
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path)
@@ -68,18 +87,20 @@ def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
 def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
     """The text report of an exploration (also printed by 'stage-cosim remote explore')."""
     b = doc["baseline"]
-    click.echo(f"baseline  {_fmt_values(b['values'])}: ${b['cost_per_gpu']:,.0f}/GPU, {b['step_time_s']:.4f} s/step "
-               f"({describe_point(b['best']['point'], b['best']['config']['parallel'])})")
+    m = doc.get("metric", "step_time_s")
+    unit = UNITS.get(m, m)
+    click.echo(f"baseline  {_fmt_values(b['values'])}: ${b['cost_per_gpu']:,.0f}/GPU, {b[m]:.4g} {unit} "
+               f"({_layout(b['best'])})")
     rows = doc.get("frontier") or doc.get("best") or []
-    title = "Pareto frontier (cost against step time)" if s.mode == "pareto" else f"best within ${s.budget:,.0f}/GPU"
+    label = METRIC_LABELS.get(m, m)
+    title = f"Pareto frontier (cost against {label})" if s.mode == "pareto" else f"best within ${s.budget:,.0f}/GPU"
     click.echo(f"\n{title}:")
-    click.echo(f"{'$/GPU':>10} {'step s':>8} {'vs base':>8}  hardware  |  best parallelization")
+    click.echo(f"{'$/GPU':>10} {unit:>12} {'vs base':>8}  hardware  |  best configuration")
     for c in rows:
-        par = describe_point(c["best"]["point"], c["best"]["config"]["parallel"]) if c["best"] else "-"
-        click.echo(f"{c['cost_per_gpu']:>10,.0f} {c['step_time_s']:>8.4f} {c['step_time_s'] / b['step_time_s'] - 1:>+7.1%}  "
-                   f"{_fmt_values(c['values'])}  |  {par}")
+        click.echo(f"{c['cost_per_gpu']:>10,.0f} {c[m]:>12.4g} {c[m] / b[m] - 1:>+7.1%}  "
+                   f"{_fmt_values(c['values'])}  |  {_layout(c['best'])}")
     if doc["sensitivity"]:
-        click.echo("\nsensitivity around the baseline (elasticity: % step time per % of the resource):")
+        click.echo(f"\nsensitivity around the baseline (elasticity: % of {label} per % of the resource):")
         for d in doc["sensitivity"]:
             el = "n/a" if d["elasticity"] is None else f"{d['elasticity']:+.3f}"
             click.echo(f"  {d['variable']:<28} {el}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from stage_cosim.cli.optimize_serve import SERVE_FLAGS, serve_options
 from stage_cosim.cli.options import (
     PRECISION_FLAGS, cluster_option, model_options, precision_options, resolve_model_options,
 )
@@ -27,6 +28,10 @@ def describe_point(p: dict, par: dict) -> str:
         parts.insert(2, f"cp{par['cp']}({comm}{size})")
     if par.get("vp", 1) > 1:
         parts.append(f"vp{par['vp']}")
+    # the expert layout, wherever it is not the dense one (ep 1, expert_tp = tp)
+    ep, etp = par.get("ep", 1), par.get("expert_tp", par["tp"])
+    if ep > 1 or etp != par["tp"]:
+        parts += [f"ep{ep}", f"expert_tp{etp}"]
     parts.append(f"mb{par['micro_batch']}")
     if par.get("sp"):
         parts.append("sp")
@@ -101,12 +106,31 @@ def plot_top(doc: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a hardware GPU)
+    """A precision the user fixed is checked as simulate checks it, in one line, before any
+    search: FP8 options need --dtype fp8 (or auto), and a fixed fp8 must run on the GPU (its
+    recipe included); with --dtype auto the FP8 points the GPU cannot run are infeasible."""
+    from stage_cosim.graph.precision import resolve_precision
+    from stage_cosim.parallel import ParallelConfig
+
+    opts = {k: v for k, v in precision.items() if k != "dtype" and v is not None}
+    if precision.get("dtype") in (None, "bf16"):
+        ParallelConfig(dtype="bf16", **opts)
+    elif precision["dtype"] == "fp8":
+        # (ZeRO 3: the GPU-independent rules of the options were checked by the search space)
+        resolve_precision(ParallelConfig(dtype="fp8", zero=3, **opts), gpu)
+
+
 @click.command()
 @model_options
 @precision_options(auto=True)
 @cluster_option
-@click.option("--global-batch", type=int, required=True, help="Sequences per step.")
-@click.option("--seq-len", type=int, required=True, help="Sequence length.")
+@click.option("--phase", type=click.Choice(["train", "serve"]), default="train", show_default=True,
+              help="train: the fastest training step; serve: the serving layout with the most goodput per GPU "
+                   "under --slo-ttft/--slo-tpot.")
+@click.option("--global-batch", type=int, default=None, help="Training: sequences per step (required).")
+@click.option("--seq-len", type=int, default=None, help="Training: sequence length (required).")
+@serve_options
 @click.option("--objective", type=click.Choice(["step-time", "tokens-per-gpu", "cost"]), default="step-time",
               show_default=True)
 @click.option("--price", type=float, default=0.0, help="Price per GPU-hour (cost objective).")
@@ -121,16 +145,38 @@ def plot_top(doc: dict, path: Path) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Bar chart of the top configurations (PNG).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def optimize(cluster: str, global_batch: int, seq_len: int, objective: str, price: float, seed: int,
-             budget: int | None, workers: int, ray_address: str | None, headroom: float, allow_cross_domain_tp: bool,
-             network_model: str, top_k: int, as_json: bool, plot: Path | None, quiet: bool, **kw) -> None:
+def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | None, objective: str, price: float,
+             seed: int, budget: int | None, workers: int, ray_address: str | None, headroom: float,
+             allow_cross_domain_tp: bool, network_model: str, top_k: int, as_json: bool, plot: Path | None,
+             quiet: bool, **kw) -> None:
     """Search tp, pp, dp, vp, micro-batch, sp, ZeRO and recomputation (and, with --dtype auto, the
-    precision) for the best step."""
+    precision) for the best training step; or, with --phase serve, the serving layout (tp, pp, ep,
+    attention data parallelism, batch limit, prefill/decode split) with the most goodput per GPU."""
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.search.evaluate import Objective
     from stage_cosim.search.optimize import OptimizeSettings, optimize as run
     from stage_cosim.search.space import default_space
 
+    serve = {k: kw.pop(k) for k in SERVE_FLAGS}
+    if phase == "serve":
+        from stage_cosim.cli.optimize_serve import optimize_serve
+
+        ctx = click.get_current_context()
+        given = [name for name in ("global_batch", "seq_len", "objective", "price", "headroom", "allow_cross_domain_tp",
+                                   "network_model", *PRECISION_FLAGS)
+                 if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
+        if given:
+            raise UserError(given[0].replace("_", "-"), "is a training search option (not with --phase serve)")
+        for name in PRECISION_FLAGS:
+            kw.pop(name)
+        optimize_serve(cluster, serve, seed=seed, budget=budget, workers=workers, ray_address=ray_address,
+                       top_k=top_k, as_json=as_json, plot=plot, quiet=quiet, model_kw=kw)
+        return
+    given = [k for k, v in serve.items() if v is not None]
+    if given:
+        raise UserError(given[0].replace("_", "-"), "is a serving search option (with --phase serve)")
+    if global_batch is None or seq_len is None:
+        raise UserError("global-batch" if global_batch is None else "seq-len", "is required for a training search")
     if global_batch <= 0 or seq_len <= 0:
         raise UserError("global-batch" if global_batch <= 0 else "seq-len", "must be a positive integer")
     if not 0 <= headroom < 1:
@@ -146,6 +192,7 @@ def optimize(cluster: str, global_batch: int, seq_len: int, objective: str, pric
                                 top_k=top_k, headroom=headroom, network_model=network_model,
                                 allow_cross_domain_tp=allow_cross_domain_tp)
     precision = {k: kw.pop(k) for k in PRECISION_FLAGS}
+    _check_fixed_precision(precision, c.gpu)
     space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp,
                           precision=precision)
     show = not quiet and sys.stderr.isatty()

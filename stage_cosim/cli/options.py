@@ -11,7 +11,7 @@ from typing import Any, Callable
 import click
 
 from stage_cosim.errors import UserError
-from stage_cosim.inference.config import KV_CACHE_DTYPES, PHASES, TRAIN, InferenceConfig
+from stage_cosim.inference.config import KV_CACHE_DTYPES, PHASES, TRAIN, WEIGHT_DTYPES, InferenceConfig
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
@@ -114,7 +114,7 @@ parallel_options = _compose(
                  help="Mesh axes innermost first (rank mapping)."),
     precision_options(),
     click.option("--ep", type=int, default=1, show_default=True,
-                 help="Expert-parallel degree (expert layers re-factor the tp*dp ranks as expert-tp x ep x edp)."),
+                 help="Expert-parallel degree (expert layers re-factor the tp*cp*dp ranks as expert-tp x ep x edp)."),
     click.option("--expert-tp", "expert_tp", type=int, default=None,
                  help="Tensor-parallel degree inside each expert (default: tp)."),
     click.option("--moe-token-dispatcher", "moe_token_dispatcher", type=click.Choice(TOKEN_DISPATCHERS),
@@ -177,8 +177,14 @@ inference_options = _compose(
                  help="Decode: tokens each request's new token attends to, itself included (default 2048)."),
     click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
                  help="Inference: precision of the KV cache (default bf16)."),
+    click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
+                 help="Inference: the layers' GEMM weights: bf16 (default), fp8 (W8A8: FP8 GEMMs, activations "
+                      "quantized per tensor) or int4 (W4A16: 4-bit weights, a scale per 128, BF16 GEMMs)."),
+    click.option("--attention-dp", "attention_dp", is_flag=True, default=None,
+                 help="Inference with experts: attention data parallelism (each dp rank its own requests, the "
+                      "experts sharded over the ranks of every dp replica; expert-tp*ep may span dp)."),
 )
-INFERENCE_FLAGS = ("batch", "input_len", "context_len", "kv_cache_dtype")
+INFERENCE_FLAGS = ("batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "attention_dp")
 
 
 def resolve_inference_options(kw: dict[str, Any]) -> InferenceConfig | None:

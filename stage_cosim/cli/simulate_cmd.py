@@ -19,6 +19,12 @@ GiB = 1 << 30
 
 
 
+# An inference step's weights (--weight-dtype), as the precision line says them.
+WEIGHTS = {"bf16": "bf16 weights and GEMMs",
+           "fp8": "fp8 weights (W8A8: FP8 GEMMs, activations quantized per tensor as they come)",
+           "int4": "int4 weights (W4A16: 4 bits and a scale per 128 weights, dequantized in BF16 GEMMs)"}
+
+
 def describe_precision(p: dict) -> str:
     """One line: "bf16", or "fp8 delayed (hybrid), FP8 attention, FP8 parameters"."""
     if p.get("dtype", "bf16") != "fp8":
@@ -56,7 +62,7 @@ def print_summary(r: SimResult) -> None:
     if r.mfu_fp8 is not None:
         fmt = "MXFP8" if r.precision.get("recipe") == "mxfp8" else "FP8"
         click.echo(f"{'MFU (' + fmt + ' peak)':<17}{100 * r.mfu_fp8:.1f} %")
-    click.echo(f"precision        {describe_precision(r.precision)}")
+    click.echo(f"precision        {WEIGHTS[inf['weight_dtype']] if inf else describe_precision(r.precision)}")
     if inf:
         click.echo(f"HBM traffic      {inf['bytes_read'] / 1e9:,.2f} GB read (weights per micro-batch, KV cache), "
                    f"MBU {100 * inf['mbu']:.1f} %")
@@ -69,6 +75,7 @@ def print_summary(r: SimResult) -> None:
                                    f"{' sp' if par.get('sp') else ''} zero{par['zero']} recompute={par['recompute']}"
                                    f" micro-batch {par['micro_batch']} x {par['num_microbatches']}")
         cp = f" cp{par['cp']}({par['cp_comm']})" if par.get("cp", 1) > 1 else ""
+        training += " attention-dp" if inf and inf.get("attention_dp") else ""
         click.echo(f"configuration    dp{par['dp']} tp{par['tp']}{cp} pp{par['pp']}{training}"
                    f" on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']} ({cfg['network_model']} network)")
         if (cfg.get("model") or {}).get("num_experts"):
@@ -139,6 +146,8 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
         result, rep, programs = simulate_traces(traces, resolve_cluster(cluster, n), network_model,
                                                 comm_groups=comm_groups, astra_settings=settings,
                                                 compute_mode=compute_mode, symmetric=not full)
+        for warning in result.config.get("warnings", []):
+            click.echo(f"warning: {warning}", err=True)
         names = None
     else:
         machine = resolve_cluster(cluster, parallel.world_size)

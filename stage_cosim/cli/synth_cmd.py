@@ -63,9 +63,11 @@ def print_summary(model, parallel, manifest: dict, out: Path, elapsed: float) ->
     """What 'synth' prints (also 'remote synth'): the run, the files, and per stage the costs."""
     counts = manifest["counts"]
     inf = manifest.get("inference")
-    step = (f"{inf['phase']} of {inf['batch']} requests, {parallel.num_microbatches} micro-batches per replica"
+    step = (f"{inf['phase']} of {inf['batch']} requests, {parallel.num_microbatches} micro-batches per replica, "
+            f"{inf['weight_dtype']} weights{', attention-dp' if inf['attention_dp'] else ''}"
             if inf else f"{parallel.num_microbatches} micro-batches per rank, schedule {parallel.schedule}")
-    click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp} pp{parallel.pp}"
+    click.echo(f"{model.name}: {parallel.world_size} ranks (dp{parallel.dp} tp{parallel.tp}"
+               f"{f' cp{parallel.cp}' if parallel.cp > 1 else ''} pp{parallel.pp}"
                f"{f' vp{parallel.vp}' if parallel.vp > 1 else ''}"
                f"{f'; experts ep{parallel.ep} expert-tp{parallel.expert_tp} edp{parallel.edp}' if model.is_moe else ''}"
                f"), {step}")

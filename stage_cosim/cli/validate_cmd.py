@@ -39,14 +39,19 @@ def validate(path: Path, comm_groups: Path | None, system_file: Path | None, net
     system = read_system_json(system_file) if system_file and network_file else None
     dims = read_network_yml(network_file) if system_file and network_file else None
     ts = read(located)
-    problems = check(ts, system, dims, limit)
+    found = check(ts, system, dims, limit)
+    problems = found.problems
     for p in problems:
         click.echo(str(p))
     if problems:
         click.echo(f"{len(problems)}{'+' if len(problems) >= limit else ''} problem(s) in {len(ts.class_of)} ranks",
                    err=True)
         return 1
-    against = f"{system_file} and {network_file}" if system is not None else "a nominal network"
+    for w in found.warnings:
+        click.echo(f"warning: {w}", err=True)
+    against = f"{system_file} and {network_file}" if system is not None else \
+        ("a nominal network (ring collectives, one split; give --system-configuration and "
+         "--network-configuration to check split counts, implementations and endpoint delay against yours)")
     click.echo(f"ok: {len(ts.class_of)} ranks ({len(ts.classes)} distinct traces), {ts.node_count()} nodes, "
                f"{len(ts.groups or {})} communicator groups; no deadlock under {against}")
     return 0

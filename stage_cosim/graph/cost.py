@@ -6,7 +6,7 @@ from typing import Callable
 
 import sympy as sp
 
-from stage_cosim.graph.dims import DTYPE_BYTES, S, W
+from stage_cosim.graph.dims import DEQUANTIZED_FLOPS, DTYPE_BYTES, S, W
 from stage_cosim.graph.ir import Op
 
 # local_size(label_letter_of_this_op) -> per-rank size of that dimension for this op
@@ -49,7 +49,7 @@ def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.
     published formulas: matmuls only, backward twice the forward, no recomputation."""
     if op.kind == "einsum":
         f = einsum_flops(op, local)
-        return f, f
+        return f + dequantize_flops(op, local), f
     # A causal kernel skips the masked half of the score matrix; the model-FLOP convention of the
     # published formulas still counts all of it.
     if op.kind in ("attention", "attention_grad"):
@@ -63,6 +63,14 @@ def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.
             executed *= causal_fraction()
         return executed, (f if op.kind == "attention" else 2 * f)
     return op.flops_per_element * out_numel, sp.Integer(0)
+
+
+def dequantize_flops(op: Op, local: LocalSize) -> sp.Expr:
+    """Work a GEMM does to dequantize the weight-only quantized operands it reads, once per
+    element loaded (executed FLOPs of the GEMM's own kernel; not model FLOPs)."""
+    letters, _ = op.einsum_operands()
+    return sp.Add(*(DEQUANTIZED_FLOPS[t.dtype] * sp.Mul(*(local(c) for c in l))
+                    for t, l in zip(op.inputs, letters) if t.dtype in DEQUANTIZED_FLOPS))
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -94,7 +94,13 @@ DTYPE_BYTES: dict[str, int | sp.Rational] = {
     # activation or gradient and per 128x128 block of a weight. Per-tensor FP8 ("fp8") has one
     # scale per tensor, nothing per element.
     "mxfp8": sp.Rational(33, 32), "fp8_1x128": sp.Rational(33, 32), "fp8_128x128": 1 + sp.Rational(1, 4096),
+    # Weight-only 4-bit quantization (GPTQ, AWQ): half a byte per weight and an fp16 scale per
+    # group of 128 weights.
+    "int4_g128": sp.Rational(1, 2) + sp.Rational(2, 128),
 }
+# Weights that a BF16 GEMM dequantizes as it loads them (weight-only quantization), with the
+# work per weight element (unpack, subtract the zero point, scale): inside the GEMM's kernel.
+DEQUANTIZED_FLOPS: dict[str, int] = {"int4_g128": 3}
 
 
 def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821

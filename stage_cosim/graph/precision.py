@@ -34,6 +34,10 @@ A :class:`Precision` says which GEMMs compute in FP8 and how their operands are 
   anew. With ``param_gather`` the parameters are stored in FP8: there is no cast, the ZeRO
   gathers move FP8, and per-tensor scaling on Hopper keeps only the transposed copy.
 
+An inference step uses the same rewrite with a forward-only policy (:func:`inference_precision`):
+FP8 weights and GEMMs with per-tensor dynamic activation scaling (W8A8), or weights stored in a
+packed 4-bit format that BF16 GEMMs dequantize as they load them (W4A16).
+
 Delayed scaling's per-step pieces that belong to a whole pass (one amax all-reduce over the
 tensor- and data-parallel group at the end of each forward and backward pass, the history
 update) are placed by the schedule; the amax history's memory is counted there too.
@@ -71,10 +75,27 @@ class Precision:
     dispatch: bool = False            # MoE token dispatch in FP8
     amax_history_len: int = 1024
     te_layernorm_mlp: bool = False    # the MLP is Transformer Engine's LayerNormMLP
+    # Weight-only quantization (inference): the GEMM weights stored in this packed format, the
+    # GEMMs computing in BF16 and dequantizing the weights as they load them ("": none).
+    weights: str = ""
+    # A forward pass alone (an inference step, as serving engines run it): no column-wise
+    # copies or transposes (there is no backward) and no casts fused into norms.
+    forward_only: bool = False
 
     @property
     def fp8(self) -> bool:
         return self.dtype == "fp8"
+
+    @property
+    def quantized(self) -> bool:
+        """Some GEMM runs in FP8 or reads weights stored in another format than BF16."""
+        return self.fp8 or bool(self.weights)
+
+    @property
+    def stored_weight_dtype(self) -> str:
+        """What the GEMM weights are stored in when they are not BF16 (FP8 parameters, or the
+        packed format of weight-only quantization)."""
+        return self.weights or self.weight_dtype
 
     @property
     def matmul(self) -> str:
@@ -105,25 +126,55 @@ class Precision:
     def activation_columnwise(self) -> str:
         """How an activation's or gradient's column-wise copy is made: "transpose" (of the FP8
         data), "quantize" (separately, from the high-precision tensor) or "same" (none: the
-        GEMM reads the row-wise copy in either layout)."""
+        GEMM reads the row-wise copy in either layout; a forward pass needs none)."""
+        if self.forward_only:
+            return "same"
         if self.per_tensor:
             return "transpose" if self.transposes else "same"
         return "quantize"
 
     def weight_columnwise(self) -> str:
+        if self.forward_only:
+            return "same"
         if self.recipe == "mxfp8":
             return "quantize"
         # per-tensor scales and 128x128 blocks are the same for the transposed weight
         return "transpose" if self.transposes else "same"
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if k not in ("weights", "forward_only") or v}
         if not self.fp8:
-            return {"dtype": self.dtype}
+            return {k: d[k] for k in ("dtype", "weights", "forward_only") if k in d}
         return d
 
 
 BF16 = Precision()
+# Weight-only 4-bit quantization (GPTQ, AWQ): 4 bits per weight and an fp16 scale per group of
+# 128 (DTYPE_BYTES["int4_g128"]); the kernels dequantize in the GEMM (Marlin, ...).
+INT4_WEIGHTS = "int4_g128"
+
+
+def inference_precision(weight_dtype: str, gpu: Any = None) -> Precision:
+    """How an inference step with ``weight_dtype`` (bf16 | fp8 | int4) weights computes, as
+    serving engines run such checkpoints (checked against ``gpu``, if given):
+
+    * ``fp8`` (W8A8): the layers' GEMMs in FP8 at the FP8 peak, their weights stored in FP8
+      (one byte per parameter, a per-tensor scale), each input activation quantized per tensor
+      as it comes (Transformer Engine's current scaling: an amax pass, then the cast);
+    * ``int4`` (W4A16): weights stored as 4 bits plus an fp16 scale per group of 128, the GEMMs
+      in BF16 dequantizing them on the fly (no kernel of its own).
+
+    Embedding, output layer, norms, the router and attention stay BF16 (the KV cache has its own
+    precision)."""
+    if weight_dtype == "bf16":
+        return BF16
+    if weight_dtype == "int4":
+        return Precision(weights=INT4_WEIGHTS, forward_only=True)
+    require(weight_dtype == "fp8", "weight-dtype", f"must be bf16, fp8 or int4, got {weight_dtype!r}")
+    if gpu is not None:
+        require(gpu.fp8_tflops is not None, "weight-dtype",
+                f"fp8 needs FP8 tensor cores; {gpu.name} has none (its gpu.fp8_tflops is not set)")
+    return Precision("fp8", "tensorwise", "e4m3", transposes=False, param_gather=True, forward_only=True)
 
 
 def resolve_precision(parallel: Any, gpu: Any) -> Precision:
@@ -159,6 +210,13 @@ def _linear_weight(op: Op) -> int | None:
         return None
     idx = [i for i, t in enumerate(op.inputs) if t.kind == "weight" and len(t.labels) >= 2]
     return idx[0] if len(idx) == 1 else None
+
+
+def _stored_view(op: Op) -> bool:
+    """A view that splits a weight matrix into the operands of GEMMs (latent attention's
+    absorbed key and value up-projections): the halves are the weight as stored."""
+    w = op.inputs[0]
+    return w.kind == "weight" and len(w.labels) >= 2 and all(len(t.labels) >= 2 for t in op.outputs)
 
 
 def _column_parallel(op: Op, wi: int) -> bool | None:
@@ -209,15 +267,20 @@ class _Rewrite:
             dense = op.mesh == DENSE and sp
             self.gemms[id(op)] = _Gemm(op, 1 - wi, wi, gathered_x=bool(dense and column and x.residual),
                                        gathered_dy=bool(dense and column is False))
-        # parameters stored in FP8 replace the bf16 weights
+        # parameters stored in FP8 (or a weight-only format) replace the bf16 weights; so do
+        # the views a GEMM reads a stored weight through (latent attention's absorbed products)
         self.stored: dict[int, Tensor] = {}
-        if p.param_gather:
+        if p.param_gather or p.weights:
             for g in self.gemms.values():
                 w = g.op.inputs[g.wi]
-                self.stored[id(w)] = Tensor(w.name, w.labels, p.weight_dtype, "weight", tp_shard=w.tp_shard,
-                                            mesh=w.mesh)
+                self.stored[id(w)] = replace(w, dtype=p.stored_weight_dtype)
+            for op in block.ops:
+                if op.kind == "view" and _stored_view(op):
+                    self.stored[id(op.inputs[0])] = replace(op.inputs[0], dtype=p.stored_weight_dtype)
+                    self.stored.update({id(t): replace(t, dtype=p.stored_weight_dtype) for t in op.outputs})
         self.fused: dict[int, _Gemm] = {}          # producer op -> the GEMM whose quantized input it writes
-        for g in self.gemms.values():
+        # (a forward pass as serving engines run it casts in kernels of its own)
+        for g in self.gemms.values() if not p.forward_only else ():
             x = g.op.inputs[g.xi]
             prod = self.producer.get(id(x))
             if prod is None or self.consumers.get(id(x)) != [g.op]:
@@ -264,6 +327,7 @@ class _Rewrite:
 
     def copy(self, op: Op, **kw: Any) -> Op:
         kw.setdefault("inputs", [self.sub(t) for t in op.inputs])
+        kw.setdefault("outputs", [self.sub(t) for t in op.outputs])
         kw.setdefault("saves", [self.sub(t) for t in op.saves])
         return replace(op, **kw)
 
@@ -355,6 +419,11 @@ class _Rewrite:
 
     def gemm(self, g: _Gemm) -> None:
         p, op = self.p, g.op
+        if not p.fp8:
+            # weight-only quantization: a BF16 GEMM reading the packed weight, dequantized as it
+            # is loaded (the cost is the GEMM's: graph.cost)
+            self.fwd.append(self.copy(op))
+            return
         w = op.inputs[g.wi]
         wcol = p.weight_columnwise()
         cached = not self.zero3
@@ -492,8 +561,9 @@ class _Rewrite:
         bwd = self.backward()
         weights = [self.sub(w) for w in self.block.weights]
         weight_grads = {self.sub(w): g for w, g in self.weight_grads.items()}
-        block = Block(self.block.name, self.block.kind, self.fwd, self.block.inputs, self.block.outputs, weights)
-        return block, bwd, weight_grads, len(self.gemms) + len(self.attn)
+        block = Block(self.block.name, self.block.kind, self.fwd, self.block.inputs, self.block.outputs, weights,
+                      caches=self.block.caches)
+        return block, bwd, weight_grads, len(self.gemms) + len(self.attn) if self.p.fp8 else 0
 
 
 def apply_precision(block: Block, bwd_ops: list[Op], weight_grads: dict[Tensor, Tensor], p: Precision, *,
@@ -502,7 +572,7 @@ def apply_precision(block: Block, bwd_ops: list[Op], weight_grads: dict[Tensor, 
     the number of FP8 modules (GEMMs and FP8 attention kernels, each with its own scaling state).
 
     Only transformer layers change: the embedding and the output layer are not Transformer
-    Engine linear layers in Megatron and stay BF16."""
-    if not p.fp8 or block.kind != "layer":
+    Engine linear layers in Megatron and stay BF16 (serving checkpoints keep them BF16 too)."""
+    if not p.quantized or block.kind != "layer":
         return block, bwd_ops, weight_grads, 0
     return _Rewrite(block, bwd_ops, weight_grads, p, sp, zero3).run()

@@ -27,6 +27,7 @@ ROPE_FLOPS = 6            # two multiplies and an add per rotated pair, both hal
 SWIGLU_FLOPS = 6          # SiLU (exp, add, divide, multiply) times the up projection
 GEGLU_FLOPS = 9           # tanh-approximated GELU times the up projection
 GELU_FLOPS = 8
+SQUARED_RELU_FLOPS = 2    # a max and a multiply
 # The router's score function and top-k selection, per expert score of a token.
 ROUTER_FLOPS_PER_SCORE = 6
 
@@ -78,11 +79,18 @@ def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
     return b.einsum("proj", "bsgqd,gqdh->bsh", ctx, b.weight("proj.weight", "gqdh", tp_shard="g"))
 
 
-def _latent_attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
+def _latent_attention(b: BlockBuilder, x: Tensor, a: ArchSwitches, absorb: bool = False) -> Tensor:
     """Multi-latent attention (DeepSeek-V2/V3, as Megatron-Core builds it): the down projections
     are replicated over tp (each rank projects its own tokens), the up projections
     column-parallel over heads; the rotary key part is shared by every head (gathered over tp
-    with sequence parallelism, as Megatron does)."""
+    with sequence parallelism, as Megatron does).
+
+    ``absorb``: the key and value up-projection absorbed into the query and the output (what
+    serving engines decode with: DeepSeek-V2's paper, FlashMLA): each head's query without its
+    rotary part is projected into the latent space, the attention scores it against the latent
+    and the rotary key (one ``kv_lora_rank + qk_rope_head_dim`` vector per token, shared by all
+    heads) and sums the latents, which the value half of the up-projection turns into the head's
+    output. The up-projection's weight is read as its key and value halves (a view)."""
     y = _norm(b, "input_norm", x, a)
     if a.q_lora:
         latent_q = b.einsum("q_down", "bsh,hl->bsl", y, b.weight("q_down.weight", "hl"))
@@ -93,14 +101,25 @@ def _latent_attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
     kv = b.einsum("kv_down", "bsh,hy->bsy", y, b.weight("kv_down.weight", "hy"))
     latent, k_rope = b.view("split_kv", [kv], ["bsm", "bso"], ["kv_latent", "k_rope"])
     latent = _norm(b, "kv_norm", latent, a, over="m", residual=False)
-    kv = b.einsum("kv_up", "bsm,mgz->bsgz", latent, b.weight("kv_up.weight", "mgz", tp_shard="g"))
-    k, v = b.view("split_kv_up", [kv], ["bsgx", "bsgd"], ["k", "v"])
+    up = b.weight("kv_up.weight", "mgz", tp_shard="g")
+    if not absorb:
+        kv = b.einsum("kv_up", "bsm,mgz->bsgz", latent, up)
+        k, v = b.view("split_kv_up", [kv], ["bsgx", "bsgd"], ["k", "v"])
     # RoPE on the rotary part of each query head and on the shared rotary key.
     q = b.pointwise("rope_q", [q], q.labels, flops_per_element=ROPE_FLOPS * ROPE / (NOPE + ROPE))
     k_rope = b.pointwise("rope_k", [k_rope], k_rope.labels, flops_per_element=ROPE_FLOPS)
     if a.attention != "fused":
         raise ValueError("multi-latent attention is modelled with fused attention only")
-    ctx = b.attention("attention", q, k, v, causal=a.causal_flops, rotary_key=k_rope)
+    if absorb:
+        up_k, up_v = b.view("split_kv_up_weight", [up], ["mgx", "mgd"], ["kv_up.k", "kv_up.v"])
+        q_nope, q_rope = b.view("split_q", [q], ["bsgx", "bsgo"], ["q_nope", "q_rope"])
+        q_latent = b.einsum("q_absorb", "bsgx,mgx->bsgm", q_nope, up_k)
+        (q,) = b.view("join_q", [q_latent, q_rope], ["bsgy"], ["q_absorbed"])
+        # the latent serves as the keys' non-rotary part and as the values
+        ctx = b.attention("attention", q, k_rope, latent, causal=a.causal_flops)
+        ctx = b.einsum("v_absorb", "bsgm,mgd->bsgd", ctx, up_v)
+    else:
+        ctx = b.attention("attention", q, k, v, causal=a.causal_flops, rotary_key=k_rope)
     return b.einsum("proj", "bsgd,gdh->bsh", ctx, b.weight("proj.weight", "gdh", tp_shard="g"))
 
 
@@ -118,7 +137,8 @@ def _mlp(b: BlockBuilder, y: Tensor, a: ArchSwitches, ffn: str = "f", name: str 
         up = b.einsum(f"{name}fc1", f"bsh,h{ffn}->bs{ffn}", y, b.weight(f"{name}fc1.weight", f"h{ffn}", tp_shard=ffn))
         if a.mlp_bias:
             up = _bias(b, f"{name}fc1.bias", up, ffn, ffn)
-        act = b.pointwise(f"{name}gelu", [up], f"bs{ffn}", flops_per_element=GELU_FLOPS, saves=[up])
+        flops = SQUARED_RELU_FLOPS if a.mlp == "squared_relu" else GELU_FLOPS
+        act = b.pointwise(f"{name}{a.mlp}", [up], f"bs{ffn}", flops_per_element=flops, saves=[up])
     return b.einsum(f"{name}fc2", f"bs{ffn},{ffn}h->bsh", act, b.weight(f"{name}fc2.weight", f"{ffn}h", tp_shard=ffn))
 
 
@@ -130,7 +150,8 @@ def _experts(b: BlockBuilder, slots: Tensor, a: ArchSwitches) -> Tensor:
     up = b.einsum("experts.fc1", f"ech,eh{u}i->ec{u}i", slots, b.weight("experts.fc1.weight", f"eh{u}i", tp_shard="i"))
     if a.mlp_bias:
         up = _bias(b, "experts.fc1.bias", up, f"e{u}i", "i")
-    flops = (SWIGLU_FLOPS if a.mlp == "swiglu" else GEGLU_FLOPS) if gated else GELU_FLOPS
+    flops = ((SWIGLU_FLOPS if a.mlp == "swiglu" else GEGLU_FLOPS) if gated
+             else SQUARED_RELU_FLOPS if a.mlp == "squared_relu" else GELU_FLOPS)
     act = b.pointwise(f"experts.{a.mlp}", [up], "eci", flops_per_element=flops, saves=[up])
     down = b.einsum("experts.fc2", "eci,eih->ech", act, b.weight("experts.fc2.weight", "eih", tp_shard="i"))
     if a.mlp_bias:
@@ -185,10 +206,14 @@ def _sublayer_out(b: BlockBuilder, out: Tensor, bias: str | None, post_norm: str
     return out
 
 
-def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool) -> Tensor:
-    """One transformer layer from its input (the residual stream) to its output."""
+def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool, absorb: bool = False) -> Tensor:
+    """One transformer layer from its input (the residual stream) to its output (``absorb``:
+    latent attention in its absorbed form)."""
     drop = a.hidden_dropout
-    attention = _latent_attention if a.multi_latent_attention else _attention
+
+    def attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
+        return _latent_attention(b, x, a, absorb) if a.multi_latent_attention else _attention(b, x, a)
+
     if a.parallel_residual:
         # x + attention(norm1(x)) + mlp(norm2(x)): the two row-parallel outputs are summed while
         # still partial over tp (a sum of partial sums), so one reduction serves both.
@@ -209,12 +234,13 @@ def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool) -> Tensor:
     return b.add("mlp_residual", x, down)
 
 
-def build_layer(model: ModelConfig | ArchSwitches, moe: bool = False) -> Block:
-    """A transformer layer; ``moe``: its MLP is a Mixture of Experts."""
+def build_layer(model: ModelConfig | ArchSwitches, moe: bool = False, absorb: bool = False) -> Block:
+    """A transformer layer; ``moe``: its MLP is a Mixture of Experts; ``absorb``: its latent
+    attention (if any) in the absorbed form serving engines decode with."""
     a = model.switches() if isinstance(model, ModelConfig) else model
     b = BlockBuilder("layer", "layer")
     x = b.input("x", "bsh")
-    return b.build([_layer(b, x, a, moe=moe)])
+    return b.build([_layer(b, x, a, moe=moe, absorb=absorb)])
 
 
 def build_embedding(model: ModelConfig | ArchSwitches) -> Block:

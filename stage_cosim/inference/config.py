@@ -25,6 +25,10 @@ from stage_cosim.errors import positive_int, require
 PHASES = ("prefill", "decode")
 TRAIN = "train"
 KV_CACHE_DTYPES = ("bf16", "fp8")
+# How the layers' GEMM weights are stored and computed with (see
+# :func:`~stage_cosim.graph.precision.inference_precision`): BF16; FP8 weights and activations
+# (W8A8, FP8 GEMMs); 4-bit weights with a scale per group of 128, BF16 GEMMs (W4A16).
+WEIGHT_DTYPES = ("bf16", "fp8", "int4")
 # Training options that mean nothing in an inference step, with the value that leaves them off.
 TRAINING_ONLY = {"vp": 1, "sp": False, "zero": 0, "recompute": "none", "dtype": "bf16"}
 
@@ -117,6 +121,12 @@ class InferenceConfig:
     # Requests per pipeline micro-batch on one replica (default: the replica's requests split
     # into pp micro-batches when they divide, so that every stage has work; else one).
     micro_batch: int | None = None
+    # DeepSeek-style attention data parallelism (models with experts): the dp ranks run the
+    # attention each on its own requests and share the experts, sharded over every rank of the
+    # expert mesh (expert_tp * ep may span dp). Without it the dp replicas are independent
+    # model instances, each holding every expert (expert_tp * ep divides tp).
+    attention_dp: bool = False
+    weight_dtype: str = "bf16"          # the layers' GEMM weights (WEIGHT_DTYPES)
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, "phase", f"must be one of {', '.join((TRAIN,) + PHASES)}, got {self.phase!r}")
@@ -126,6 +136,9 @@ class InferenceConfig:
             positive_int(self.micro_batch, "micro-batch")
         require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv-cache-dtype",
                 f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        require(self.weight_dtype in WEIGHT_DTYPES, "weight-dtype",
+                f"must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        require(isinstance(self.attention_dp, bool), "attention-dp", f"must be true or false, got {self.attention_dp!r}")
 
     @property
     def new_tokens(self) -> int:
@@ -142,15 +155,24 @@ class InferenceConfig:
         """Each request's context after the step (what its cache holds)."""
         return self.past_tokens + self.new_tokens
 
-    def parallel(self, parallel: "ParallelConfig") -> "ParallelConfig":  # noqa: F821
+    def parallel(self, parallel: "ParallelConfig", model: "ModelConfig | None" = None) -> "ParallelConfig":  # noqa: F821
         """``parallel`` as this step runs it: ``batch / dp`` requests per replica in
-        micro-batches of ``micro_batch``, ``new_tokens`` per request, forward passes in order."""
+        micro-batches of ``micro_batch``, ``new_tokens`` per request, forward passes in order.
+        With ``model``, the rules that tie the inference layout to the model are checked too
+        (attention data parallelism needs experts)."""
         from dataclasses import replace
 
         for key, off in TRAINING_ONLY.items():
             require(getattr(parallel, key) == off, key, f"is a training option (an inference step has no backward), got {getattr(parallel, key)!r}")
-        require(parallel.cp == 1, "cp", f"context parallelism is modelled for training steps; an inference step "
-                                        f"runs with cp = 1, got {parallel.cp}")
+        require(parallel.cp == 1 or self.phase == "prefill", "cp",
+                f"context parallelism shards a prefill's prompts; a decode step (one new token per request) "
+                f"runs with cp = 1, got {parallel.cp}")
+        if parallel.cp > 1:
+            chunks = 2 * parallel.cp if parallel.cp_load_balance else parallel.cp
+            require(self.input_len % chunks == 0, "input-len",
+                    f"must be divisible by {'2*cp' if parallel.cp_load_balance else 'cp'} = {chunks} (the prompts are "
+                    f"cut into that many chunks over cp), got {self.input_len}")
+        self._check_experts(parallel, model)
         dp = parallel.dp
         require(self.batch % dp == 0, "batch", f"must be divisible by dp ({dp}), got {self.batch}")
         per = self.batch // dp
@@ -159,6 +181,27 @@ class InferenceConfig:
                 f"must divide the {per} requests of each data-parallel replica, got {mb}")
         return replace(parallel, micro_batch=mb, global_batch=self.batch, seq_len=self.new_tokens, schedule="gpipe",
                        vp=1, pp_layers=parallel.pp_layers)
+
+    def _check_experts(self, parallel: "ParallelConfig", model: "ModelConfig | None") -> None:  # noqa: F821
+        """Independent replicas keep the expert mesh inside one replica's tensor-parallel ranks;
+        attention data parallelism shares it over every rank of a stage (and needs experts)."""
+        if model is not None:
+            require(not self.attention_dp or model.is_moe, "attention-dp",
+                    f"shares the experts between the dp ranks' attention; {model.name} has no experts")
+        if self.attention_dp:
+            return
+        replica = parallel.tp * parallel.cp
+        ranks = f"tp*cp = {parallel.tp}*{parallel.cp}" if parallel.cp > 1 else f"tp = {parallel.tp}"
+        require(replica % (parallel.expert_tp * parallel.ep) == 0, "ep",
+                f"expert-tp*ep = {parallel.expert_tp}*{parallel.ep} must divide {ranks}: without --attention-dp the "
+                f"dp replicas are independent model instances, each holding every expert (--attention-dp shares "
+                f"the experts over the dp ranks)")
+        # the expert mesh takes the stage's ranks innermost first: a replica's are those only if
+        # dp is the outermost of its axes
+        inner = [a for a in parallel.axis_order if a in ("tp", "cp", "dp")]
+        require(parallel.dp == 1 or parallel.expert_tp * parallel.ep == 1 or inner[-1] == "dp", "axis-order",
+                f"without --attention-dp each dp replica's expert ranks must be its own: dp must come after tp and "
+                f"cp, got {','.join(parallel.axis_order)}")
 
     def shape(self, sequences: int, windows: set[int | None] | frozenset) -> BatchShape:
         return BatchShape.uniform(sequences, self.new_tokens, self.past_tokens, windows)

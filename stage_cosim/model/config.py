@@ -15,9 +15,10 @@ CrossEntropyImpl = Literal["fused", "unfused"]
 MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy", "moe_shared_expert_overlap")
 
 NORMS = ("layernorm", "rmsnorm")
-# "gelu": one up-projection and a GELU; "swiglu" / "geglu": gated (gate and up projections,
-# SiLU or GELU on the gate, times the up projection), as Llama and Gemma do.
-MLPS = ("gelu", "swiglu", "geglu")
+# "gelu": one up-projection and a GELU; "squared_relu": the same with relu(x)^2 (Nemotron-4,
+# Megatron-Core's squared_relu); "swiglu" / "geglu": gated (gate and up projections, SiLU or
+# GELU on the gate, times the up projection), as Llama and Gemma do.
+MLPS = ("gelu", "squared_relu", "swiglu", "geglu")
 POSITIONS = ("learned", "rope")
 # Hugging Face's names for the attention of one layer (``layer_types``).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -97,7 +98,7 @@ class ModelConfig:
     max_seq: int
     tied_embeddings: bool
     norm: Literal["layernorm", "rmsnorm"]
-    mlp: Literal["gelu", "swiglu", "geglu"]
+    mlp: Literal["gelu", "squared_relu", "swiglu", "geglu"]
     position: Literal["learned", "rope"]
     # Biases: on the QKV and output projections of attention (Hugging Face's attention_bias),
     # on the MLP's projections (mlp_bias), on QKV alone (Megatron-Core's add_qkv_bias, Qwen2).

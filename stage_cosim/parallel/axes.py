@@ -44,6 +44,10 @@ class MeshAxis:
     # layout (every rank of a stage holding its own tokens): dp the batch, tp the sequence
     # (sequence parallelism), the expert axes the token label n.
     tokens: str = ""
+    # The label it shards in tensors and ops over the key sequence alone (an inference step's
+    # KV cache and what is computed from it): cp splits the cached tokens as it splits the
+    # sequence, each rank's cache holding its own tokens.
+    keys: str = ""
     meaning: str = ""
 
 
@@ -56,7 +60,7 @@ AXES: tuple[MeshAxis, ...] = (
     # replicated over cp, so their gradients are reduced over dp and cp together (Megatron's
     # data-parallel group "with context parallel"). Attention, whose keys and values span the
     # whole sequence, exchanges them (sharding.propagate: the attention exchange).
-    MeshAxis("cp", "dense", shards="s", data_parallel=True, tokens="s",
+    MeshAxis("cp", "dense", shards="s", data_parallel=True, tokens="s", keys="t",
              meaning="context parallelism over the sequence"),
     MeshAxis("dp", "dense", shards="b", data_parallel=True, tokens="b", meaning="data parallelism over the batch"),
     # Expert layers: ep holds a share of the experts (the expert label e), expert_tp shards each

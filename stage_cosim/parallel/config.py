@@ -31,6 +31,10 @@ FP8_OPTIONS = ("fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", 
 VOCAB_PAD = 128                           # Megatron pads the vocabulary to a multiple of 128 * tp
 
 
+def _finite_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Degrees per mesh axis plus the execution choices that go with them."""
@@ -100,19 +104,21 @@ class ParallelConfig:
             positive_int(getattr(self, name), name.replace("_", "-"))
         # (cp folds into the expert mesh's data parallelism, as Megatron-Core's MoE folding does)
         stage = self.tp * self.cp * self.dp
-        require(self.ep * self.expert_tp <= stage and stage % (self.ep * self.expert_tp) == 0,
-                "ep", f"expert-tp*ep = {self.expert_tp}*{self.ep} must divide tp*cp*dp = "
-                      f"{self.tp}*{self.cp}*{self.dp} (expert layers re-factor the same ranks)")
+        # the flag to blame: expert-tp where it alone cannot divide the ranks, else ep
+        culprit = "expert-tp" if stage % self.expert_tp and not stage % self.ep else "ep"
+        require(stage % (self.ep * self.expert_tp) == 0,
+                culprit, f"expert-tp*ep = {self.expert_tp}*{self.ep} must divide tp*cp*dp = "
+                         f"{self.tp}*{self.cp}*{self.dp} (expert layers re-factor the same ranks)")
         require(self.moe_token_dispatcher in TOKEN_DISPATCHERS, "moe-token-dispatcher",
                 f"must be one of {', '.join(TOKEN_DISPATCHERS)}, got {self.moe_token_dispatcher!r}")
         cf = self.moe_capacity_factor
-        require(cf is None or (isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf > 0),
-                "moe-capacity-factor", f"must be a positive number, got {cf!r}")
+        require(cf is None or (_finite_number(cf) and cf > 0),
+                "moe-capacity-factor", f"must be a finite positive number, got {cf!r}")
         require(not self.moe_pad_to_capacity or cf is not None, "moe-pad-to-capacity",
                 "needs --moe-capacity-factor")
         imb = self.moe_imbalance
-        require(isinstance(imb, (int, float)) and not isinstance(imb, bool) and imb >= 1, "moe-imbalance",
-                f"must be a number >= 1 (the busiest expert rank's tokens over the mean), got {imb!r}")
+        require(_finite_number(imb) and imb >= 1, "moe-imbalance",
+                f"must be a finite number >= 1 (the busiest expert rank's tokens over the mean), got {imb!r}")
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.dp * self.micro_batch)
         positive_int(self.global_batch, "global-batch")
@@ -283,12 +289,15 @@ class ParallelConfig:
             take_lo = not take_lo
         return tuple(counts)
 
-    def check_against(self, model: ModelConfig) -> None:
-        """The divisibility rules that tie this configuration to a model."""
+    def check_against(self, model: ModelConfig, *, training: bool = True) -> None:
+        """The divisibility rules that tie this configuration to a model (``training``: also
+        Megatron-Core's training-only rules)."""
         require(model.heads % self.tp == 0, "tp", f"must divide heads ({model.heads}), got {self.tp}")
         require(model.kv_heads % self.tp == 0, "tp", f"must divide kv-heads ({model.kv_heads}), got {self.tp}")
         require(model.ffn % self.tp == 0, "tp", f"must divide ffn ({model.ffn}), got {self.tp}")
-        require(self.virtual_stages <= model.layers, "pp",
+        # (an explicit --pp-layers may leave the first and last stage with the embedding or the
+        # loss alone, as Llama 3's 405B run did; layers_per_stage checks its sum)
+        require(self.virtual_stages <= model.layers or self.pp_layers is not None, "pp",
                 f"pp*vp = {self.virtual_stages} pipeline stages exceed the model's {model.layers} layers")
         self.layers_per_stage(model.layers)
         if model.position == "learned":
@@ -303,25 +312,47 @@ class ParallelConfig:
                 "FP8 attention is a fused attention kernel (cuDNN); the model uses --attention unfused")
         require(not self.fp8_dispatch or getattr(model, "num_experts", None), "fp8-dispatch",
                 f"sends the token dispatch of MoE layers in FP8; {model.name} has no experts")
-        self._check_experts(model)
+        self._check_experts(model, training)
 
-    def _check_experts(self, model: ModelConfig) -> None:
+    def _check_experts(self, model: ModelConfig, training: bool = True) -> None:
         if not model.is_moe:
-            require(self.ep == 1, "ep", f"needs a Mixture-of-Experts model ({model.name} has no experts)")
-            require(self.expert_tp == self.tp, "expert-tp",
-                    f"needs a Mixture-of-Experts model ({model.name} has no experts)")
+            for flag, default in (("ep", 1), ("expert_tp", self.tp), ("moe_imbalance", 1)):
+                require(getattr(self, flag) == default, flag.replace("_", "-"),
+                        f"needs a Mixture-of-Experts model ({model.name} has no experts)")
             return
         require(model.num_experts % self.ep == 0, "ep", f"must divide num-experts ({model.num_experts}), got {self.ep}")
+        self._check_imbalance(model)
         require(model.expert_ffn % self.expert_tp == 0, "expert-tp",
                 f"must divide the experts' ffn ({model.expert_ffn}), got {self.expert_tp}")
         shared = model.moe_shared_expert_intermediate_size
         require(shared is None or shared % self.tp == 0, "tp",
                 f"must divide the shared experts' ffn ({shared}), got {self.tp}")
-        require(not (self.ep > 1 and self.tp > 1) or self.sp, "sp",
+        # (an inference step runs without sequence parallelism: tokens replicated over tp are
+        # split over the expert ranks on their way to the experts and gathered back after)
+        require(not training or not (self.ep > 1 and self.tp > 1) or self.sp, "sp",
                 "sequence parallelism is required when ep and tp are both > 1 (as in Megatron-Core)")
         require(self.mesh_orders()[EXPERT] is not None, "axis-order",
                 f"the dense axes must be contiguous in the rank order for expert layers (pp first or last), "
                 f"got {','.join(self.axis_order)}")
+
+    def max_moe_imbalance(self, model: ModelConfig) -> float:
+        """The most tokens an expert rank can hold over the mean: ep * min(topk, E/ep) / topk.
+
+        Each token sends its top-k copies to k distinct experts, E/ep of which live on a
+        rank, so a rank gets at most min(k, E/ep) copies of each token: T * min(k, E/ep) of
+        the T * k / ep it gets on average. With ep = 1 that is 1: the one expert rank holds
+        every routed token, it cannot be imbalanced."""
+        k, e = model.moe_router_topk, model.num_experts
+        return self.ep * min(k, e // self.ep) / k
+
+    def _check_imbalance(self, model: ModelConfig) -> None:
+        k, e, ep = model.moe_router_topk, model.num_experts, self.ep
+        bound = self.max_moe_imbalance(model)
+        require(self.moe_imbalance <= bound, "moe-imbalance",
+                f"must be at most ep*min(topk, num-experts/ep)/topk = {ep}*min({k}, {e // ep})/{k} = {bound:g} "
+                f"(a token sends at most min(topk, num-experts/ep) of its topk copies to one expert rank"
+                f"{'; with ep 1 the one expert rank holds every routed token' if ep == 1 else ''}), "
+                f"got {self.moe_imbalance:g}")
 
     def _check_context_parallel(self, model: ModelConfig) -> None:
         """Megatron-Core's and Transformer Engine's rules for context parallelism."""

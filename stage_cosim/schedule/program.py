@@ -241,7 +241,7 @@ class _Builder:
     def defer(self, t: "_PassTemplate", **placement) -> int:
         """Reserve the ids of a pass's nodes; they are created when first read. Returns the first id."""
         base = len(self.nodes)
-        self.nodes.extend([None] * len(t.rows))
+        self.nodes.extend([None] * t.num_rows)
         self.deferred[base] = _Deferred(base, t, **placement)
         if t.last_compute is not None:
             self.last_compute = base + t.last_compute
@@ -261,31 +261,95 @@ _ENTRY, _CHAIN, _CTRL = -1, -2, -3
 _PARAMS = -10   # -10 - j: the parameter gather of the pass's j-th block (first forward only)
 
 
-@dataclass
 class _PassTemplate:
     """The nodes of one (chunk, phase) pass with ids relative to the pass start.
 
     Every micro-batch's pass of a chunk is the same graph; placing it copies the rows with an
     id offset and fills the markers (the pipeline receive, the ZeRO-3 gather chain, the
     previous pass's sinks).
+
+    A block of the same kind as an earlier one of the pass (a model's layers, mostly) is a copy
+    of its rows: ``pieces`` says which rows are generated and which are copies, and ``rows``
+    writes the copies out on first use. A simulator that times each kind of block once
+    (``segments``) never needs them.
     """
 
-    rows: list[tuple]
-    exits: list[int]
-    sinks: list[int]
-    blocks: list[tuple[str, int, int]]     # (block label, first row, end row)
-    last_prologue: int | None
-    pairs: int = 0                          # send/recv pairs (their tags are 0 … pairs - 1)
+    def __init__(self, pieces: list[tuple], num_rows: int, exits: list[int], sinks: list[int],
+                 blocks: list[tuple[str, int, int]], last_prologue: int | None, pairs: int = 0,
+                 segments: tuple[tuple[tuple, int, int, tuple[int, ...], int], ...] | None = None,
+                 last_compute: int | None = None) -> None:
+        # ("rows", start, rows): generated rows; ("copy", start, _BlockCopy, label, index, entry,
+        # pair_base): a copy of an earlier block (see _copy_block)
+        self.pieces = pieces
+        self.num_rows = num_rows
+        self.exits = exits
+        self.sinks = sinks
+        self.blocks = blocks                  # (block label, first row, end row)
+        self.last_prologue = last_prologue
+        self.pairs = pairs                    # send/recv pairs (their tags are 0 … pairs - 1)
+        # The pass as a sequence of blocks that each wait only for the exits of the one before:
+        # (kind, first row, end row, the rows it waits for, first row of the generated block of
+        # its kind); blocks of one kind have equal rows up to their ids. None where blocks are
+        # chained otherwise (see _pass_template).
+        self.segments = segments
+        self.last_compute = last_compute
+        self._rows: list[tuple] | None = pieces[0][2] if len(pieces) == 1 and pieces[0][0] == "rows" else None
 
-    @cached_property
-    def last_compute(self) -> int | None:
-        return next((j for j in range(len(self.rows) - 1, -1, -1) if self.rows[j][1] == COMP), None)
+    @classmethod
+    def of_rows(cls, rows: list[tuple], exits: list[int], sinks: list[int], blocks: list[tuple[str, int, int]],
+                last_prologue: int | None, pairs: int = 0) -> "_PassTemplate":
+        last = next((j for j in range(len(rows) - 1, -1, -1) if rows[j][1] == COMP), None)
+        return cls([("rows", 0, rows)], len(rows), exits, sinks, blocks, last_prologue, pairs, None, last)
+
+    @property
+    def rows(self) -> list[tuple]:
+        if self._rows is None:
+            rows: list[tuple] = []
+            for piece in self.pieces:
+                if piece[0] == "rows":
+                    rows.extend(piece[2])
+                else:
+                    _copy_block(rows, *piece[2:])
+            self._rows = rows
+        return self._rows
+
+    def generated_rows(self) -> list[tuple]:
+        """The rows generated (not copies): every kind of row of the pass is among them."""
+        if self._rows is not None:
+            return self._rows
+        return [r for piece in self.pieces if piece[0] == "rows" for r in piece[2]]
+
+    def block_rows(self, start: int) -> list[tuple]:
+        """The generated rows of the block that starts at ``start`` (ids within the pass)."""
+        for piece in self.pieces:
+            if piece[0] == "rows" and piece[1] <= start < piece[1] + len(piece[2]):
+                return piece[2][start - piece[1]:]
+        return self.rows[start:]
 
     @cached_property
     def compute_totals(self) -> tuple[int, int, int]:
         """(executed, model, matmul) FLOPs of one placement of the pass."""
-        comp = [r for r in self.rows if r[1] == COMP]
-        return (sum(r[3] for r in comp), sum(r[4] for r in comp), sum(r[3] for r in comp if r[6]))
+        if self._rows is not None:
+            return _flop_totals(self._rows)
+        generated = {piece[1]: _flop_totals(piece[2]) for piece in self.pieces if piece[0] == "rows"}
+        # a copied block's FLOPs are its original's (the generated rows starting at m.start)
+        copied: dict[int, tuple[int, int, int]] = {}
+        for piece in self.pieces:
+            if piece[0] == "copy":
+                m = piece[2]
+                if m.start not in copied:
+                    copied[m.start] = _flop_totals(self.block_rows(m.start)[:m.end - m.start])
+        out = [0, 0, 0]
+        for piece in self.pieces:
+            t = generated[piece[1]] if piece[0] == "rows" else copied[piece[2].start]
+            for i in range(3):
+                out[i] += t[i]
+        return out[0], out[1], out[2]
+
+
+def _flop_totals(rows: list[tuple]) -> tuple[int, int, int]:
+    comp = [r for r in rows if r[1] == COMP]
+    return sum(r[3] for r in comp), sum(r[4] for r in comp), sum(r[3] for r in comp if r[6])
 
 
 @dataclass(frozen=True)
@@ -372,35 +436,123 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
     return out, first, last
 
 
+@dataclass
+class _BlockCopy:
+    """A block of a pass as first generated, to copy for the next block of the same kind."""
+
+    start: int
+    end: int
+    label: str
+    index: int                     # block index in the pass (the parameter marker's)
+    entry: tuple[int, ...]         # the previous block's exits it depends on
+    pair_base: int
+    pairs: int                     # pair count of the pass after it
+    exits: list[int]
+    first_compute: int | None
+    last_compute: int | None
+    sinks: list[int]               # its compute rows no row of the block reads
+
+
+def _rebinder(m: _BlockCopy, start: int, bi: int, entry: list[int]):  # noqa: ANN202
+    """Row ids of block ``m`` as seen from its copy at ``start`` (block ``bi``, entered from
+    ``entry``): its own rows shifted, its entry dependencies and parameter marker rebound."""
+    delta = start - m.start
+    entry_of = dict(zip(m.entry, entry))
+    params_old, params_new = _PARAMS - m.index, _PARAMS - bi
+
+    def rebind(d: int) -> int:
+        if d in entry_of:
+            return entry_of[d]
+        if d >= m.start:
+            return d + delta
+        return params_new if d == params_old else d
+
+    return rebind
+
+
+def _copy_plan(m: _BlockCopy, start: int, bi: int, entry: list[int], pair_base: int
+               ) -> tuple[list[int], int | None, int]:
+    """What a copy of block ``m`` at ``start`` leaves for the next block: (its exits, its first
+    compute row, the pass's pair count after it)."""
+    rebind = _rebinder(m, start, bi, entry)
+    first = m.first_compute + start - m.start if m.first_compute is not None else None
+    pairs = (pair_base + m.pairs - m.pair_base) if m.pairs > m.pair_base else pair_base
+    return [rebind(e) for e in m.exits], first, pairs
+
+
+def _copy_block(rows: list[tuple], m: _BlockCopy, label: str, bi: int, entry: list[int], pair_base: int) -> None:
+    """Append a copy of block ``m``'s rows for a later block of the same kind (the same
+    compiled block bound to the same numbers): ids shifted, entry dependencies and markers
+    rebound, names and the ring's tags renumbered."""
+    rebind = _rebinder(m, len(rows), bi, entry)
+    cut = len(m.label)
+    tag_shift = pair_base - m.pair_base
+    for r in rows[m.start:m.end]:
+        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, _, groups, peer, tag, keys = r
+        rows.append((label + name[cut:], typ, tuple(sorted(rebind(d) for d in deps)), flops, mflops, mem, matmul, coll,
+                     cbytes, group, cat, phase, label, groups, peer, tag + tag_shift if typ in (SEND, RECV) else tag,
+                     keys))
+
+
 def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
                    tp_overlap: bool = False, first: bool = False) -> _PassTemplate:
     """The nodes of one pass over ``insts``; ``first``: the first forward of the step, which also
-    casts the FP8 weights that the later micro-batches reuse."""
-    rows: list[tuple] = []
+    casts the FP8 weights that the later micro-batches reuse.
+
+    A block of the same kind as an earlier one (the same compiled block bound to the same
+    numbers: a model's layers, mostly) is a copy of its rows, written out only when the rows
+    are read. Where every block depends only on the exits of the one before (no parameter
+    prefetch chains, no FP8 amax reduction across the pass, no tensor-parallel overlap
+    rewrite), the template records its blocks as ``segments``, so that a simulator may time
+    each kind of block once."""
+    pieces: list[tuple] = []
+    n = 0                         # rows of the pass so far
     blocks: list[tuple[str, int, int]] = []
+    segments: list[tuple[tuple, int, int, tuple[int, ...], int]] | None = []
     prev_exit: list[int] = [_ENTRY]
     last_prologue: int | None = None
     prev_first_compute: int | None = None     # the previous block's first kernel
+    last_compute: int | None = None
     pair_base = pairs = 0                     # send/recv pairs of the blocks before / so far
+    copies: dict[tuple[int, int], _BlockCopy] = {}
+    local_sinks: list[int] = []               # compute rows no row of their own block reads
     for bi, inst in enumerate(insts):
         sharded = inst.compiled.sharded
         steps = sharded.fwd if phase == "fwd" else sharded.bwd
+        start = n
+        entry = tuple(prev_exit)
+        kind = (id(inst.compiled), id(inst.costs))
+        m = copies.get(kind) if bi > 0 else None
+        if m is not None and len(m.entry) == len(entry):
+            pieces.append(("copy", start, m, inst.label, bi, list(prev_exit), pair_base))
+            prev_exit, first_compute, pairs = _copy_plan(m, start, bi, prev_exit, pair_base)
+            prev_first_compute = first_compute if first_compute is not None else prev_first_compute
+            pair_base = pairs
+            n = start + m.end - m.start
+            last_compute = m.last_compute + start - m.start if m.last_compute is not None else last_compute
+            local_sinks += [j + start - m.start for j in m.sinks]
+            blocks.append((inst.label, start, n))
+            if segments is not None:
+                segments.append(((*kind, phase, first), start, n, entry, m.start))
+            continue
         sc = inst.costs.fwd if phase == "fwd" else inst.costs.bwd
         exits = sharded.fwd_exit if phase == "fwd" else sharded.bwd_exit
-        start = len(rows)
+        block: list[tuple] = []
         ids: list[list[int]] = []          # step index -> the row(s) standing for it
+        prologue = False
         for st in steps:
             i = st.index
             if st.first_microbatch and not first:
                 ids.append([])         # the cached copy already exists
                 continue
             if st.deps:
-                deps = [n for d in st.deps for n in ids[d]]
+                deps = [x for d in st.deps for x in ids[d]]
             else:
                 # ZeRO-3 prefetch, one block ahead: a block's gather starts once the previous
                 # block's gather is done and that block has started computing (for the pass's
                 # first block: once the previous pass's last gather is done).
                 if st.prologue:
+                    prologue = True
                     deps = [last_prologue] if last_prologue is not None else [_CHAIN]
                     if prev_first_compute is not None:
                         deps.append(prev_first_compute)
@@ -409,44 +561,75 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
                 if bi == 0:
                     deps.append(_CTRL)
             name = f"{inst.label}.{st.name}"
+            row = start + len(block)
             if st.kind == "compute":
-                rows.append((name, COMP, tuple(sorted(set(deps))), _ceil(sc.flops[i]), _ceil(sc.model_flops[i]),
-                             _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label,
-                             max(1, round(sc.groups[i])), 0, 0, _ceil(inst.costs.keys * st.key_share)))
-                ids.append([len(rows) - 1])
+                block.append((name, COMP, tuple(sorted(set(deps))), _ceil(sc.flops[i]), _ceil(sc.model_flops[i]),
+                              _ceil(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label,
+                              max(1, round(sc.groups[i])), 0, 0, _ceil(inst.costs.keys * st.key_share)))
+                ids.append([row])
             elif (group := resolve_group(st.axes, degrees)) is None:
                 ids.append(sorted(set(deps)))  # a collective over one rank is nothing
             elif st.kind in ("send", "recv"):
                 # a step of the attention exchange's ring: its peer a cp coordinate away, its tag
                 # the pair's number in the pass (made unique per pass when it is placed)
-                rows.append((name, SEND if st.kind == "send" else RECV, tuple(sorted(set(deps))), 0, 0, 0, "",
-                             None, _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1, st.peer,
-                             pair_base + st.pair, 0))
+                block.append((name, SEND if st.kind == "send" else RECV, tuple(sorted(set(deps))), 0, 0, 0, "",
+                              None, _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1, st.peer,
+                              pair_base + st.pair, 0))
                 pairs = max(pairs, pair_base + st.pair + 1)
-                ids.append([len(rows) - 1])
+                ids.append([row])
             else:
-                rows.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, "", st.collective,
-                             _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1, 0, 0, 0))
-                ids.append([len(rows) - 1])
+                block.append((name, COLL, tuple(sorted(set(deps))), 0, 0, 0, "", st.collective,
+                              _ceil(sc.comm_bytes[i]), group, group, st.phase, inst.label, 1, 0, 0, 0))
+                ids.append([row])
             if st.prologue:
                 last_prologue = ids[-1][0] if ids[-1] and ids[-1][0] >= 0 else last_prologue
+        pieces.append(("rows", start, block))
+        n = start + len(block)
+        block_pair_base = pair_base
         pair_base = pairs
-        prev_exit = [n for e in exits for n in ids[e]] or prev_exit
-        prev_first_compute = next((j for j in range(start, len(rows)) if rows[j][1] == COMP), prev_first_compute)
-        blocks.append((inst.label, start, len(rows)))
-    _amax_reduction(rows, insts, phase, degrees)
+        prev_exit = [x for e in exits for x in ids[e]] or prev_exit
+        computes = [start + k for k, r in enumerate(block) if r[1] == COMP]
+        first_compute = computes[0] if computes else None
+        block_last = computes[-1] if computes else None
+        prev_first_compute = first_compute if first_compute is not None else prev_first_compute
+        last_compute = block_last if block_last is not None else last_compute
+        read = {d for r in block for d in r[2] if d >= start}
+        sinks_here = [j for j in computes if j not in read]
+        local_sinks += sinks_here
+        blocks.append((inst.label, start, n))
+        if prologue:
+            segments = None       # the parameter prefetch chains blocks together
+        elif segments is not None:
+            segments.append(((*kind, phase, first), start, n, entry, start))
+        if bi > 0 and not prologue:
+            copies.setdefault(kind, _BlockCopy(start, n, inst.label, bi, entry, block_pair_base, pairs,
+                                               list(prev_exit), first_compute, block_last, sinks_here))
     exits = [e for e in prev_exit if e >= 0]
+    if segments is not None and not tp_overlap and not _has_amax_reduction(insts, phase):
+        # A row is read only inside its block or, if it is an exit, by the next block.
+        entered = {d for seg in segments for d in seg[3] if d >= 0}
+        sinks = sorted({j for j in local_sinks if j not in entered} | set(exits))
+        return _PassTemplate(pieces, n, exits, sinks, blocks, last_prologue, pairs, tuple(segments), last_compute)
+    template = _PassTemplate(pieces, n, exits, [], blocks, last_prologue, pairs)
+    rows = template.rows
+    _amax_reduction(rows, insts, phase, degrees)
     if tp_overlap and degrees.get("tp", 1) > 1:
-        rows, first, last = _pipeline_tp(rows, degrees["tp"])
+        rows, first_row, last = _pipeline_tp(rows, degrees["tp"])
         exits = [last[e] for e in exits]
         last_prologue = last[last_prologue] if last_prologue is not None else None
-        blocks = [(label, first[lo] if lo < len(first) else len(rows), first[hi] if hi < len(first) else len(rows))
-                  for label, lo, hi in blocks]
+        blocks = [(label, first_row[lo] if lo < len(first_row) else len(rows),
+                   first_row[hi] if hi < len(first_row) else len(rows)) for label, lo, hi in blocks]
     used = {d for r in rows for d in r[2] if d >= 0}
     # The next pass starts after this one's compute is done and its result exists (the result
     # may come out of a collective, e.g. the loss all-reduce).
     sinks = sorted({i for i, r in enumerate(rows) if r[1] == COMP and i not in used} | set(exits))
-    return _PassTemplate(rows, exits, sinks, blocks, last_prologue, pairs)
+    return _PassTemplate.of_rows(rows, exits, sinks, blocks, last_prologue, pairs)
+
+
+def _has_amax_reduction(insts: list[_Instance], phase: str) -> bool:  # noqa: ARG001 (both phases alike)
+    """Whether :func:`_amax_reduction` adds rows to a pass over ``insts``."""
+    precision = insts[0].compiled.sharded.policy.precision if insts else None
+    return bool(precision is not None and precision.delayed and sum(i.compiled.sharded.fp8_modules for i in insts))
 
 
 def _amax_reduction(rows: list[tuple], insts: list[_Instance], phase: str, degrees: dict[str, int]) -> None:
@@ -832,7 +1015,8 @@ def _inference_memory(instances: list[_Instance], num_microbatches: int, tied: b
         else:
             other += nbytes
     kv = sum(i.costs.cache_bytes for i in instances) * num_microbatches
-    workspace = max((i.costs.workspace_bytes for i in instances), default=0.0)
+    # (with the attention exchange's buffers: context parallelism's ring or gathered keys)
+    workspace = max((i.costs.workspace_bytes + i.costs.exchange_bytes for i in instances), default=0.0)
     return StageMemory(weights=_ceil(layer + other), gradients=0, optimizer=0, activations=0,
                        workspace=_ceil(workspace), states_layers=_ceil(layer), states_embedding_head=_ceil(other),
                        kv_cache=_ceil(kv))

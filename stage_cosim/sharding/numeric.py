@@ -125,11 +125,12 @@ def compiled_blocks(arch: ArchSwitches, policy: ShardingPolicy) -> CompiledGraph
 
 
 @lru_cache(maxsize=128)
-def compiled_inference_blocks(arch: ArchSwitches, policy: ShardingPolicy, kv_cache_dtype: str = "bf16"
-                              ) -> CompiledGraph:
+def compiled_inference_blocks(arch: ArchSwitches, policy: ShardingPolicy, kv_cache_dtype: str = "bf16",
+                              absorb: bool = False) -> CompiledGraph:
     """The blocks of an inference step (forward only, the layers reading their KV cache, the
-    head sampling), sharded under ``policy`` and compiled."""
+    head sampling), sharded under ``policy`` and compiled (``absorb``: latent attention in its
+    absorbed form)."""
     from stage_cosim.graph.inference import inference_blocks
 
-    g = inference_blocks(arch, kv_cache_dtype)
+    g = inference_blocks(arch, kv_cache_dtype, absorb)
     return CompiledGraph(*(compile_block(shard_forward(b, policy)) if b is not None else None for b in g))

@@ -363,7 +363,8 @@ class _Pass:
             if label is None:
                 label = self._tensor_parallel_label(op, operands, i)
             elif label not in all_letters:
-                label = None
+                # an op over the cached key sequence alone (inference): the axis's key label
+                label = AXIS[axis].keys if AXIS[axis].keys and AXIS[axis].keys in all_letters else None
             if label is not None and (label in op.unsharded or axis in op.replicated_over):
                 label = None
             chosen.append(label)
@@ -448,10 +449,11 @@ class _Pass:
 
         out_numel = local_numel(op.outputs[0], out_pls[0])
         flops, model_flops = op_flops(op, local, out_numel)
-        # Model FLOPs count each distinct computation once: an op that no model-parallel axis
-        # shards (a router without sequence parallelism) is repeated on every rank of it.
+        # Model FLOPs count each distinct computation once: an op that an axis does not shard
+        # (a router without sequence parallelism; the logits of an inference step's last tokens,
+        # which no longer have a sequence for cp to split) is repeated on every rank of it.
         for axis, l, here in zip(BLOCK_AXES, labels, on):
-            if here and l is None and not AXIS[axis].data_parallel:
+            if here and l is None:
                 model_flops = model_flops / _degree(axis)
         if op.kind in ATTENTION_KINDS and not self.policy.cp_load_balance:
             # Contiguous chunks: the last cp rank's queries see every key before them, the
@@ -601,8 +603,9 @@ class _Pass:
             for i, (l, here) in enumerate(zip(labels, on)):
                 if not here:
                     pl.append(None)
-                elif i == cp:   # every activation keeps its own piece of the sequence
-                    pl.append(Shard("s") if "s" in t.labels else PARTIAL if grad else REPLICATE)
+                elif i == cp:   # every activation keeps its own piece of the sequence (a KV cache its tokens)
+                    own = next((label for label in ("s", AXIS["cp"].keys) if label in t.labels), None)
+                    pl.append(Shard(own) if own else PARTIAL if grad else REPLICATE)
                 elif l is not None and l in letters:
                     pl.append(Shard(t.labels[letters.index(l)]))
                 elif grad and l is not None:
@@ -758,6 +761,8 @@ def input_placement(t: Tensor, policy: ShardingPolicy) -> Placements:
         if label is None:
             # a KV cache is split by heads, as the attention that reads it
             label = t.tp_shard if t.kind == "kv_cache" else _residual_label(policy) if t.residual else None
+        elif t.kind == "kv_cache" and label not in t.labels:
+            label = AXIS[axis].keys or None     # (cp: each rank caches its own tokens)
         out.append(Shard(label) if label is not None and label in t.labels else REPLICATE)
     return tuple(out)
 
@@ -877,12 +882,15 @@ def shard_forward(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     backward, no gradients, no activations held for later. Its KV cache (the block's state)
     is placed like the attention that reads it. ``workspace_bytes`` is the largest kernel's
     working set of activations beside the block's input (what a forward pass holds at once)."""
+    # the precision's GEMMs, casts and stored weights (a forward-only policy: see graph.precision)
+    block = apply_precision(block, [], {}, policy.precision, sp=policy.sp, zero3=False)[0]
     placements: dict[Tensor, Placements] = {t: input_placement(t, policy) for t in [*block.inputs, *block.caches]}
     fwd = _Pass(policy, "fwd", placements, block.weights)
     for op in block.ops:
         fwd.run(op, "fwd")
     fwd_exit = _hand_on(fwd, block, policy)
-    syncs = [WeightSync(w, local_numel(w, compute_placement(w)), (), weight_replicas(w)) for w in block.weights]
+    syncs = [WeightSync(w, local_numel(w, compute_placement(w)), (), weight_replicas(w), float(DTYPE_BYTES[w.dtype]))
+             for w in block.weights]
     boundary = sp.Add(*(local_bytes(t, placements[t]) for t in block.outputs))
     inputs = sp.Add(*(local_bytes(t, placements[t]) for t in block.inputs))
     working = [sp.Add(*(local_bytes(t, placements[t]) for t in [*op.inputs, *op.outputs]
@@ -890,8 +898,9 @@ def shard_forward(block: Block, policy: ShardingPolicy) -> ShardedBlock:
                for op in block.ops]
     workspace = inputs + (sp.Max(*working) if working else sp.Integer(0))
     caches = sp.Add(*(local_bytes(c, placements[c]) for c in block.caches))
+    exchange = sp.Max(fwd.transient, fwd.gathered_bytes)
     return ShardedBlock(block, policy, fwd.steps, [], fwd_exit, (), sp.Integer(0), workspace, syncs, boundary,
-                        cache_bytes=caches)
+                        cache_bytes=caches, exchange_bytes=exchange)
 
 
 def _weight_syncs(block: Block, weight_grads: dict[Tensor, Tensor], placements: dict[Tensor, Placements],

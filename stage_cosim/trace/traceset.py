@@ -567,8 +567,19 @@ def locate(path: Path, comm_groups: Path | None = None) -> Located:
     return Located(trace_dir, files, fmt, groups_file, run_dir)
 
 
+def _groups(path: Path | None, parameter: str) -> dict[str, list[int]] | None:
+    """The communicator groups of ``path``; an unreadable file is an error naming the flag that
+    gave it (or would have: ``--comm-groups``, the binary's ``--comm-group-configuration``)."""
+    if path is None:
+        return None
+    try:
+        return read_comm_groups(path)
+    except TraceFormatError as exc:
+        raise UserError(parameter, str(exc)) from None
+
+
 def read(located: Located) -> TraceSet:
-    groups = read_comm_groups(located.groups_file) if located.groups_file is not None else None
+    groups = _groups(located.groups_file, "comm-groups")
     if located.fmt == "et":
         return read_files(located.files, groups, str(located.trace_dir))
     try:
@@ -588,5 +599,8 @@ def read_prefix(prefix: str, ranks: Iterable[int], groups_file: Path | None) -> 
             raise UserError("workload-configuration", f"{p}: no such file (ASTRA-sim needs one trace per rank "
                                                       "of the network and aborts without it)")
         files[r] = p
-    groups = read_comm_groups(groups_file) if groups_file is not None else None
-    return read_files(files, groups, prefix)
+    groups = _groups(groups_file, "comm-group-configuration")
+    try:
+        return read_files(files, groups, prefix)
+    except TraceFormatError as exc:
+        raise UserError("workload-configuration", str(exc)) from None

@@ -24,6 +24,7 @@ from stage_cosim.trace.traceset import COLL, COMP, RECV, SEND, NodeTable, TraceS
 
 SUPPORTED_COLLECTIVES = {0: "ALL_REDUCE", 2: "ALL_GATHER", 6: "ALL_TO_ALL", 7: "REDUCE_SCATTER"}
 BROADCAST = 5           # not simulated as a collective: its duration is replayed, rank by rank
+MEM_LOAD, MEM_STORE = 2, 3
 ALL_GATHER = 2
 
 
@@ -96,11 +97,16 @@ def _node_problems(typ: int, attrs: dict) -> list[str]:
     msgs: list[str] = []
     if typ in (0, 1):
         msgs.append(f"node type {NODE_TYPE_NAMES.get(typ, typ)} is not runnable (unset types stall, METADATA aborts)")
+    elif typ in (MEM_LOAD, MEM_STORE):
+        # whatever the system: the binary aborts on them without remote memory, and its
+        # remote-memory models are not reproduced here
+        msgs.append("MEM_LOAD / MEM_STORE nodes: the simulator aborts on them without remote memory, and its "
+                    "remote-memory models are not reproduced here")
     elif typ == COMP:
-        size = _int_attr(attrs, "tensor_size", msgs, typ, required=False)
+        # tensor_size 0 is a problem only for the simulator's roofline (roofline-enabled 1), which
+        # skips such a node; that depends on the system file and is checked with it
+        _int_attr(attrs, "tensor_size", msgs, typ, required=False)
         _int_attr(attrs, "num_ops", msgs, typ, required=False)
-        if size == 0:
-            msgs.append("tensor_size 0 makes the simulator skip the node and stall its dependents")
     elif typ == COLL:
         # A collective of 0 bytes runs (every chunk has at least a byte per rank) except an
         # all-gather, whose chunks are then empty.
@@ -197,7 +203,9 @@ def validate(t: TraceSet, limit: int = 1000) -> list[Problem]:
             pg = "0" if value is None else (str(value[1]) or "0")
             if pg != "0":
                 if pg not in groups:
-                    problems.append(Problem(rank, nid, f"communicator group {pg} is not in the group file"))
+                    problems.append(Problem(rank, nid, f"communicator group {pg} is not in the group file"
+                                            if t.groups is not None else f"communicator group {pg} is used but "
+                                            "there is no group file (give it with --comm-groups)"))
                     bad.add(value)
                     continue
                 if rank not in member_sets[pg]:

@@ -48,15 +48,28 @@ class TrainingRun:
     fp8_recipe: str | None = None
     fp8_dispatch: bool = False
     cluster: str = ""                    # the cluster preset the run's machine matches
+    # Context parallelism and the rest of a recipe's settings (Megatron's names)
+    cp: int = 1
+    cp_comm: str = "p2p"
+    grad_reduce_dtype: str = "fp32"
+    fp8_format: str = "hybrid"
+    fp8_amax_history_len: int = 1024
+    pp_layers: tuple[int, ...] | None = None
+    axis_order: tuple[str, ...] | None = None
 
     def parallel(self) -> "ParallelConfig":  # noqa: F821
         from stage_cosim.parallel import ParallelConfig
 
-        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, vp=self.vp, micro_batch=self.micro_batch,
-                              global_batch=self.global_batch, seq_len=self.seq_len, sp=self.sp,
-                              recompute=self.recompute, zero=self.zero, tp_comm_overlap=self.tp_comm_overlap,
+        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_comm=self.cp_comm, vp=self.vp,
+                              micro_batch=self.micro_batch, global_batch=self.global_batch, seq_len=self.seq_len,
+                              sp=self.sp, recompute=self.recompute, zero=self.zero,
+                              tp_comm_overlap=self.tp_comm_overlap, grad_reduce_dtype=self.grad_reduce_dtype,
                               ep=self.ep, expert_tp=self.expert_tp, moe_token_dispatcher=self.moe_token_dispatcher,
-                              dtype=self.dtype, fp8_recipe=self.fp8_recipe, fp8_dispatch=self.fp8_dispatch)
+                              dtype=self.dtype, fp8_recipe=self.fp8_recipe, fp8_dispatch=self.fp8_dispatch,
+                              pp_layers=self.pp_layers,
+                              **({"axis_order": self.axis_order} if self.axis_order else {}),
+                              **({"fp8_format": self.fp8_format, "fp8_amax_history_len": self.fp8_amax_history_len}
+                                 if self.dtype == "fp8" else {}))
 
 
 def korthikanti_table5() -> list[TrainingRun]:
@@ -144,6 +157,88 @@ def moe_published() -> list[TrainingRun]:
                                 dtype="fp8" if fp8 else "bf16",
                                 fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None, fp8_dispatch=fp8,
                                 cluster=_MOE_CLUSTER[r["gpu"]]))
+    return runs
+
+
+def _nemo_model(r: dict[str, str], seq: int) -> ModelConfig:
+    """A model of NeMo Framework 24.07's recipe (see data/SOURCES.md): its dimensions and the
+    switches that change a cost. Attention is Transformer Engine's fused (flash) kernel, which
+    skips the masked half of the causal score matrix (``causal_flops``), as the Megatron-Core
+    rows are modelled."""
+    bias = r["bias"] == "true"
+    dropout = float(r["dropout"])
+    return ModelConfig.build(
+        r["model"].lower(), r["arch"], layers=int(r["layers"]), hidden=int(r["hidden"]), ffn=int(r["ffn"]),
+        heads=int(r["heads"]), kv_heads=int(r["kv_heads"]), vocab=int(r["vocab"]), max_seq=seq,
+        tied_embeddings=r["tied_embeddings"] == "true", mlp=r["mlp"], norm=r["norm"], position=r["position"],
+        rotary_percent=float(r["rotary_percent"]), attention_bias=bias, mlp_bias=bias, hidden_dropout=dropout,
+        attention_dropout=dropout, cross_entropy=r["cross_entropy"], attention="fused", causal_flops=True)
+
+
+def nemo2407_fp8_h100() -> list[TrainingRun]:
+    """NeMo Framework 24.07's FP8 pre-training benchmarks on DGX H100: the performance table's
+    mapping (GPUs, global and micro-batch, sequence, tp, pp, cp, vp) and tokens/s per GPU, from
+    which the step time is gbs * seq / (tokens/s/GPU * GPUs). What the table does not state comes
+    from the same release's launcher recipes (nemo2407_recipes.csv): the model dimensions,
+    sequence parallelism, Userbuffers tp-communication overlap, recomputation, the gradient
+    reduction precision and the amax history. Every run used Transformer Engine's delayed
+    scaling (hybrid format: e4m3 forward, e5m2 gradients), Megatron-Core's Transformer Engine
+    layer (LayerNormLinear, Megatron's own activation, Linear) and Apex's distributed Adam, whose
+    sharded optimizer states and bucketed gradient reduce-scatter / parameter all-gather over
+    dp*cp are ZeRO-1's; the context-parallel attention of this release is the ring (p2p)."""
+    recipes = {r["model"]: r for r in _rows("nemo2407_recipes.csv")}
+    runs = []
+    for r in _rows("nemo2407_fp8_h100.csv"):
+        rec = recipes[r["model"]]
+        gpus, gb, s = int(r["gpus"]), int(r["gbs"]), int(r["seq"])
+        tp, pp, cp = int(r["tp"]), int(r["pp"]), int(r["cp"])
+        step = gb * s / (float(r["tokens_per_s_per_gpu"]) * gpus)
+        runs.append(TrainingRun(
+            r["source"], f"{r['model']} ({gpus})", _nemo_model(rec, s), "H100-SXM5-80GB", gpus, tp, pp,
+            gpus // (tp * pp * cp), int(r["vp"]), gb, int(r["mbs"]), s, rec["recompute"], rec["sp"] == "true",
+            step, zero=1, tp_comm_overlap=rec["tp_comm_overlap"] == "true", dtype="fp8", fp8_recipe="delayed",
+            cluster="dgx-h100", cp=cp, cp_comm="p2p", grad_reduce_dtype=rec["grad_reduce_dtype"],
+            fp8_format="hybrid", fp8_amax_history_len=int(rec["fp8_amax_history_len"])))
+    return runs
+
+
+def palm_model_flops(model: ModelConfig, batch: int, seq: int) -> float:
+    """Model FLOPs of one iteration as PaLM counts them (Chowdhery et al. 2022, Appendix B),
+    the MFU Llama 3's paper reports: 6 N + 12 L H Q T per token, N the parameters that
+    multiply (every weight but the input embedding table), L H Q T layers, heads, head size and
+    sequence (the full T x T score matrix, as our model FLOPs count it)."""
+    n = model.param_count() - model.vocab * model.hidden
+    attention = 12 * model.layers * model.heads * model.head_dim * seq
+    return batch * seq * (6 * n + attention)
+
+
+def llama3_herd_table4() -> list[TrainingRun]:
+    """Llama 3 405B's pre-training configurations (Grattafiori et al., "The Llama 3 Herd of
+    Models", arXiv 2407.21783, Table 4) on 8,192 and 16,384 H100 (700 W, 80 GB, 400 Gb/s RoCE per
+    GPU, eight GPUs a server on NVLink): BF16, tp8 pp16, dp64 / dp128 at 8K tokens and tp8 cp16
+    pp16 dp8 at 131K; the step time is the batch's PaLM model FLOPs over TFLOP/s x GPUs. Checks,
+    never fitted. From the paper's text (section 3.3.2): ranks ordered [TP, CP, PP, DP]; FSDP that
+    shards optimizer states and gradients but keeps the gathered weights through the backward
+    (ZeRO-2), gradients reduce-scattered in fp32; context parallelism by all-gathering K and V
+    (2*cp load-balanced chunks); an interleaved schedule whose first chunk holds only the
+    embedding and last chunk only the output layer and loss, with one layer fewer on the first
+    and last pipeline ranks: 126 layers = 16 x 8 - 2 chunks of one layer, so V = 8 chunks per
+    rank. Not stated, and taken as Megatron's defaults: sequence parallelism with tp, micro-batch
+    1, no recomputation (the paper trains 8K without activation checkpointing; ours fits 131K
+    without it too)."""
+    from stage_cosim.model import get_preset
+
+    runs = []
+    for r in _rows("llama3_herd_table4.csv"):
+        model = get_preset(r["model"]).with_overrides(causal_flops=True)
+        gpus, tp, cp, pp, dp, s = (int(r[k]) for k in ("gpus", "tp", "cp", "pp", "dp", "seq"))
+        gb = int(r["batch_per_dp"]) * dp
+        vp = 8
+        step = palm_model_flops(model, gb, s) / (float(r["tflops_per_gpu"]) * 1e12 * gpus)
+        runs.append(TrainingRun(
+            r["source"], f"405B {gpus} GPUs, {s // 1024}K" + (f", cp{cp}" if cp > 1 else ""), model, "H100-SXM5-80GB",
+            gpus, tp, pp, dp, vp, gb, 1, s, "none", True, step, zero=2, cluster="dgx-h100", cp=cp,
+            cp_comm="all-gather", pp_layers=(0,) + (1,) * model.layers + (0,), axis_order=("tp", "cp", "pp", "dp")))
     return runs
 
 

@@ -5,7 +5,7 @@ It prints in the simulator's real output format but computes nothing: the number
 up (rank r "finishes" at 1000 * (r + 1) cycles). Tests use it to exercise how the adapter
 launches, times out, and reads crashes and deadlocks. Its numbers must never reach a user.
 
-STANDIN_MODE: ok | crash | deadlock | hang | exit3
+STANDIN_MODE: ok | crash | deadlock | hang | exit3 | abort-on-exit (every rank printed, then SIGABRT)
 """
 
 import os
@@ -38,7 +38,7 @@ def main() -> None:
         print("[info] starting")
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGFPE)
-    shown = n if mode == "ok" else max(0, n - 1)
+    shown = n if mode in ("ok", "abort-on-exit") else max(0, n - 1)
     for r in range(shown):
         print(f"[2026-01-01 00:00:00.000] [workload] [info] sys[{r}] finished, {1000 * (r + 1)} cycles, "
               f"exposed communication {100 * (r + 1)} cycles.")
@@ -47,6 +47,9 @@ def main() -> None:
         print(f"[2026-01-01 00:00:00.000] [statistics] [info] sys[{r}], Comm time: {300 * (r + 1)}")
     if mode == "deadlock":
         print("[2026-01-01 00:00:00.000] [workload] [critical] deadlock detected: rank stuck waiting")
+    if mode == "abort-on-exit":
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGABRT)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,9 @@ class BridgeServicer:
 
     def WatchJob(self, request, context):
         """Every event of a job after after_seq, then live ones, until the job ends. Heartbeats come
-        while nothing else happens. Closing the stream never cancels the job.
+        while nothing else happens. Closing the stream never cancels the job. The stream of a
+        finished job always ends with its final state event: a watcher whose after_seq is at or past
+        that event (or past every number this server has) receives it once more, with its own seq.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,331 @@
+"""The best serving layout for a cluster: the most goodput per GPU under latency targets (or,
+for hardware exploration, the most decode throughput per GPU).
+
+A point is a serving layout: tensor and pipeline parallelism of an instance, for a model with
+experts its expert parallelism and attention data-parallel ranks, the engine's batch limit,
+and whether prompts and decodes run on separate pools (and in what ratio). Its score is its
+**goodput per GPU**: the highest arrival rate at which at least ``attainment`` of the requests
+meet every SLO (DistServe's definition), over the GPUs it takes.
+
+Instances do not interact (requests are spread over them), so a layout is simulated on its
+smallest unit — one instance, or the prefill and decode instances of one ratio — and the
+cluster's GPU count only decides which layouts fit it (the count must be a multiple of the
+unit). Each rate is judged on ``num_requests`` Poisson arrivals; above the unit's capacity
+their queue grows through the run and the SLOs fail for its later part, so the search finds the
+highest rate a run of that many requests sustains.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from stage_cosim.errors import UserError
+from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.inference.config import InferenceConfig
+from stage_cosim.model.config import ModelConfig
+from stage_cosim.parallel import ParallelConfig
+from stage_cosim.search.evaluate import Evaluation
+from stage_cosim.search.space import Dimension, SearchSpace, powers_of_two
+from stage_cosim.serving.config import SLO, ServingConfig
+from stage_cosim.serving.requests import RequestStream
+
+SPLITS = ("none", "1:1", "1:2", "1:3", "2:1")      # prefill:decode instances of a disaggregated unit
+MAX_NUM_SEQS = (32, 64, 128, 256, 512)
+BISECTIONS = 5                                       # the rate to within 2^-5 of its bracket
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """What a layout is judged by: the request mix (its rate is searched) and the SLOs."""
+
+    stream: RequestStream
+    slo: SLO
+    attainment: float = 0.9
+    inference: InferenceConfig = InferenceConfig("decode")
+    serving: ServingConfig = ServingConfig()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.attainment <= 1:
+            raise UserError("attainment", f"must be in (0, 1], got {self.attainment!r}")
+        if self.slo.ttft_s is None and self.slo.tpot_s is None:
+            raise UserError("slo-ttft", "serving layouts are ranked by goodput under SLOs: give --slo-ttft "
+                                        "and/or --slo-tpot")
+
+
+def serving_space(model: ModelConfig, cluster: Cluster, overrides: dict[str, Sequence[Any]] | None = None
+                  ) -> SearchSpace:
+    """tp within a scale-up domain, pp, the batch limit, disaggregation; for a model with
+    experts also ep, expert_tp and attention data-parallel ranks (adp)."""
+    n = cluster.num_gpus
+    domain = min(n, cluster.domain)
+    dims: dict[str, tuple[Any, ...]] = {
+        "tp": tuple(t for t in powers_of_two(min(domain, model.heads)) if model.kv_heads % t == 0 or t % model.kv_heads == 0),
+        "pp": tuple(p for p in powers_of_two(min(n, model.layers, 8))),
+        "max_num_seqs": MAX_NUM_SEQS,
+        "split": SPLITS,
+    }
+    if model.is_moe:
+        dims["ep"] = tuple(e for e in powers_of_two(min(n, model.num_experts)) if model.num_experts % e == 0)
+        dims["expert_tp"] = powers_of_two(domain)
+        dims["adp"] = powers_of_two(n)
+    for name, values in (overrides or {}).items():
+        if name not in dims:
+            raise UserError(name, f"is not a serving search dimension (dimensions: {', '.join(dims)})")
+        dims[name] = tuple(values)
+    return SearchSpace(model, n, 1, 1, tuple(Dimension(k, v) for k, v in dims.items()))
+
+
+def canonical(point: dict[str, Any]) -> dict[str, Any]:
+    p = dict(point)
+    if p.get("ep", 1) == 1 and "expert_tp" in p:
+        p["expert_tp"] = p.get("tp", 1)
+    return p
+
+
+def _unit(point: dict[str, Any]) -> tuple[int, int]:
+    """(prefill, decode) instances of a layout's unit; (1, 0): one instance doing both."""
+    split = point.get("split", "none")
+    if split == "none":
+        return 1, 0
+    p, d = (int(x) for x in split.split(":"))
+    return p, d
+
+
+def layout(space: SearchSpace, point: dict[str, Any], cluster: Cluster, target: ServeTarget
+           ) -> tuple[dict[str, Any] | None, str | None]:
+    """The layout of ``point`` (parallel fields, serving fields, unit GPUs), or the rule it breaks."""
+    m = space.model
+    tp, pp = point.get("tp", 1), point.get("pp", 1)
+    adp = point.get("adp", 1)
+    ep, etp = point.get("ep", 1), point.get("expert_tp", tp)
+    if m.heads % tp or (m.kv_heads % tp and tp % m.kv_heads) or m.ffn % tp:
+        return None, "tp does not divide heads / kv-heads / ffn"
+    if pp > m.layers:
+        return None, "more pipeline stages than layers"
+    instance = tp * pp * adp
+    p, d = _unit(point)
+    unit = instance * (p + d)
+    if space.num_gpus % unit:
+        return None, "the unit's GPUs do not divide the cluster's"
+    par_kw: dict[str, Any] = dict(tp=tp, pp=pp, dp=adp)
+    if m.is_moe:
+        par_kw.update(ep=ep, expert_tp=etp)
+        if (tp * adp) % (ep * etp):
+            return None, "expert-tp * ep does not divide tp * attention ranks"
+    elif adp > 1:
+        return None, "attention data parallelism needs experts"
+    try:
+        par = ParallelConfig(**par_kw)
+        inference = replace(target.inference, attention_dp=adp > 1)
+        inference.parallel(par, m)
+    except UserError as exc:
+        return None, f"{exc.parameter}: {exc.rule.split(',')[0]}"
+    serving = replace(target.serving, max_num_seqs=point.get("max_num_seqs", target.serving.max_num_seqs),
+                      chunk_tokens=max(target.serving.chunk_tokens, point.get("max_num_seqs", 0)),
+                      prefill_gpus=instance * p if d else None, decode_gpus=instance * d if d else None)
+    return {"parallel": par.to_dict(), "attention_dp": adp > 1, "serving": serving.to_dict(), "unit_gpus": unit,
+            "instance_gpus": instance}, None
+
+
+def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
+            target: ServeTarget, num_requests: int) -> Evaluation:
+    """Simulate the layout's unit at increasing rates; its goodput per GPU (an Evaluation whose
+    score is minus it)."""
+    from stage_cosim.serving.run import deploy, simulate_serving
+
+    par = ParallelConfig(**{k: v for k, v in config["parallel"].items()
+                            if k in ParallelConfig.__dataclass_fields__})
+    serving = ServingConfig(**config["serving"])
+    inference = replace(target.inference, attention_dp=config["attention_dp"])
+    unit = replace(cluster, num_gpus=config["unit_gpus"])
+    try:
+        dep = deploy(model, par, inference, unit, serving)
+    except UserError as exc:
+        return Evaluation(point, config, False, f"{exc.parameter}: {exc.rule.split(':')[0]}", None, None)
+    stream = replace(target.stream, num_requests=num_requests)
+
+    def run(rate: float) -> dict[str, Any]:
+        return simulate_serving(dep, replace(stream, rate=rate).generate(), target.slo)
+
+    def ok(report: dict[str, Any]) -> bool:
+        return report["slo"]["attainment"] >= target.attainment
+
+    # Start from the unit's throughput with every request queued at once (its drain makes it
+    # an underestimate of the capacity), then grow or shrink the rate by half until the SLOs
+    # fail or hold, and bisect between the last rate that held and the first that failed.
+    rate = max(1e-3, run(1e6)["throughput"]["requests_per_s"])
+    lo, lo_report, hi = 0.0, None, math.inf
+    for _ in range(24):
+        report = run(rate)
+        if ok(report):
+            lo, lo_report = rate, report
+            if hi < math.inf:
+                break
+            rate *= 1.5
+        else:
+            hi = rate
+            if lo_report is not None:
+                break
+            rate /= 2
+            if rate < 1e-4:
+                return Evaluation(point, config, False, "misses the SLOs at any rate", None, None)
+    for _ in range(BISECTIONS if hi < math.inf and lo_report is not None else 0):
+        mid = (lo + hi) / 2
+        report = run(mid)
+        if ok(report):
+            lo, lo_report = mid, report
+        else:
+            hi = mid
+    if lo_report is None:
+        return Evaluation(point, config, False, "misses the SLOs at any rate", None, None)
+    per_gpu = lo / unit.num_gpus
+    result = {"goodput_requests_per_s_per_gpu": per_gpu, "gpu_seconds_per_request": 1 / per_gpu,
+              "rate_per_unit": lo, "unit_gpus": unit.num_gpus,
+              "instance_gpus": config["instance_gpus"], "layout": config, "report": lo_report,
+              "tokens_per_s_per_gpu": lo_report["throughput"]["output_tokens_per_s_per_gpu"],
+              "cluster_goodput_requests_per_s": per_gpu * cluster.num_gpus}
+    return Evaluation(point, config, True, None, 1 / per_gpu, result)
+
+
+class ServingProblem:
+    """The serving search for :func:`stage_cosim.search.optimize.optimize`."""
+
+    def __init__(self, space: SearchSpace, cluster: Cluster, target: ServeTarget, num_requests: int) -> None:
+        self.space, self.cluster, self.target, self.num_requests = space, cluster, target, num_requests
+
+    def canonical(self, point: dict[str, Any]) -> dict[str, Any]:
+        return canonical(point)
+
+    def check(self, point: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+        return layout(self.space, point, self.cluster, self.target)
+
+    def job(self, config: dict[str, Any], point: dict[str, Any]) -> tuple:
+        return (goodput, self.space.model, self.cluster, config, point, self.target, self.num_requests)
+
+
+def optimize_serving(model: ModelConfig, cluster: Cluster, target: ServeTarget, settings, *,  # noqa: ANN001
+                     overrides: dict[str, Sequence[Any]] | None = None, num_requests: int = 300,
+                     progress=None, should_stop=None) -> dict[str, Any]:  # noqa: ANN001
+    """The serving layouts of ``model`` on ``cluster`` ranked by goodput per GPU under the SLOs."""
+    from stage_cosim.search.optimize import optimize
+
+    space = serving_space(model, cluster, overrides)
+    result = optimize(space, cluster, settings, progress=progress, should_stop=should_stop,
+                      problem=ServingProblem(space, cluster, target, num_requests))
+    ranked = result.ranked
+
+    def entry(e: Evaluation) -> dict[str, Any]:
+        r = dict(e.result or {})
+        report = r.pop("report", {})
+        r["latency_s"] = report.get("latency_s")
+        r["slo"] = report.get("slo")
+        r["throughput"] = report.get("throughput")
+        return {**r, "point": e.point, "score": e.score}
+
+    return {"best": entry(ranked[0]) if ranked else None, "top": [entry(e) for e in ranked[:settings.top_k]],
+            "proven_optimal": result.proven_optimal, "evaluations": len(result.evaluated),
+            "infeasible": dict(sorted(result.infeasible.items())), "objective": "goodput-per-gpu",
+            "method": result.method, "space_size": result.space_size, "interrupted": result.interrupted,
+            "unexplored": max(0, result.space_size - len(result.evaluated) - sum(result.infeasible.values()))
+            if not result.proven_optimal else 0,
+            "target": {"slo": target.slo.to_dict(), "attainment": target.attainment,
+                       "input_len": target.stream.input_len, "output_len": target.stream.output_len,
+                       "lengths": target.stream.lengths, "requests_per_probe": num_requests}}
+
+
+# -- decode throughput (hardware exploration) --------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeTarget:
+    """A decode step of ``batch_per_gpu`` requests per GPU at ``context_len``: its throughput
+    per GPU is what HBM bandwidth buys."""
+
+    batch_per_gpu: int = 32
+    context_len: int = 4096
+    inference: InferenceConfig = InferenceConfig("decode")
+
+    def __post_init__(self) -> None:
+        for name in ("batch_per_gpu", "context_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise UserError(f"serving.{name}", f"must be a positive integer, got {v!r}")
+
+
+def decode_rate(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
+                target: DecodeTarget) -> Evaluation:
+    """The layout's decode step at the target batch and context: output tokens/s per GPU (an
+    Evaluation whose score is GPU-seconds per output token)."""
+    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.workload import synthesize
+
+    par = ParallelConfig(**{k: v for k, v in config["parallel"].items() if k in ParallelConfig.__dataclass_fields__})
+    gpus = config["instance_gpus"]
+    batch = target.batch_per_gpu * gpus
+    inf = replace(target.inference, phase="decode", batch=batch, context_len=target.context_len,
+                  attention_dp=config["attention_dp"])
+    try:
+        w = synthesize(model, par, inference=inf)
+    except UserError as exc:
+        return Evaluation(point, config, False, f"{exc.parameter}: {exc.rule.split(':')[0]}", None, None)
+    unit = replace(cluster, num_gpus=gpus)
+    if max(w.memory(s).total for s in range(par.pp)) > unit.gpu.memory_bytes:
+        return Evaluation(point, config, False, "the batch's KV cache does not fit in memory", None, None)
+    result, _, _ = simulate(w, unit)
+    per_gpu = batch / result.step_time_s / gpus
+    doc = {"decode_tokens_per_s_per_gpu": per_gpu, "gpu_seconds_per_token": 1 / per_gpu,
+           "step_time_s": result.step_time_s, "instance_gpus": gpus, "layout": config,
+           "mbu": result.inference["mbu"] if result.inference else None}
+    return Evaluation(point, config, True, None, 1 / per_gpu, doc)
+
+
+class DecodeProblem(ServingProblem):
+    """The decode-throughput search: layouts of single instances (no pools, no batch limit)."""
+
+    def __init__(self, space: SearchSpace, cluster: Cluster, target: DecodeTarget) -> None:
+        super().__init__(space, cluster, ServeTarget(RequestStream(rate=1.0), SLO(tpot_s=1.0),
+                                                     inference=target.inference), 0)
+        self.decode = target
+
+    def job(self, config: dict[str, Any], point: dict[str, Any]) -> tuple:
+        return (decode_rate, self.space.model, self.cluster, config, point, self.decode)
+
+
+@dataclass(frozen=True)
+class ServingInner:
+    """A serving objective as the inner search of a hardware exploration."""
+
+    objective: str
+    target: Any                      # ServeTarget or DecodeTarget
+    num_requests: int = 300
+
+    def space(self, model: ModelConfig, cluster: Cluster) -> SearchSpace:
+        if self.objective == "decode-throughput":
+            return serving_space(model, cluster, {"split": ("none",), "max_num_seqs": (MAX_NUM_SEQS[-1],)})
+        return serving_space(model, cluster)
+
+    def problem(self, space: SearchSpace, cluster: Cluster):  # noqa: ANN201
+        if self.objective == "decode-throughput":
+            return DecodeProblem(space, cluster, self.target)
+        return ServingProblem(space, cluster, self.target, self.num_requests)
+
+
+def serving_inner(objective: str, model: ModelConfig, settings: dict[str, Any]) -> ServingInner:
+    """The inner search of a serving objective from an explore spec's ``serving`` settings."""
+    inf_kw = {k: settings[k] for k in ("weight_dtype", "kv_cache_dtype") if k in settings}
+    inference = InferenceConfig("decode", **inf_kw)
+    if objective == "decode-throughput":
+        return ServingInner(objective, DecodeTarget(settings.get("batch_per_gpu", 32),
+                                                    settings.get("context_len", 4096), inference))
+    stream_kw = {k: settings[k] for k in ("input_len", "output_len", "lengths") if k in settings}
+    if "length_spread" in settings:
+        stream_kw["spread"] = settings["length_spread"]
+    slo = SLO(settings.get("slo_ttft"), settings.get("slo_tpot"))
+    serving = ServingConfig(**({"chunk_tokens": settings["chunk_tokens"]} if "chunk_tokens" in settings else {}))
+    target = ServeTarget(RequestStream(rate=1.0, **stream_kw), slo, settings.get("attainment", 0.9), inference,
+                         serving)
+    num = settings.get("num_requests", 300)
+    if isinstance(num, bool) or not isinstance(num, int) or num < 20:
+        raise UserError("serving.num_requests", f"must be an integer of at least 20, got {num!r}")
+    return ServingInner(objective, target, num)

@@ -1,0 +1,191 @@
+"""``stage-cosim serve-sim``: a serving engine on a cluster under a request stream."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from stage_cosim.cli.options import model_options
+from stage_cosim.errors import UserError
+from stage_cosim.files import FIGURE_SUFFIXES, check_output
+from stage_cosim.inference.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
+from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, TOKEN_DISPATCHERS
+from stage_cosim.serving.config import ROUTING
+from stage_cosim.serving.requests import LENGTH_DISTRIBUTIONS
+
+GiB = 1 << 30
+SWEEP = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)     # --plot without --rates: these multiples of --rate
+
+
+def _ms(v: float | None) -> str:
+    return f"{1e3 * v:>9.1f}" if v is not None else f"{'-':>9}"
+
+
+def print_report(r: dict[str, Any]) -> None:
+    dep, inst, wl = r["deployment"], r["deployment"]["instance"], r["workload"]
+    pools = ", ".join(f"{p['instances']} {role} instance{'s' if p['instances'] > 1 else ''}"
+                      for role, p in dep["pools"].items())
+    layout = f"tp{inst['tp']} pp{inst['pp']}" + (f" ep{inst['ep']}" if inst["ep"] > 1 else "")
+    if inst["attention_ranks"] > 1:
+        layout += f" attention-dp{inst['attention_ranks']}"
+    click.echo(f"deployment       {pools} of {layout} ({inst['gpus']} GPUs each, {dep['gpus']} GPUs)")
+    click.echo(f"memory per GPU   weights {inst['weights_bytes_per_gpu'] / GiB:.1f} GiB, working set "
+               f"{inst['workspace_bytes_per_gpu'] / GiB:.1f} GiB, KV cache {inst['kv_capacity_bytes_per_gpu'] / GiB:.1f} GiB"
+               f" = {inst['kv_capacity_tokens_per_rank']:,} tokens per attention rank")
+    req = r["requests"]
+    src = (f"Poisson at {wl['rate']:g}/s" if "rate" in wl else "from a trace") + \
+        f", input {wl['input_len_mean']:,.0f} / output {wl['output_len_mean']:,.0f} tokens on average"
+    click.echo(f"requests         {req['total']:,} ({src})")
+    click.echo(f"completed        {req['completed']:,} in {r['duration_s']:,.1f} s ({req['rejected']} rejected: too long "
+               f"for the KV cache; {req['preempted']} preempted {req['preemptions']} times)")
+    t = r["throughput"]
+    click.echo(f"throughput       {t['requests_per_s']:,.2f} requests/s, {t['output_tokens_per_s']:,.0f} output tokens/s "
+               f"({t['output_tokens_per_s_per_gpu']:,.0f} per GPU), {t['total_tokens_per_s']:,.0f} tokens/s in all")
+    click.echo("")
+    click.echo(f"{'latency (ms)':<16} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}")
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end to end")):
+        st = r["latency_s"][key]
+        click.echo(f"{label:<16} " + " ".join(_ms(st[k]) for k in ("mean", "p50", "p90", "p99", "max")))
+    click.echo("")
+    slo = r["slo"]
+    targets = [f"TTFT <= {1e3 * slo['ttft_s']:g} ms" if slo["ttft_s"] else "",
+               f"TPOT <= {1e3 * slo['tpot_s']:g} ms" if slo["tpot_s"] else ""]
+    targets = [x for x in targets if x]
+    click.echo(f"SLO              {' and '.join(targets) if targets else 'none given (every completed request counts)'}: "
+               f"{100 * slo['attainment']:.1f} % met, goodput {slo['goodput_requests_per_s']:,.2f} requests/s "
+               f"({slo['goodput_requests_per_s_per_gpu']:,.3f} per GPU)")
+    kv = r["kv_cache"]
+    click.echo(f"KV cache         peak {100 * kv['peak_occupancy']:.1f} %, mean {100 * kv['mean_occupancy']:.1f} % of capacity")
+    s, st = r["steps"], r["step_times"]
+    mean_ms = 1e3 * (s["time_s"]["mean"] or 0)
+    click.echo(f"steps            {s['count']:,} (mean {mean_ms:.2f} ms, {s['decodes_per_step']['mean'] or 0:.1f} decodes); "
+               f"{st['cached_shapes']:,} step shapes simulated ({st['mode']}"
+               f"{': ' + st['reason'] if st.get('reason') else ''})")
+    ll = r["littles_law"]
+    click.echo(f"Little's law     {ll['in_system_mean']:.2f} requests in the system on average; arrival rate x time in "
+               f"system = {ll['rate_times_time']:.2f} ({100 * ll['relative_error']:.2f} % apart)")
+
+
+def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stage_cosim.files import save_figure
+
+    rates = [r["rate"] for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, key, label in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+        for pct, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(rates, [1e3 * (r["latency_s"][key][pct] or float("nan")) for r in runs], style, label=pct)
+        target = runs[0]["slo"][f"{key}_s"]
+        if target:
+            ax.axhline(1e3 * target, color="tab:red", lw=1, label="SLO")
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel(f"{label} (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+    axes[2].plot(rates, [r["throughput"]["requests_per_s"] for r in runs], "o-", label="throughput")
+    axes[2].plot(rates, [r["slo"]["goodput_requests_per_s"] for r in runs], "s--", label="goodput (SLOs met)")
+    axes[2].plot(rates, rates, color="lightgray", lw=1, label="offered")
+    axes[2].set_xlabel("arrival rate (requests/s)")
+    axes[2].set_ylabel("requests/s")
+    axes[2].legend()
+    fig.suptitle("Latency and goodput against load")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+@click.command("serve-sim")
+@model_options
+@click.option("--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
+              help="Cluster (default GPU count: the deployment's, dp*tp*pp or the two pools).")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree of an instance.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages of an instance.")
+@click.option("--dp", type=int, default=1, show_default=True,
+              help="Model replicas (instances); with --attention-dp, attention ranks of one instance.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree.")
+@click.option("--expert-tp", "expert_tp", type=int, default=None, help="Tensor-parallel degree inside each expert.")
+@click.option("--attention-dp/--no-attention-dp", "attention_dp", default=None,
+              help="Experts shared by the dp ranks' attention (one instance over dp*tp*pp GPUs).")
+@click.option("--moe-token-dispatcher", "moe_token_dispatcher", type=click.Choice(TOKEN_DISPATCHERS), default=None)
+@click.option("--axis-order", "axis_order", default=None, help=f"Mesh axes innermost first (default {','.join(DEFAULT_AXIS_ORDER)}).")
+@click.option("--weight-dtype", "weight_dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
+              help="Weights: bf16, fp8 (W8A8 GEMMs) or int4 (weight-only).")
+@click.option("--kv-cache-dtype", "kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None)
+@click.option("--rate", type=float, default=None, help="Poisson arrivals, requests per second.")
+@click.option("--num-requests", "num_requests", type=int, default=None, help="Requests to generate (default 1000).")
+@click.option("--input-len", "input_len", type=int, default=None, help="Mean prompt tokens (default 1024).")
+@click.option("--output-len", "output_len", type=int, default=None, help="Mean output tokens (default 256).")
+@click.option("--lengths", type=click.Choice(LENGTH_DISTRIBUTIONS), default=None,
+              help="Length distribution (default lognormal).")
+@click.option("--length-spread", "length_spread", type=float, default=None,
+              help="Shape (sigma) of the log-normal lengths (default 0.6).")
+@click.option("--seed", type=int, default=None, help="Random seed of the generated requests.")
+@click.option("--trace", type=click.Path(path_type=Path), default=None,
+              help="Requests from a file: CSV with arrival_s,input_len,output_len, or JSON lines.")
+@click.option("--max-num-seqs", "max_num_seqs", type=int, default=None,
+              help="Requests running at once per attention rank (default 256).")
+@click.option("--chunk-tokens", "chunk_tokens", type=int, default=None,
+              help="Tokens per step per attention rank: decodes plus prompt chunks (default 8192).")
+@click.option("--kv-block-size", "kv_block_size", type=int, default=None, help="Tokens per KV-cache block (default 16).")
+@click.option("--hbm-utilization", "hbm_utilization", type=float, default=None,
+              help="Fraction of HBM the engine uses (default 0.9).")
+@click.option("--step-overhead", "step_overhead", type=float, default=None,
+              help="Host seconds per step not hidden behind the GPU (default 0).")
+@click.option("--step-resolution", "step_resolution", type=float, default=None,
+              help="Step-time grid resolution (default 1/32; 0 simulates every step's shape).")
+@click.option("--prefill-gpus", "prefill_gpus", type=int, default=None, help="Disaggregated: GPUs that prefill.")
+@click.option("--decode-gpus", "decode_gpus", type=int, default=None, help="Disaggregated: GPUs that decode.")
+@click.option("--routing", type=click.Choice(ROUTING), default=None, help="Instance a request joins (default least-loaded).")
+@click.option("--slo-ttft", "slo_ttft", type=float, default=None, help="Time-to-first-token target, seconds.")
+@click.option("--slo-tpot", "slo_tpot", type=float, default=None, help="Time-per-output-token target, seconds.")
+@click.option("--rates", default=None, metavar="R,R,...", help="--plot: the arrival rates to sweep "
+              f"(default {', '.join(f'{x:g}' for x in SWEEP)} x --rate).")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Draw latency and goodput against load (PNG, PDF or SVG).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def serve_sim(plot: Path | None, as_json: bool, quiet: bool, rates: str | None, **kw: Any) -> None:
+    """Simulate serving a request stream: latency percentiles, throughput, goodput under SLOs.
+
+    Continuous batching with chunked prefill and a paged KV cache bounded by HBM, on every
+    instance of the cluster (or disaggregated prefill and decode pools); step times from the
+    simulator."""
+    from tqdm import tqdm
+
+    from stage_cosim import api
+
+    check_output(plot, "plot", FIGURE_SUFFIXES)
+    req = {k: v for k, v in kw.items() if v is not None and k not in ("arch",)}
+    if kw.get("arch") is not None:
+        raise UserError("arch", "serve-sim takes a model by --model (a preset or config.json)")
+    if plot is not None:
+        if rates is None and req.get("rate") is None:
+            raise UserError("plot", "sweeps the arrival rate: give --rate (or --rates)")
+        req["rates"] = rates or ",".join(f"{f * req['rate']:g}" for f in SWEEP)
+    elif rates is not None:
+        raise UserError("rates", "is the sweep of --plot")
+    show = not quiet and sys.stderr.isatty()
+    with tqdm(disable=not show, unit="req", desc="serve-sim", dynamic_ncols=True, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = api.serve_sim(req, progress=progress)
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        print_report(report)
+    if plot is not None:
+        try:
+            plot_sweep(report["runs"], plot)
+        except OSError as exc:
+            raise UserError("plot", f"{plot}: could not be written ({exc.strerror or exc})") from None
+        if not as_json:
+            click.echo(f"plot             {plot} (latency against load, {len(report['runs'])} rates)")
