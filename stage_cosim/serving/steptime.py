@@ -149,6 +149,7 @@ class StepTimer:
         self._pars: dict[int, ParallelConfig] = {}
         self._kernels: dict[bool, list[_AttentionKernel]] = {}    # by decode-only (latent attention absorbed)
         self._rest: dict[tuple[str, int], float] = {}             # the grid's f and g values
+        self._interpolated: dict[tuple[str, int], float] = {}     # and between them
         self.stats = StepTimerStats()
         self._split: bool | None = None if (self.grid is not None and parallel.pp == 1) else False
         if self._split is False:
@@ -224,7 +225,11 @@ class StepTimer:
         return rest + self._attention(shape)
 
     def _interp(self, which: str, v: int) -> float:
-        return sum(wt * self._rest_at(which, p) for p, wt in self.grid.bracket(v))
+        key = (which, v)
+        out = self._interpolated.get(key)
+        if out is None:
+            out = self._interpolated[key] = sum(wt * self._rest_at(which, p) for p, wt in self.grid.bracket(v))
+        return out
 
     def _rest_at(self, which: str, p: int) -> float:
         """The grid's values: x(n), one prompt of n tokens; y(s), s sequences of one token; z(s),
@@ -304,6 +309,7 @@ class StepTimer:
                 self.stats.reason = (f"the split is {100 * (got - want) / want:+.3g} % off the simulator on a "
                                      f"probe step: kernels overlap on the critical path")
                 self._rest.clear()
+                self._interpolated.clear()
                 return False
         self.stats.mode = "split"
         return True
