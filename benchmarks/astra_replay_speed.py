@@ -15,6 +15,13 @@ micro-batches per rank), then times, best of ``--repeat``:
   per pipeline stage; the workload already built, as in a search loop), and with synthesis;
 * the binary on the same files, when ``ASTRA_SIM_BIN`` is set (its figures are checked equal to
   the replay's, rank by rank).
+
+    python benchmarks/astra_replay_speed.py --splits 1024,4096 [--splits-ranks 4]
+
+instead times one 1 MiB all-reduce over a Switch of ``--splits-ranks`` ranks at each
+preferred-dataset-splits value, in the replay (CPU µs per split and rank, and the peak memory
+Python allocated) and in the binary when ``ASTRA_SIM_BIN`` is set: what the bound on the
+splits (``MAX_DATASET_SPLITS``) rests on.
 """
 
 from __future__ import annotations
@@ -59,7 +66,12 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--splits", default=None, help="comma-separated preferred-dataset-splits values to time")
+    ap.add_argument("--splits-ranks", type=int, default=4)
     args = ap.parse_args()
+    if args.splits:
+        splits_cost([int(x) for x in args.splits.split(",")], args.splits_ranks)
+        return
 
     from stage_cosim.adapters.astra_sim.export import export
     from stage_cosim.adapters.roofline.astra import replay_files, replay_workload
@@ -132,6 +144,58 @@ def main() -> None:
         rw = f"{t_bin[0] / wall:.1f}x" if t_bin else "-"
         rc = f"{t_bin[1] / cpu:.1f}x" if t_bin else "-"
         print(f"{name:66} {wall:>8.3f} {rw:>9} {cpu:>8.3f} {rc:>9}")
+
+
+def splits_cost(values: list[int], n: int) -> None:
+    """One 1 MiB all-reduce on n ranks at each split count: the replay's cost per split and rank."""
+    import json
+    import tracemalloc
+
+    from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
+    from stage_cosim.adapters.roofline import astra_model
+    from stage_cosim.adapters.roofline.astra_model import COLLECTIVES, AstraSystem, CollectiveModel, Network
+
+    from stage_cosim.hardware.network import NetworkDim
+    from stage_cosim.trace.chakra import TraceNode, write_trace_file
+
+    bounds = astra_model.MAX_DATASET_SPLITS, astra_model.MAX_CHUNK_COPIES
+    # time values beyond the bounds too
+    astra_model.MAX_DATASET_SPLITS = max(values + [bounds[0]])
+    astra_model.MAX_CHUNK_COPIES = max(bounds[1], max(values) * n)
+    dims = [NetworkDim("Switch", n, 50, 500)]
+    binary = os.environ.get("ASTRA_SIM_BIN")
+    print(f"one 1 MiB ALL_REDUCE on {n} ranks (bounds: {bounds[0]} splits, {bounds[1]:,} chunk copies); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'splits':>8} {'replay CPU s':>13} {'us/split/rank':>14} {'peak MiB':>9} {'binary CPU s':>13}")
+    for splits in values:
+        system = AstraSystem(preferred_dataset_splits=splits, implementations={c: ("ring",) for c in COLLECTIVES},
+                             local_mem_bw_GBps=1600.0)
+        c = _cpu()
+        CollectiveModel(Network(dims), system).finish_times("ALL_REDUCE", 1 << 20, None, [0] * n)
+        cpu = _cpu() - c
+        tracemalloc.start()
+        CollectiveModel(Network(dims), system).finish_times("ALL_REDUCE", 1 << 20, None, [0] * n)
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        t_bin = "-"
+        if binary:
+            d = Path(tempfile.mkdtemp(prefix="astra-splits-"))
+            (d / "traces").mkdir()
+            for r in range(n):
+                write_trace_file(d / "traces" / f"workload.{r}.et", [TraceNode(
+                    0, "ar", 7, [], [], 0, {"is_cpu_op": False, "comm_type": 0, "comm_size": 1 << 20},
+                    {"is_cpu_op": "bool_val", "comm_type": "uint64_val", "comm_size": "uint64_val"})])
+            write_system_json(system, d / "system.json")
+            write_network_yml(dims, d / "network.yml")
+            write_memory_json(d / "memory.json")
+            (d / "groups.json").write_text(json.dumps({}))
+            c = _cpu()
+            subprocess.run([binary, f"--workload-configuration={d}/traces/workload",
+                            f"--system-configuration={d}/system.json", f"--network-configuration={d}/network.yml",
+                            f"--remote-memory-configuration={d}/memory.json",
+                            f"--comm-group-configuration={d}/groups.json"], check=True, capture_output=True, cwd=d)
+            t_bin = f"{_cpu() - c:.2f}"
+        print(f"{splits:>8} {cpu:>13.2f} {cpu / (splits * n) * 1e6:>14.1f} {peak:>9.1f} {t_bin:>13}")
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ answers them.
 
 The hostile mix: a fraction (``--hostile``, 10 % by default) of the first pass's submissions are
 attacks instead of design points, in turn: a 3.4 MB cluster description, a 547-byte YAML alias
-bomb, deeply nested JSON and YAML, a 3 MB model name, sizes that cannot be simulated (100,000
-layers, a global batch of 2^31 - 1) and bytes that are no message at all. Each must be refused
+bomb, a 40 KB YAML document whose one long text, aliased 729 times, expands to 29 MB, deeply
+nested JSON and YAML, a 3 MB model name, an integer of 5,000 digits, sizes that cannot be
+simulated (100,000 layers, a global batch of 2^31 - 1), a serving simulation naming a request
+trace file on the server, and bytes that are no message at all. Each must be refused
 with INVALID_ARGUMENT, and meanwhile a separate process checks the server's health every 20 ms:
 its latency p99 must stay under 50 ms, and every well-formed job must still succeed with the
 right result. (The health figure of the cache pass, which saturates the server with well-formed
@@ -57,6 +59,9 @@ CLUSTER = "gpu: H100-SXM\nscale_up: {gpus_per_domain: 8, bandwidth_GBps: 450, la
           "scale_out: {bandwidth_GBps: 50, latency_ns: 2000}\n"
 ALIAS_BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"]
                        + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")])
+# few values, much text: 40 KB that expand to 29 MB
+LONG_TEXT_ALIASED = "\n".join([f"a: &a '{'x' * 40_000}'"]
+                               + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abc", "bcd")])
 
 
 def hostile_requests() -> list[tuple[str, bytes]]:
@@ -68,12 +73,17 @@ def hostile_requests() -> list[tuple[str, bytes]]:
     big = CLUSTER + "".join(f"pad{i}: [{', '.join(['1'] * 40)}]\n" for i in range(28_000))
     deep = pb.SubmitJobRequest(optimize=pb.SearchJob(design=pb.Design(**small),
                                                      settings_json="[" * 100_000 + "]" * 100_000))
+    trace = pb.SubmitJobRequest(serve_sim=pb.ServeSimJob(design=pb.Design(model="llama3-8b"),
+                                                         settings_json=json.dumps({"trace": "requests.csv"})))
     return [
         ("oversized cluster description (3.4 MB)", submit(**small, cluster_description=big)),
         ("alias bomb (547 bytes)", submit(**small, cluster_description=ALIAS_BOMB)),
+        ("long text aliased (40 KB -> 29 MB)", submit(**small, cluster_description=LONG_TEXT_ALIASED)),
         ("deep JSON nesting", deep.SerializeToString()),
         ("deep YAML nesting", submit(**small, cluster_description="a: " + "[" * 200 + "]" * 200)),
         ("3 MB model name", submit(**dict(small, model="m" * (3 << 20)))),
+        ("5,000-digit integer", submit(**small, cluster_description="num_gpus: " + "9" * 5000)),
+        ("serve_sim naming a trace file", trace.SerializeToString()),
         ("100,000 layers", submit(**dict(small, layers=100_000))),
         ("global batch 2^31 - 1", submit(**small, global_batch=2 ** 31 - 1)),
         ("garbage bytes", b"\xff\xfe" + os.urandom(254)),
@@ -219,13 +229,15 @@ def main() -> int:
     ap.add_argument("--server", default=None, help="use this running server instead of starting one")
     args = ap.parse_args()
 
+    attacks = round(args.jobs * args.hostile)
+    points = design_points(args.jobs - attacks)
+    # the local results first, then the server: both load the library at (nearly) the same time
+    expected = [json.dumps(api.simulate(p), sort_keys=True) for p in points]
     proc = None
     address = args.server
     if address is None:
         proc, address = start_server(args.workers)
     try:
-        attacks = round(args.jobs * args.hostile)
-        points = design_points(args.jobs - attacks)
         with HealthProbe(address) as health_first:
             first = run_pass(address, points, args.clients, f"load-{os.getpid()}", attacks)
         with HealthProbe(address) as health_second:
@@ -238,7 +250,6 @@ def main() -> int:
             proc.wait(60)
 
     # checks: every job final and succeeded, once, with the right result
-    expected = [json.dumps(api.simulate(p), sort_keys=True) for p in points]
     jobs = first["jobs"]
     wrong = [i for i, job in jobs.items()
              if job.state != pb.SUCCEEDED or json.dumps(json.loads(job.result_json), sort_keys=True) != expected[i]]

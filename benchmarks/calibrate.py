@@ -167,7 +167,8 @@ def main() -> None:
     ap.add_argument("--family", choices=sorted(FAMILY_OF.values()), default=None, help="fit only this GPU family")
     ap.add_argument("--verbose", action="store_true", help="print the error at every parameter set tried")
     ap.add_argument("--global-check", action="store_true",
-                    help="search the whole bounded box for a lower mean error instead of fitting (~7 min a family)")
+                    help="search the whole bounded box for a lower mean error instead of fitting (slow: hundreds of "
+                         "evaluations of every row of the family)")
     args = ap.parse_args()
     if args.global_check:
         for cluster, family in FAMILY_OF.items():

@@ -46,7 +46,9 @@ def run_case(name: str, args: argparse.Namespace) -> None:
         t_truth = time.perf_counter() - t
         best = truth.best
         print(f"exhaustive: {len(truth.evaluated)} configurations in {t_truth:.1f} s "
-              f"({len(truth.evaluated) / t_truth:.1f} evaluations/s); optimum {best.point} at {best.score:.4f} s/step")
+              f"({len(truth.evaluated) / t_truth:.1f} evaluations/s, "
+              f"{truth.infeasible.get('does not fit in memory', 0)} of them over the memory); "
+              f"optimum {best.point} at {best.score:.4f} s/step")
 
     for seed in range(args.seeds):
         t = time.perf_counter()

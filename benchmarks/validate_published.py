@@ -37,14 +37,14 @@ def mapping(run: TrainingRun) -> str:
 
 def report(title: str, runs: list[TrainingRun], loo: bool) -> None:
     print(f"\n{title}")
-    print(f"{'run':<22} {'gpus':>6} {'tp·pp(·cp)·dp':>20} {'measured s':>11} {'predicted s':>12} {'error':>8}"
+    print(f"{'run':<28} {'gpus':>6} {'tp·pp·[cp·]dp':>20} {'measured s':>11} {'predicted s':>12} {'error':>8}"
           + (f" {'LOO pred s':>11} {'LOO err':>8}" if loo else ""))
     errors, loo_errors = [], []
     for run in runs:
         pred = predict(run)
         err = pred / run.measured_step_s - 1
         errors.append(abs(err))
-        line = (f"{run.name:<22} {run.gpus:>6} {mapping(run):>20} {run.measured_step_s:>11.3f} {pred:>12.3f} "
+        line = (f"{run.name:<28} {run.gpus:>6} {mapping(run):>20} {run.measured_step_s:>11.3f} {pred:>12.3f} "
                 f"{100 * err:>+7.1f}%")
         if loo:
             # a local refit from the shipped parameters, without this row (of all the family's rows)

@@ -6,7 +6,8 @@ Internally a cluster is a list of network dimensions in ASTRA-sim's vocabulary
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+import math
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -108,6 +109,12 @@ CLUSTER_PRESETS: dict[str, dict] = {
 }
 
 
+def _number(value: object, parameter: str, where: str) -> None:
+    """A cluster field that must be a finite number (the dataclasses compare it as one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(parameter, f"{where}: must be a finite number, got {value!r}")
+
+
 def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
     if not isinstance(doc, dict):
         raise UserError("cluster", f"{where}: expected a mapping")
@@ -121,6 +128,10 @@ def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
     elif isinstance(gpu_doc, dict):
         base = gpu_doc.get("base")
         overrides = {k: v for k, v in gpu_doc.items() if k != "base"}
+        for k, v in overrides.items():
+            # every GPU field is a number but its name and architecture (checked by the GPU)
+            if k not in ("name", "arch") and v is not None:
+                _number(v, f"cluster.gpu.{k}", where)
         if base is not None:
             gpu = get_gpu(base).with_overrides(**overrides)
         else:
@@ -135,18 +146,24 @@ def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
         sub = doc.get(key)
         if not isinstance(sub, dict):
             raise UserError(f"cluster.{key}", f"{where}: required mapping is missing")
-        names = {f.name for f in fields(cls)}
+        known = {f.name: f for f in fields(cls)}
         for k in sub:
-            if k not in names:
-                raise UserError(f"cluster.{key}.{k}", f"{where}: unknown key (known: {', '.join(sorted(names))})")
-        try:
-            return cls(**sub)
-        except TypeError as exc:
-            raise UserError(f"cluster.{key}", f"{where}: {exc}") from None
+            if k not in known:
+                raise UserError(f"cluster.{key}.{k}", f"{where}: unknown key (known: {', '.join(sorted(known))})")
+        for name, f in known.items():
+            if name not in sub:
+                if f.default is MISSING:
+                    raise UserError(f"cluster.{key}.{name}", f"is required in {where}")
+            elif f.type == "str":
+                if not isinstance(sub[name], str):
+                    raise UserError(f"cluster.{key}.{name}", f"{where}: must be a name, got {sub[name]!r}")
+            else:
+                _number(sub[name], f"cluster.{key}.{name}", where)
+        return cls(**sub)
 
     n = num_gpus if num_gpus is not None else doc.get("num_gpus")
     if n is None:
-        raise UserError("cluster.num_gpus", f"{where}: required (or give PRESET:COUNT)")
+        raise UserError("cluster.num_gpus", f"is required in {where} (or give PRESET:COUNT)")
     return Cluster(str(doc.get("name", where)), gpu, n, part(ScaleUp, "scale_up"), part(ScaleOut, "scale_out"))
 
 
@@ -157,25 +174,28 @@ def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
     if local_files_allowed() and (spec.endswith((".yaml", ".yml")) or path.is_file()):
         doc = read_yaml(path, "cluster")
         return _build(doc, spec, None if doc and isinstance(doc, dict) and "num_gpus" in doc else default_gpus)
-    name, _, count = spec.partition(":")
+    name, colon, count = spec.partition(":")
     if name not in CLUSTER_PRESETS:
         how = "or a YAML file" if local_files_allowed() else \
             "files are not read here: send the description's content"
         raise UserError("cluster", f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}; {how})")
     n = default_gpus
-    if count:
+    if colon:
         try:
             n = int(count)
         except ValueError:
             raise UserError("cluster", f"GPU count after ':' must be an integer, got {count!r}") from None
-    return _build(dict(CLUSTER_PRESETS[name]), name, n or CLUSTER_PRESETS[name]["scale_up"]["gpus_per_domain"])
+        if n <= 0:
+            raise UserError("cluster", f"GPU count after ':' must be positive, got {count!r}")
+    return _build(dict(CLUSTER_PRESETS[name]), name,
+                  n if n is not None else CLUSTER_PRESETS[name]["scale_up"]["gpus_per_domain"])
 
 
 def cluster_from(spec: "str | Mapping[str, Any]", default_gpus: int | None = None) -> Cluster:
     """A cluster from a request: ``preset[:COUNT]``, a YAML path (see :func:`resolve_cluster`), or
     the description itself as a mapping (its ``num_gpus``, else ``default_gpus``)."""
     if isinstance(spec, Mapping):
-        return _build(dict(spec), "cluster", spec.get("num_gpus") or default_gpus)
+        return _build(dict(spec), "cluster", spec["num_gpus"] if spec.get("num_gpus") is not None else default_gpus)
     return resolve_cluster(str(spec), default_gpus)
 
 

@@ -39,6 +39,10 @@ _CALIBRATION_FAMILY = {"A100-40GB": "A100", "A100-80GB": "A100", "H100-SXM": "H1
 ARCHES = ("ampere", "hopper", "blackwell")
 _ARCH = {"A100-40GB": "ampere", "A100-80GB": "ampere", "H100-SXM": "hopper", "H800": "hopper", "H200": "hopper",
          "B200": "blackwell", "GB200": "blackwell"}
+# Streaming multiprocessors of the shipping parts (NVIDIA A100, H100 and Blackwell architecture
+# whitepapers and data sheets: A100 108, H100 SXM5 and its export and HBM3e variants 132, B200 148).
+_SM_COUNT = {"A100-40GB": 108, "A100-80GB": 108, "H100-SXM": 132, "H800": 132, "H200": 132, "B200": 148,
+             "GB200": 148}
 # Matmul number formats -> the GPU field holding their dense peak.
 MATMUL_PEAKS = {"bf16": "bf16_tflops", "fp8": "fp8_tflops", "mxfp8": "mxfp8_tflops", "fp4": "fp4_tflops"}
 
@@ -76,6 +80,13 @@ class GPU:
     # pays a fixed prologue and epilogue (load Q, rescale and write O) besides its loop over
     # the keys, so short key ranges (the chunks of ring attention) run slower.
     attention_half_keys: float = 64.0
+    # Streaming multiprocessors, and the rows of work one FlashAttention thread block takes
+    # (a tile of 128 queries forward, of 128 keys backward, for the head dimensions up to 256
+    # of FlashAttention-2 on Ampere and Hopper and FlashAttention-3's BF16 kernels from 65 up):
+    # a fused attention kernel whose tiles are fewer than the SMs leaves the rest idle. 0 SMs:
+    # not known, occupancy not modelled.
+    sm_count: int = 0
+    attention_block_rows: int = 128
 
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps"):
@@ -93,6 +104,9 @@ class GPU:
         require(self.kernel_overhead_us >= 0, "gpu.kernel_overhead_us", "must be non-negative")
         require(self.arch in ARCHES, "gpu.arch", f"must be one of {', '.join(ARCHES)}, got {self.arch!r}")
         require(self.attention_half_keys >= 0, "gpu.attention_half_keys", "must be non-negative")
+        require(self.sm_count >= 0, "gpu.sm_count", f"must be non-negative, got {self.sm_count!r}")
+        require(self.attention_block_rows > 0, "gpu.attention_block_rows",
+                f"must be positive, got {self.attention_block_rows!r}")
 
     @property
     def vector_peak_tflops(self) -> float:
@@ -153,7 +167,8 @@ def get_gpu(name: str) -> GPU:
                mxfp8_tflops=_opt(r["mxfp8_dense_tflops"]), fp4_tflops=_opt(r["fp4_dense_tflops"]),
                hbm_GiB=float(r["hbm_GB"]), hbm_GBps=float(r["hbm_GBps"]),
                nvlink_GBps=float(r["nvlink_per_direction_GBps"]),
-               scaleout_GBps=_opt(r["scaleout_per_gpu_GBps"]), arch=_ARCH[name], **_efficiencies(name))
+               scaleout_GBps=_opt(r["scaleout_per_gpu_GBps"]), arch=_ARCH[name], sm_count=_SM_COUNT[name],
+               **_efficiencies(name))
 
 
 def gpu_names() -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 
@@ -81,14 +82,16 @@ def _workload(model: ModelConfig, par: ParallelConfig, precision):  # noqa: ANN0
 
 
 def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: dict[str, Any],
-             objective: Objective, network_model: str = "calibrated", headroom: float = 0.0) -> Evaluation:
-    """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph)."""
+             objective: Objective, network_model: str = "calibrated", headroom: float = DEFAULT_HEADROOM
+             ) -> Evaluation:
+    """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph): its
+    peak, the process's runtime memory on this cluster included, within HBM less ``headroom``."""
     from stage_cosim.adapters.roofline.simulate import simulate
     from stage_cosim.workload import gc_paused
 
     w = workload_of(model, par, cluster.gpu)
     capacity = cluster.gpu.memory_bytes * (1 - headroom)
-    peak = max(w.memory(s).total for s in range(par.pp))
+    peak = max(w.memory(s, cluster).total for s in range(par.pp))
     if peak > capacity:
         return Evaluation(point, par.to_dict(), False, MEMORY_REASON, None, None)
     with gc_paused():    # the cached graphs are large: full collections would rescan them all

@@ -22,7 +22,7 @@ from stage_cosim.files import read_yaml
 from stage_cosim.hardware.cluster import Cluster, cluster_from
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective, workload_of
-from stage_cosim.search.optimize import OptimizeSettings, optimize
+from stage_cosim.search.optimize import OptimizeSettings, _key as _point_key, optimize
 from stage_cosim.parallel.config import FP8_OPTIONS, ParallelConfig
 from stage_cosim.search.runner import run_job
 from stage_cosim.search.space import check, default_space
@@ -186,6 +186,10 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
         raise UserError("mode", f"must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "budget" and not isinstance(doc.get("budget"), (int, float)):
         raise UserError("budget", "the budget mode needs budget ($ per GPU)")
+    if doc.get("budget") is not None:
+        b = doc["budget"]
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+            raise UserError("budget", f"must be a positive number of $ per GPU, got {b!r}")
     ints = {}
     for k in ("global_batch", "seq_len", "points", "inner_budget", "reuse_top", "candidates", "seed"):
         if k in doc:
@@ -261,10 +265,15 @@ class Candidate:
     best: dict[str, Any] | None          # the best configuration's simulate result (+ point)
     confirmed: bool = False              # by a full inner search
     metric: str = "step_time_s"          # the objective's result key (ExploreSpec.metric)
+    # whether the inner search proved ``best`` optimal on this hardware (every feasible
+    # configuration simulated), and else how many feasible ones it left (None: not searched)
+    proven_optimal: bool = False
+    unexplored: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"values": self.values, "cost_per_gpu": self.cost_per_gpu, self.metric: self.step_time_s,
-                "best": self.best, "confirmed": self.confirmed}
+                "best": self.best, "confirmed": self.confirmed, "proven_optimal": self.proven_optimal,
+                "unexplored": self.unexplored}
 
 
 @dataclass
@@ -274,6 +283,7 @@ class Explorer:
     should_stop: Callable[[], bool] | None = None
     cache: dict[tuple, Candidate] = field(default_factory=dict)
     seeds: list[dict[str, Any]] = field(default_factory=list)      # baseline's best points
+    visited: list[tuple] = field(default_factory=list)              # the last full search's points
 
     def _settings(self) -> OptimizeSettings:
         return OptimizeSettings(objective=Objective("step-time"), seed=self.spec.seed, budget=self.spec.inner_budget,
@@ -313,9 +323,11 @@ class Explorer:
         ``seeds`` (the configurations that won on similar hardware)."""
         cluster = apply(self.spec.baseline, values)
         result = self.search(cluster, replace(self._settings(), seeds=seeds))
+        self.visited = [_point_key(e.point) for e in result.evaluated]
         ranked = result.ranked
         best = {**ranked[0].result, "point": ranked[0].point, "score": ranked[0].score} if ranked else None
         cand = self.candidate(values, best, True)
+        cand.proven_optimal, cand.unexplored = result.proven_optimal, result.to_dict()["unexplored"]
         self.cache[self._key(values)] = cand
         return cand
 
@@ -343,7 +355,7 @@ def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any
     from stage_cosim.adapters.roofline.simulate import simulate
 
     w = workload_of(model, par, cluster.gpu)
-    if max(w.memory(s).total for s in range(par.pp)) > cluster.gpu.memory_bytes:
+    if max(w.memory(s, cluster).total for s in range(par.pp)) > cluster.gpu.memory_bytes:
         return None
     result, _, _ = simulate(w, cluster)
     return result.to_dict()
@@ -446,6 +458,14 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
                                                               f"cluster ({spec.objective})")
     top = [e.point for e in result.ranked[:spec.reuse_top]]
     baseline = ex.full_search(base, tuple(top[:3]))
+    # the polish starts from the first search's best: proven with it, and what neither
+    # simulated is what is left unexplored
+    baseline.proven_optimal = baseline.proven_optimal or result.proven_optimal
+    if baseline.proven_optimal:
+        baseline.unexplored = 0
+    elif result.feasible is not None:
+        seen = {_point_key(e.point) for e in result.evaluated} | set(ex.visited)
+        baseline.unexplored = max(0, result.feasible - len(seen))
     ex.seeds = [baseline.best["point"]] + [p for p in top if p != baseline.best["point"]]
     ex.seeds = ex.seeds[:spec.reuse_top]
     try:
@@ -478,8 +498,10 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
         # and the baseline gets the same chance: every winner, re-simulated on it
         better = _best_of(ex, base, winners)
         if better is not None and better[spec.metric] < baseline.step_time_s:
-            baseline = ex.candidate(base, better, True)
-            ex.cache[ex._key(base)] = baseline
+            found = ex.candidate(base, better, True)
+            # (a proven optimum is never beaten; what is left unexplored stays as counted)
+            found.proven_optimal, found.unexplored = baseline.proven_optimal, baseline.unexplored
+            baseline = ex.cache[ex._key(base)] = found
         # the sensitivity below re-tries the baseline's configuration first
         ex.seeds = [baseline.best["point"]] + [p for p in winners + ex.seeds if p != baseline.best["point"]]
         ex.seeds = ex.seeds[:spec.reuse_top]

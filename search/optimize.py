@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.search.evaluate import Evaluation, Objective, evaluate
 from stage_cosim.search.runner import Runner, make_runner
@@ -38,7 +39,8 @@ class OptimizeSettings:
     workers: int = 1
     ray: str | None = None
     top_k: int = 5
-    headroom: float = 0.0               # fraction of HBM kept free
+    # fraction of HBM kept free beyond the modelled memory (its runtime share included)
+    headroom: float = DEFAULT_HEADROOM
     network_model: str = "calibrated"
     allow_cross_domain_tp: bool = False
     # Start from these points and only polish locally (a nested search warm-started by an
@@ -56,6 +58,7 @@ class OptimizeResult:
     method: str
     interrupted: bool = False
     top_k: int = 5
+    feasible: int | None = None     # distinct structurally feasible points of the space (None: not counted)
 
     @property
     def ranked(self) -> list[Evaluation]:
@@ -86,6 +89,11 @@ class OptimizeResult:
             "method": self.method,
             "space_size": self.space_size,
             "interrupted": self.interrupted,
+            # structurally feasible configurations never simulated (the infeasible ones do not
+            # count: they need no simulation to be ruled out); 0 for a proven optimum
+            "feasible": self.feasible,
+            "unexplored": 0 if self.proven_optimal or self.feasible is None
+            else max(0, self.feasible - len(self.evaluated)),
         }
 
 
@@ -186,7 +194,8 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
             reasons.update(r.infeasible)
         return OptimizeResult(settings.objective, [e for r in parts for e in r.evaluated],
                               all(r.proven_optimal for r in parts), dict(reasons), space.size,
-                              f"{parts[0].method}, per dtype", any(r.interrupted for r in parts), settings.top_k)
+                              f"{parts[0].method}, per dtype", any(r.interrupted for r in parts), settings.top_k,
+                              None if any(r.feasible is None for r in parts) else sum(r.feasible for r in parts))
     return _optimize(space, cluster, settings, progress, should_stop, problem)
 
 
@@ -238,7 +247,7 @@ def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
     finally:
         runner.close()
     return OptimizeResult(settings.objective, list(search.cache.values()), exhaustive and not interrupted,
-                          dict(search.reasons), space.size, method, interrupted, settings.top_k)
+                          dict(search.reasons), space.size, method, interrupted, settings.top_k, len(feasible))
 
 
 def _differential_evolution(search: _Search, budget: int) -> None:

@@ -270,7 +270,7 @@ def decode_rate(model: ModelConfig, cluster: Cluster, config: dict[str, Any], po
     except UserError as exc:
         return Evaluation(point, config, False, f"{exc.parameter}: {exc.rule.split(':')[0]}", None, None)
     unit = replace(cluster, num_gpus=gpus)
-    if max(w.memory(s).total for s in range(par.pp)) > unit.gpu.memory_bytes:
+    if max(w.memory(s, unit).total for s in range(par.pp)) > unit.gpu.memory_bytes:
         return Evaluation(point, config, False, "the batch's KV cache does not fit in memory", None, None)
     result, _, _ = simulate(w, unit)
     per_gpu = batch / result.step_time_s / gpus

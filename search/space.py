@@ -31,9 +31,10 @@ class Dimension:
 
 
 CP_MIN_TOKENS = 4096
-# --cp-comm choices searched by default (a2a+p2p also needs a group size: name it with overrides
-# of cp_comm and cp_a2a_size)
-CP_SEARCHED = ("p2p", "all-gather", "a2a")
+# --cp-comm choices searched by default; a2a+p2p with each all-to-all group size of
+# ``cp_a2a_size`` (Megatron's --hierarchical-context-parallel-sizes: the all-to-alls inside a
+# scale-up domain, the ring across)
+CP_SEARCHED = ("p2p", "all-gather", "a2a", "a2a+p2p")
 
 
 def powers_of_two(limit: int) -> tuple[int, ...]:
@@ -90,6 +91,10 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
         # chunks leave the attention kernels and the ring too little work to be worth it)
         "cp": tuple(c for c in powers_of_two(min(n, max(1, seq_len // CP_MIN_TOKENS))) if n % c == 0),
         "cp_comm": CP_SEARCHED,
+        # a2a+p2p's all-to-all groups, powers of two from 2 within a scale-up domain (a group of
+        # cp ranks is plain a2a: canonical() says so)
+        "cp_a2a_size": tuple(a for a in powers_of_two(min(cluster.domain, max(1, seq_len // CP_MIN_TOKENS), n))
+                             if a > 1) or (2,),
         "pp": tuple(p for p in powers_of_two(min(n, model.layers)) if n % p == 0),
         "vp": (1, 2, 4),
         "micro_batch": powers_of_two(min(MAX_MICRO_BATCH, global_batch)),
@@ -145,8 +150,11 @@ def canonical(space: SearchSpace, point: dict[str, Any]) -> dict[str, Any]:
     if p.get("cp", 1) == 1:
         if "cp_comm" in p:
             p["cp_comm"] = "p2p"
-        if "cp_a2a_size" in p:
-            p["cp_a2a_size"] = None
+    elif p.get("cp_comm") == "a2a+p2p" and p.get("cp_a2a_size") in (1, p["cp"]):
+        # all-to-all groups of one rank are the plain ring, one group of every cp rank plain a2a
+        p["cp_comm"] = "p2p" if p["cp_a2a_size"] == 1 else "a2a"
+    if "cp_a2a_size" in p and p.get("cp_comm") != "a2a+p2p":
+        p["cp_a2a_size"] = None
     if p.get("pp", 1) == 1 and "vp" in p:
         p["vp"] = 1
     sharded = _sharded(p)

@@ -125,8 +125,8 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
     check_request(req)
     parallel = parallel_of(req)
     # the GPU decides the FP8 kernels (a cluster is optional here)
-    gpu = cluster_of(req, parallel.world_size).gpu if req.get("cluster") else None
-    workload = synthesize(model_of(req), parallel, gpu, inference=inference_of(req))
+    machine = cluster_of(req, parallel.world_size) if req.get("cluster") else None
+    workload = synthesize(model_of(req), parallel, machine.gpu if machine else None, inference=inference_of(req))
     done = 0
 
     def tick(n: int) -> None:
@@ -138,7 +138,7 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
     with atomic_directory(out, force) as scratch:
         stats = write_traces(workload, scratch, fmt, progress=tick)
         manifest = build_manifest(workload, fmt=fmt, prefix=TRACE_PREFIX, groups_file=GROUPS_FILE,
-                                  files=stats.files, bytes_written=stats.bytes_written)
+                                  files=stats.files, bytes_written=stats.bytes_written, cluster=machine)
         (scratch / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -263,6 +263,7 @@ def optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | None = N
              should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """The best parallelization (what ``optimize --json`` prints). The request needs the model,
     ``cluster`` with its GPU count, ``global_batch`` and ``seq_len``; search settings are optional."""
+    from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
     from stage_cosim.hardware.cluster import resolve_cluster
     from stage_cosim.search.evaluate import Objective
     from stage_cosim.search.optimize import OptimizeSettings, optimize as run
@@ -281,7 +282,8 @@ def optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | None = N
                                                     float(req.get("price") or 0.0)),
                                 seed=int(req.get("seed") or 0), budget=req.get("budget"),
                                 workers=int(req.get("workers") or 1), ray=req.get("ray"),
-                                top_k=int(req.get("top") or 5), headroom=float(req.get("headroom") or 0.0),
+                                top_k=int(req.get("top") or 5),
+                                headroom=float(req["headroom"] if req.get("headroom") is not None else DEFAULT_HEADROOM),
                                 network_model=str(req.get("network_model") or "calibrated"),
                                 allow_cross_domain_tp=bool(req.get("allow_cross_domain_tp")),
                                 exhaustive_limit=int(req.get("exhaustive_limit") or 1500))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -57,6 +58,8 @@ def read_yaml(path: Path, parameter: str) -> Any:
         return yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise UserError(parameter, f"{path}: no such file") from None
+    except UnicodeDecodeError:
+        raise UserError(parameter, f"{path}: not a text file") from None
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(parameter, f"{path}: not valid YAML ({exc.__class__.__name__})") from None
 
@@ -78,6 +81,18 @@ def save_figure(fig: Any, path: Path) -> None:
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 
 
+def _writable(folder: Path) -> bool:
+    """Whether a file can be created in ``folder``: tried, since permission bits do not tell
+    (a privileged user, a read-only or virtual file system)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def check_output(path: Path | None, parameter: str, suffixes: tuple[str, ...] | None = None) -> None:
     """Refuse an output path that cannot be written, before any work is done: its folder must
     exist and be writable, it must not be a folder, and (``suffixes``) its name must end in one."""
@@ -91,8 +106,38 @@ def check_output(path: Path | None, parameter: str, suffixes: tuple[str, ...] | 
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise UserError(parameter, f"{folder}: no such folder")
-    if not os.access(folder, os.W_OK):
+    if not _writable(folder):
         raise UserError(parameter, f"{folder}: not writable")
+
+
+def check_output_folder(path: Path, parameter: str, force: bool = False) -> None:
+    """Refuse an output folder that cannot be made, before any work is done: a file in its
+    place, a non-empty folder (unless ``force``), or a nearest existing parent that is not a
+    writable folder (missing parents are created)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(parameter, f"{path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise UserError(parameter, f"{path} exists and is not empty (use --force to replace it)")
+    parent = path.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(parameter, f"{parent} is not a folder")
+    if not _writable(parent):
+        raise UserError(parameter, f"{parent}: not writable")
+
+
+@contextlib.contextmanager
+def reported_write(parameter: str, path: Path) -> Iterator[None]:
+    """Writing an output after the result has been shown: a failure (the disk filled, the
+    folder went away) is the one-line error naming the output, never a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(parameter, f"{path}: could not be written ({exc.strerror or exc})") from None
+    except ValueError as exc:         # matplotlib: a format it cannot write
+        raise UserError(parameter, f"{path}: could not be written ({exc})") from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -10,8 +10,16 @@ from stage_cosim.workload import Workload
 
 
 def build_manifest(w: Workload, *, fmt: str, prefix: str, groups_file: str, files: int,
-                   bytes_written: int) -> dict[str, Any]:
+                   bytes_written: int, cluster: Any = None) -> dict[str, Any]:
+    """``cluster``: the machine the traces are for, which decides the runtime memory (CUDA
+    context, cuBLAS workspaces, NCCL buffers, fragmentation) in each role's peak memory; by
+    default DGX H100 nodes, where the rank count fills them."""
     kinds = w.group_counts()
+    target = cluster if cluster is not None else _default_target(w)
+    roles = [w.role_summary(s) for s in range(len(w.roles))]
+    if target is not None:
+        for s, role in enumerate(roles):
+            role["peak_memory_bytes"] = w.memory(s, target).to_dict()
     return {
         "generator": f"stage-cosim {__version__}",
         "format": {"kind": fmt, "chakra_schema": SCHEMA_VERSION, "prefix": prefix,
@@ -26,5 +34,16 @@ def build_manifest(w: Workload, *, fmt: str, prefix: str, groups_file: str, file
                    "bytes_written": bytes_written, "communicator_groups": kinds,
                    "nodes_per_role": [len(r.nodes) for r in w.roles]},
         "totals": {"matmul_flops": w.total_matmul_flops(), "model_flops": w.total_model_flops()},
-        "roles": [w.role_summary(s) for s in range(len(w.roles))],
+        "runtime_memory_for": target.name if target is not None else None,
+        "roles": roles,
     }
+
+
+def _default_target(w: Workload) -> Any:
+    from stage_cosim.errors import UserError
+    from stage_cosim.hardware import resolve_cluster
+
+    try:
+        return resolve_cluster("dgx-h100", w.world_size)
+    except UserError:
+        return None

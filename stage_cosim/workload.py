@@ -78,10 +78,16 @@ class Workload:
     def roles(self) -> list[RoleGraph]:
         return [self.role(s) for s in range(self.parallel.pp)]
 
-    def memory(self, stage: int) -> StageMemory:
-        if stage in self._roles:
-            return self._roles[stage].memory
-        return stage_memory(stage, **self._role_args)
+    def memory(self, stage: int, cluster: "Cluster | None" = None) -> StageMemory:  # noqa: F821
+        """Peak memory of a rank of ``stage``; on ``cluster`` with the process's own memory
+        (CUDA context, cuBLAS workspaces, NCCL buffers, fragmentation: ``runtime``), which
+        depends on the GPU and on where the rank's peers are."""
+        base = self._roles[stage].memory if stage in self._roles else stage_memory(stage, **self._role_args)
+        if cluster is None:
+            return base
+        from stage_cosim.runtime_memory import runtime_memory
+
+        return base.with_runtime(runtime_memory(self, stage, cluster, base))
 
     def stage_layers(self, stage: int) -> list[int]:
         """The model layers a stage holds (every chunk of it)."""

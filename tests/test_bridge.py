@@ -271,7 +271,8 @@ def test_queue_full_is_resource_exhausted() -> None:
 
 
 def test_many_watchers_do_not_starve_other_calls(client) -> None:
-    job = client.submit("optimize", SMALL, settings={"budget": 40, "sleep": 0.05})
+    # long enough (10 s) to be still running after the watchers and the calls, on a busy machine too
+    job = client.submit("optimize", SMALL, settings={"budget": 200, "sleep": 0.05})
     deadline = time.monotonic() + 30      # a cold worker first imports the package
     while client.job(job.id).state != pb.RUNNING and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -293,6 +294,56 @@ def test_large_results_travel_in_chunks(client) -> None:
     job = client.wait(client.submit("optimize", SMALL, settings={"budget": 1, "big_mib": 5}).id)
     assert job.state == pb.SUCCEEDED and job.result_json == "" and job.result_size > 5 << 20
     assert len(client.result(job)["padding"]) == 5 << 20
+
+
+SERVE = dict(model="llama3-8b", layers=2, rate=20.0, num_requests=30, input_len=64, output_len=8)
+SERVE_FLAGS = ["--model", "llama3-8b", "--layers", "2", "--rate", "20", "--num-requests", "30", "--input-len", "64",
+               "--output-len", "8"]
+TRACE_CSV = "arrival_s,input_len,output_len\n0.0,120,6\n0.25,40,9\n0.1,300,3\n1.5,64,12\n"
+
+
+def test_serve_sim_equals_api_with_progress_inline_requests_and_client_read_traces(client, tmp_path) -> None:
+    assert "serve_sim" in client.server_info().job_kinds
+    job = client.submit("serve_sim", SERVE)
+    progress = [e.progress for e in events_of(client, job.id) if e.HasField("progress")]
+    assert progress and progress[-1].done == progress[-1].total == 30
+    assert [p.done for p in progress] == sorted(p.done for p in progress)
+    assert client.result(job.id) == api.serve_sim(SERVE)
+    rows = [{"arrival_s": 0.1 * i, "input_len": 50 + i, "output_len": 4} for i in range(12)]
+    inline = dict(model="llama3-8b", layers=2, requests=rows)
+    assert client.serve_sim(inline) == api.serve_sim(inline)
+    trace = tmp_path / "requests.csv"
+    trace.write_text(TRACE_CSV)
+    local = api.serve_sim(dict(model="llama3-8b", layers=2, trace=str(trace)))
+    assert client.serve_sim(model="llama3-8b", layers=2, trace=trace) == local     # read here, sent inline
+    # the same request, sent as a trace file name, is refused: the server reads no files
+    code_text = None
+    try:
+        client.stub.SubmitJob(pb.SubmitJobRequest(serve_sim=pb.ServeSimJob(
+            design=pb.Design(model="llama3-8b"), settings_json=json.dumps({"trace": str(trace)}))))
+    except grpc.RpcError as exc:
+        code_text = (exc.code(), exc.details())
+    assert code_text is not None and code_text[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_text[1].startswith("trace: names a file, and the server reads no files")
+
+
+def test_remote_serve_sim_matches_local(run_cli, server, tmp_path) -> None:
+    addr = ["--server", server.address]
+    local = run_cli("serve-sim", *SERVE_FLAGS, "--json")
+    assert local[0] == 0 and run_cli("remote", "serve-sim", *SERVE_FLAGS, "--json", *addr) == local
+    assert run_cli("remote", "serve-sim", *SERVE_FLAGS, *addr) == run_cli("serve-sim", *SERVE_FLAGS)
+    trace = tmp_path / "requests.csv"
+    trace.write_text(TRACE_CSV)
+    flags = ["--model", "llama3-8b", "--layers", "2", "--trace", str(trace), "--slo-ttft", "0.05"]
+    local = run_cli("serve-sim", *flags, "--json")
+    assert local[0] == 0 and run_cli("remote", "serve-sim", *flags, "--json", *addr) == local
+    for bad in (["--max-num-seqs", "0"], ["--rate", "-1"], ["--trace", str(tmp_path / "missing.csv")],
+                ["--prefill-gpus", "4"], ["--rates", "1,2"]):
+        base = [f for f in SERVE_FLAGS if bad[0] != "--trace" or f not in ("--rate", "20")]
+        local = run_cli("serve-sim", *base, *bad)
+        remote = run_cli("remote", "serve-sim", *base, *bad, *addr)
+        assert local[0] == 2 and remote[0] == 2 and remote[2].count("\n") == 1, (bad, remote)
+        assert remote[2] == local[2], (bad, remote[2], local[2])
 
 
 # -- data --------------------------------------------------------------------------------------------------

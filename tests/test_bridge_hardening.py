@@ -177,7 +177,8 @@ def test_no_request_field_reads_the_servers_files(tmp_path, monkeypatch) -> None
         assert SECRET not in reply, (kind, field, reply)
         if name == "secret.cfg":                # an existing file is answered like a missing one
             assert reply.replace("secret.cfg", "missing.cfg") == replies[(kind, field, "missing.cfg")], reply
-    for kind, field in (("simulate", "model"), ("simulate", "cluster"), ("explore", "baseline"), ("serve_sim", "trace")):
+    refused_on_sight = (("simulate", "model"), ("simulate", "cluster"), ("explore", "baseline"), ("serve_sim", "trace"))
+    for kind, field in refused_on_sight:
         assert all(replies[(kind, field, n)].startswith(f"INVALID_ARGUMENT {field}: ") for n in names), field
     assert "trace: names a file" in replies[("serve_sim", "trace", "secret.cfg")]
     assert opened == [], opened[:10]
@@ -269,6 +270,101 @@ def test_oversized_and_hostile_documents_are_refused_without_stalling_the_server
     assert slowest[0] < 2.0, slowest          # generous: the figure is benchmarks/bridge_load.py's
 
 
+def long_text_aliased(text_bytes: int, fan_out: int = 9, levels: int = 3) -> str:
+    """A document of one anchored long text and ``levels`` lists of ``fan_out`` aliases each: a few
+    dozen values, ``text_bytes * fan_out ** levels`` bytes once expanded."""
+    lines = [f"a: &a '{'x' * text_bytes}'"]
+    names = "abcdefgh"
+    for level in range(1, levels + 1):
+        lines.append(f"{names[level]}: &{names[level]} [{', '.join([f'*{names[level - 1]}'] * fan_out)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_long_texts_aliased_thousands_of_times_are_refused_at_once() -> None:
+    """Few values, much text: a 40 KB document that expands to 29 MB (and a 200 KB one to 146 MB)
+    passes the value and size limits, but its text is counted as expanded while it is parsed:
+    INVALID_ARGUMENT naming the field at once, health checks unaffected, no memory taken. The
+    resolved request's size is counted without writing it, and stops at the limit."""
+    import resource
+    import threading
+    import time
+
+    from stage_cosim.bridge.documents import DocumentLimits, check_request_size
+    from stage_cosim.errors import UserError
+
+    docs = [long_text_aliased(n) for n in (1_000, 10_000, 40_000, 200_000)]
+    assert len(docs[2]) < 41_000 and docs[2].count("*") < 30
+    slowest = [0.0]
+    stop = threading.Event()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with start_in_thread(config()) as s, Client(s.address, retries=0) as c:
+        def poll() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                c.health()
+                slowest[0] = max(slowest[0], time.perf_counter() - t0)
+                time.sleep(0.01)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            for doc in docs:
+                t0 = time.perf_counter()
+                code, text = submit_raw(c, "simulate", {**SMALL, "cluster_description": doc})
+                took = time.perf_counter() - t0
+                assert code == "INVALID_ARGUMENT" and text.startswith(
+                    "cluster_description: expands to more than 262,144 bytes of text"), text[:200]
+                assert took < 2.0, took          # was 18 s for the 40 KB document, holding the GIL
+            assert c.server_info().jobs == 0
+        finally:
+            stop.set()
+            poller.join()
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert slowest[0] < 1.0 and grown_mib < 100, (slowest, grown_mib)     # was 13 s and 850 MB
+    # the whole request, counted with an early stop: 100,000 references to one 1 MiB text
+    shared = ["y" * (1 << 20)] * 100_000
+    t0 = time.perf_counter()
+    with pytest.raises(UserError) as err:
+        check_request_size({"model": "m", "cluster": {"k": shared}}, DocumentLimits(),
+                           {"cluster": "cluster_description"})
+    assert time.perf_counter() - t0 < 1.0 and err.value.parameter == "cluster_description"
+    assert err.value.rule.startswith("makes the request more than 262,144 bytes of JSON")
+
+
+def test_numbers_and_values_json_cannot_hold_are_invalid_argument(server_with_standins) -> None:
+    """Integers over Python's 4,300 digits (decimal in any document, hexadecimal in YAML), and
+    YAML's dates, binary data, sets and non-text keys: INVALID_ARGUMENT naming the document,
+    never INTERNAL."""
+    digits = "1" * 5000
+    cases = [
+        ("simulate", {**SMALL, "cluster_description": f"num_gpus: {digits}"}, None, "cluster_description", "digits"),
+        ("simulate", {**SMALL, "cluster_description": f"num_gpus: 0x{'f' * 5000}"}, None, "cluster_description",
+         "digits"),
+        ("simulate", {"model_config": f'{{"n_layer": {digits}}}'}, None, "model_config", "digits"),
+        ("optimize", SMALL, f'{{"budget": {digits}}}', "settings_json", "digits"),
+        ("serve_sim", {"model": "llama3-8b"}, f'{{"rate": 1e{digits}}}', "rate", "positive number"),   # a float: inf
+        ("simulate", {**SMALL, "cluster_description": "gpu: 2001-12-14"}, None, "cluster_description", "date"),
+        ("simulate", {**SMALL, "cluster_description": "gpu: 2001-13-45"}, None, "cluster_description",
+         "cannot be read"),
+        ("simulate", {**SMALL, "cluster_description": "gpu: !!binary aGVsbG8="}, None, "cluster_description", "bytes"),
+        ("simulate", {**SMALL, "cluster_description": "gpu: !!set {a, b}"}, None, "cluster_description", "set"),
+        ("simulate", {**SMALL, "cluster_description": "{1: a, gpu: b}"}, None, "cluster_description", "not text"),
+    ]
+    with Client(server_with_standins.address, retries=0) as c:
+        for kind, design, settings, field, rule in cases:
+            message = pb.SubmitJobRequest()
+            body = getattr(message, kind)
+            for key, value in design.items():
+                setattr(body.design, key, value)
+            if settings is not None:
+                body.settings_json = settings
+            with pytest.raises(grpc.RpcError) as err:
+                c.stub.SubmitJob(message, timeout=30)
+            code, details = err.value.code(), err.value.details()
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, code, details[:200])
+            assert details.startswith(f"{field}: ") and rule in details and len(details) < 400, details[:300]
+
+
 def test_job_records_and_listings_stay_within_a_default_clients_message_limit(run_cli) -> None:
     """Twenty jobs with requests near the size limit make more than 4 MiB of records: listing
     pages by bytes, so the default client, ListJobs and `remote status` all keep working."""
@@ -304,6 +400,13 @@ def test_jobs_that_cannot_fit_are_refused_and_over_limit_jobs_fail_in_one_line()
         code, text = submit_raw(c, "optimize", {**SMALL, "layers": 100_000, "cluster": "dgx-h100:8",
                                                 "global_batch": 8})
         assert code == "INVALID_ARGUMENT" and text.startswith("layers: "), text
+        # a mesh of 33 million ranks needs gigabytes however small its model (the audit's job,
+        # which sat at a 1 GiB limit for minutes), and so does a stream of a billion requests
+        code, text = submit_raw(c, "simulate", {**SMALL, "layers": 2, "dp": 2 ** 24, "tp": 2, "global_batch": 2 ** 24,
+                                                "cluster": f"dgx-h100:{2 ** 25}"})
+        assert code == "INVALID_ARGUMENT" and text.startswith("dp: ") and "GiB of memory" in text, text
+        code, text = submit_raw(c, "serve_sim", {"model": "llama3-8b"}, {"rate": 5, "num_requests": 10 ** 9})
+        assert code == "INVALID_ARGUMENT" and text.startswith("num_requests: ") and "GiB of memory" in text, text
         assert c.server_info().jobs == 0
         memory = c.wait(c.submit("optimize", SMALL, settings={"allocate_mib": 2048}).id)
         assert memory.state == pb.FAILED and memory.error == "memory: the job needed more than this server's " \
@@ -312,6 +415,23 @@ def test_jobs_that_cannot_fit_are_refused_and_over_limit_jobs_fail_in_one_line()
         assert cpu.state == pb.FAILED and cpu.error.startswith("cpu: the job used more than its 1 s of CPU time")
         assert cpu.finished_at - cpu.started_at < 30
         assert c.result(c.submit("optimize", SMALL, settings={"budget": 2}).id)["evaluations"] == 2
+
+
+def test_a_real_job_at_its_memory_limit_fails_within_seconds() -> None:
+    """A real simulation that passes the submit-time estimate but outgrows its worker's memory
+    (4 million ranks under 320 MiB) fails as `failed` with the one-line memory error soon after
+    it reaches the limit — it used to sit there, every allocation refused, for as long as its CPU
+    limit allowed — and the slot goes on serving."""
+    from stage_cosim.bridge.process import WorkerSettings
+
+    k = 21
+    request = {**SMALL, "layers": 2, "seq_len": 128, "dp": 2 ** k, "tp": 2, "global_batch": 2 ** k,
+               "cluster": f"dgx-h100:{2 ** (k + 1)}"}
+    with start_in_thread(config(worker=WorkerSettings(memory_bytes=320 << 20))) as s, Client(s.address) as c:
+        job = c.wait(c.submit("simulate", request, timeout_s=300).id)
+        assert job.state == pb.FAILED and job.error == "memory: the job needed more than this server's 320 MiB per job"
+        assert not job.error_parameter and job.finished_at - job.started_at < 120, job.finished_at - job.started_at
+        assert c.wait(c.submit("simulate", SMALL).id).state == pb.SUCCEEDED
 
 
 # -- recovery and streams --------------------------------------------------------------------------------
@@ -431,6 +551,135 @@ def test_kill_9_of_the_server_ends_its_workers_and_a_restart_resumes_every_watch
             assert c.wait(queued.id).state == pb.SUCCEEDED
     finally:
         stop(proc)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard reads /proc")
+def test_a_worker_that_runs_no_code_still_dies_with_its_server(tmp_path) -> None:
+    """A worker that cannot run a line of Python (stopped here; stuck in an allocation at its
+    memory limit in real life) misses its parent-death signal and its pipe's end: its guard
+    process ends its whole group when the server is killed."""
+    import time
+
+    from test_bridge import process_gone
+
+    proc, address = start_serve(tmp_path / "data")
+    try:
+        with Client(address) as c:
+            assert c.result(c.submit("simulate", SMALL).id)["step_time_s"] > 0       # a worker is warm
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(p) for p in children]
+        group = [int(p) for p in subprocess.run(["pgrep", "-g", str(os.getpgid(workers[0]))], capture_output=True,
+                                                text=True).stdout.split()]
+        assert len(workers) == 1 and len(group) == 2            # the worker and its guard
+        os.kill(workers[0], signal.SIGSTOP)
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 10
+        while not all(process_gone(p) for p in group) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(process_gone(p) for p in group), group
+    finally:
+        stop(proc)
+
+
+def test_a_resumed_watch_of_a_finished_job_always_ends_with_its_final_state(server_with_standins, run_cli) -> None:
+    """after_seq at, past or far past the last event of a finished job (succeeded, failed,
+    cancelled): the stream ends with the job's final state event, sent again with its own
+    number — never a silent, empty stream."""
+    s = server_with_standins
+    with Client(s.address, retries=0) as c:
+        done = c.wait(c.submit("optimize", SMALL, settings={"budget": 2}).id)
+        failed = c.wait(c.submit("optimize", SMALL, settings={"fail": True}).id)
+        queued = c.submit("optimize", SMALL, settings={"budget": 10_000, "sleep": 1}, timeout_s=60)
+        c.cancel(queued.id)
+        cancelled = c.wait(queued.id)
+        for job in (done, failed, cancelled):
+            final = [e for e in c.watch(job.id) if e.HasField("state")][-1]
+            assert final.state.state == job.state
+            for after in (job.last_seq, job.last_seq + 7, 10 ** 6):
+                raw = list(c.stub.WatchJob(pb.WatchJobRequest(job_id=job.id, after_seq=after), timeout=10))
+                assert [e.SerializeToString() for e in raw] == [final.SerializeToString()], (job.id, after)
+                assert [e.seq for e in c.watch(job.id, after_seq=after)] == [final.seq]
+            rest = list(c.watch(job.id, after_seq=final.seq - 1))      # one before the end: the end, once
+            assert rest[-1].SerializeToString() == final.SerializeToString()
+            assert sum(e.HasField("state") and e.state.state == job.state for e in rest) == 1
+    code, out, _ = run_cli("remote", "watch", done.id, "--after", str(10 ** 6), "--server", s.address)
+    assert code == 0 and out.splitlines()[-1].split()[2:4] == ["state", "succeeded"], out
+
+
+def test_search_and_serving_settings_are_checked_at_submit() -> None:
+    """Every optimize, explore and serve_sim setting goes through the parsing its job would run,
+    at submit: a bad key or value is INVALID_ARGUMENT naming it, and no job (no worker) starts."""
+    optimize = dict(SMALL, cluster="dgx-h100:8", global_batch=8)
+    explore = {"model": "llama3-8b", "baseline": "dgx-h100:8", "global_batch": 8, "seq_len": 256,
+               "variables": {"gpu.hbm_GBps": {"values": [3350, 4000]}}}
+    serve = {"rate": 5, "num_requests": 4}
+    cases = [
+        ("optimize", optimize, {"astra_bin": "x"}, "astra_bin", "is not an optimize request field"),
+        ("optimize", optimize, {"budget": float("nan")}, "budget", "must be an integer"),
+        ("optimize", optimize, {"budget": 0}, "budget", "must be at least 1"),
+        ("optimize", optimize, {"top": "5"}, "top", "must be an integer"),
+        ("optimize", optimize, {"objective": "fastest"}, "objective", "must be one of"),
+        ("optimize", optimize, {"objective": ["step-time"]}, "objective", "must be a name"),
+        ("optimize", optimize, {"objective": "cost"}, "price", "needs --price"),
+        ("optimize", optimize, {"headroom": 1.5}, "headroom", "must be in [0, 1)"),
+        ("optimize", optimize, {"price": float("inf")}, "price", "must be a finite number"),
+        ("optimize", optimize, {"allow_cross_domain_tp": "yes"}, "allow_cross_domain_tp", "true or false"),
+        ("optimize", SMALL, {"budget": 2}, "global_batch", "is required for optimize"),
+        ("explore", {}, {**explore, "bogus": 1}, "bogus", "is not an explore setting"),
+        ("explore", {}, {**explore, "mode": "nope"}, "mode", "must be one of"),
+        ("explore", {}, {**explore, "variables": {"gpu.nope": {"values": [1]}}}, "variables.gpu.nope", "numeric field"),
+        ("explore", {}, {k: v for k, v in explore.items() if k != "variables"}, "variables", "is required"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "bogus": 1}, "bogus", "is not a serve-sim request field"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "rate": -1}, "rate", "positive number"),
+        ("serve_sim", {"model": "llama3-8b"}, {"num_requests": 4}, "rate", "is required"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "max_num_seqs": 0}, "max-num-seqs", "positive integer"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "routing": "random"}, "routing", "must be one of"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "seed": "one"}, "seed", "must be an integer"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "rates": "1,x"}, "rates", "positive numbers"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "slo_ttft": 0}, "slo-ttft", "positive number"),
+        ("serve_sim", {"model": "llama3-8b", "global_batch": 8}, serve, "global_batch", "batches requests itself"),
+        ("serve_sim", {"model": "llama3-8b", "phase": "decode"}, serve, "phase", "is not a serve-sim request field"),
+        ("serve_sim", {"model": "llama3-8b"}, {"requests": [{"arrival_s": 0, "input_len": 0, "output_len": 1}]},
+         "requests", "input_len, output_len >= 1"),
+        ("serve_sim", {"model": "llama3-8b"}, {"requests": "rows"}, "requests", "must be a list"),
+        ("serve_sim", {"model": "llama3-8b"}, {**serve, "trace": "requests.csv"}, "trace", "names a file"),
+    ]
+    with start_in_thread(config(worker_init=None)) as s, Client(s.address, retries=0) as c:    # the real searches
+        for kind, design, settings, field, rule in cases:
+            code, text = submit_raw(c, kind, design, settings)
+            assert code == "INVALID_ARGUMENT" and text.startswith(f"{field}: ") and rule in text, (kind, settings, text)
+        assert c.server_info().jobs == 0                       # refused before any job existed
+
+
+def test_operator_limits_keep_every_reply_within_a_default_clients_messages(run_cli) -> None:
+    """--max-request-kib is bounded so that the largest job record — its request at that limit,
+    an inline result, progress, error and log excerpt at theirs — fits a default client's 4 MiB
+    messages; at the bound, submitting, polling, listing and watching all work."""
+    from stage_cosim.bridge.documents import DocumentLimits
+    from stage_cosim.bridge.jobs import MAX_REQUEST_BYTES, RECORD_BYTES_BESIDES_REQUEST
+    from stage_cosim.errors import UserError
+
+    assert MAX_REQUEST_BYTES + RECORD_BYTES_BESIDES_REQUEST <= 4 << 20
+    code, _, err = run_cli("serve", "--max-request-kib", "100000")
+    assert code == 2 and err.startswith(f"error: max-request-kib: must be at most {MAX_REQUEST_BYTES >> 10:,}"), err
+    code, _, err = run_cli("serve", "--max-job-memory-mib", "10")
+    assert code == 2 and err.startswith("error: max-job-memory-mib: must be 0 (no limit) or at least 256"), err
+    with pytest.raises(UserError) as refused:
+        start_in_thread(config(documents=DocumentLimits(max_request_bytes=8 << 20))).start()
+    assert refused.value.parameter == "max-request-kib"
+    limits = DocumentLimits(max_bytes=MAX_REQUEST_BYTES, max_request_bytes=MAX_REQUEST_BYTES)
+    pad = "x" * (MAX_REQUEST_BYTES - (4 << 10))
+    with start_in_thread(config(documents=limits)) as s, Client(s.address, retries=0) as c:
+        jobs = [c.submit("optimize", SMALL, settings={"budget": 1, "pad": pad, "n": i}) for i in range(3)]
+        code, text = submit_raw(c, "optimize", SMALL, {"pad": pad + "x" * (8 << 10)})
+        assert code == "INVALID_ARGUMENT" and text.startswith("settings_json: "), text[:200]
+        for job in jobs:
+            final = c.wait(job.id)
+            assert final.state == pb.SUCCEEDED and final.ByteSize() < 4 << 20
+            assert len(c.job(job.id).request_json) > MAX_REQUEST_BYTES - (8 << 10)
+            assert [e.state.state for e in c.watch(job.id) if e.HasField("state")][-1] == pb.SUCCEEDED
+        assert sorted(j.id for j in c.jobs()) == sorted(j.id for j in jobs)
 
 
 def test_sigterm_keeps_queued_jobs_for_the_next_server_and_cancels_them_without_one(tmp_path) -> None:

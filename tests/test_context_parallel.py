@@ -46,6 +46,12 @@ def attention_flops(w) -> int:
 
 # -- FLOPs ---------------------------------------------------------------------------------------
 
+def matmul_flops_over_distinct_ranks(w) -> int:
+    """Every rank's own graph's matmul FLOPs, added rank by rank."""
+    per_role = [sum(n.flops for n in role.nodes if n.type == COMP and n.matmul) for role in w.roles]
+    return sum(per_role[w.role_of(r)] for r in range(w.world_size))
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v["cp_comm"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_attention_flops_per_rank_are_the_total_over_cp(variant, tp) -> None:
@@ -54,7 +60,31 @@ def test_attention_flops_per_rank_are_the_total_over_cp(variant, tp) -> None:
         w = workload(tp=tp, cp=cp, **variant)
         assert attention_flops(w) == pytest.approx(whole / cp, abs=64)
         # summed over every rank, the matmul work is the cp = 1 graph's (nothing is computed twice)
-        assert w.total_matmul_flops() == pytest.approx(workload(tp=tp).total_matmul_flops(), rel=1e-12)
+        assert matmul_flops_over_distinct_ranks(w) == pytest.approx(
+            matmul_flops_over_distinct_ranks(workload(tp=tp)), rel=1e-12)
+
+
+@pytest.mark.parametrize("balanced", [True, False], ids=["balanced", "naive"])
+@pytest.mark.parametrize("forward", [True, False], ids=["fwd", "bwd"])
+def test_ring_work_summed_over_the_cp_ranks_is_the_whole_attention(balanced, forward) -> None:
+    """Rank by rank, the ring's steps (the graph is the last rank's) add up to the cp = 1
+    kernel: with contiguous chunks rank i does (i + 1/2) of cp/2 blocks' average, so the sum over
+    ranks is still the whole causal triangle."""
+    from stage_cosim.sharding.propagate import ring_steps
+
+    cp = 4
+    phase, kind = ("fwd", "attention") if forward else ("bwd", "attention_grad")
+    whole = sum(n.flops for n in layer_nodes(workload(), phase) if n.category == kind)
+    share = whole / cp                               # one rank's balanced share
+    w = workload(cp=cp, cp_load_balance=balanced)
+    graph = [n.flops for n in layer_nodes(w, phase) if n.category == kind]
+    ranks = [[float(st.work) * share for st in ring_steps(i, cp, balanced, forward)] for i in range(cp)]
+    assert graph == pytest.approx(ranks[-1], rel=1e-12)             # the graph is the last rank's
+    totals = [sum(r) for r in ranks]
+    # hand-derived: every rank 1 share balanced; (2i + 1)/cp of it with contiguous chunks
+    expected = [1.0] * cp if balanced else [(2 * i + 1) / cp for i in range(cp)]
+    assert totals == pytest.approx([e * share for e in expected], rel=1e-12)
+    assert sum(totals) == pytest.approx(whole, rel=1e-12)
 
 
 @pytest.mark.parametrize("variant", [dict(cp_comm="p2p"), dict(cp_comm="all-gather")], ids=lambda v: v["cp_comm"])
@@ -137,6 +167,28 @@ def test_hierarchical_a2a_inside_ring_across() -> None:
     assert [w.peer(r, +a2a, "cp") for r in (0, 1, 6, 7)] == [2, 3, 0, 1]
 
 
+@pytest.mark.parametrize("cp,a2a,tp", [(8, 2, 1), (8, 4, 2), (4, 2, 2)])
+def test_hierarchical_a2a_bytes_per_layer(cp, a2a, tp) -> None:
+    """Inside each group of cp-a2a-size ranks, the all-to-alls swap a rank's own piece of the
+    sequence (s/cp tokens, every head it holds over tp) for whole heads: each all-to-all's
+    buffer is q (or the output, dout, dq): b * (s/cp) * (heads/tp) * d * bytes, k or v (dk, dv):
+    b * (s/cp) * (kv_heads/tp) * d * bytes; forward q, k, v in and the output back, backward
+    dout in and dq, dk, dv back. The ring across the groups passes what a rank holds after the
+    swap: (s/ring) tokens of (kv_heads/(tp*a2a)) heads, the same bytes as its own piece."""
+    w = workload(tp=tp, cp=cp, cp_comm="a2a+p2p", cp_a2a_size=a2a)
+    q = B * (S // cp) * (HQ // tp) * D * BF16
+    kv = B * (S // cp) * (G // tp) * D * BF16
+    a2a_bytes = lambda phase: sorted(n.comm_bytes for n in layer_nodes(w, phase)  # noqa: E731
+                                     if n.type == COLL and n.coll.value == "ALL_TO_ALL")
+    assert a2a_bytes("fwd") == sorted([q, kv, kv, q])
+    assert a2a_bytes("bwd") == sorted([q, q, kv, kv])
+    assert {n.group for n in layer_nodes(w) if n.type == COLL and n.coll.value == "ALL_TO_ALL"} == {"cp_a2a"}
+    assert all(len(w.group_members(r, "cp_a2a")) == a2a for r in range(w.world_size))
+    ring = cp // a2a
+    fwd_sends = [n.comm_bytes for n in layer_nodes(w, "fwd") if n.type == SEND]
+    assert fwd_sends == [2 * B * (S // ring) * (G // (tp * a2a)) * D * BF16] * (ring - 1)
+
+
 # -- gradients -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("zero,coll", [(0, "ALL_REDUCE"), (1, "REDUCE_SCATTER")])
@@ -154,6 +206,27 @@ def test_gradients_reduce_over_dp_and_cp(zero, coll, dp) -> None:
     assert len(w.group_members(0, "dp_cp")) == dp * cp
     # members share tp and pp coordinates: rank = tp + 2 cp + 8 dp
     assert w.group_members(0, "dp_cp") == [tp * c + tp * cp * d for d in range(dp) for c in range(cp)]
+
+
+@pytest.mark.parametrize("order,rank_of", [
+    # rank = sum of coordinate * stride, innermost first (tp 2, cp 2, dp 2, pp 2)
+    (("cp", "tp", "dp", "pp"), lambda tp, cp, dp, pp: cp + 2 * tp + 4 * dp + 8 * pp),
+    (("dp", "tp", "cp", "pp"), lambda tp, cp, dp, pp: dp + 2 * tp + 4 * cp + 8 * pp),
+    (("tp", "dp", "pp", "cp"), lambda tp, cp, dp, pp: tp + 2 * dp + 4 * pp + 8 * cp),
+    (("tp", "dp", "pp"), lambda tp, cp, dp, pp: tp + 2 * cp + 4 * dp + 8 * pp),   # cp right after tp
+])
+def test_axis_order_with_cp(order, rank_of) -> None:
+    w = workload(tp=2, cp=2, dp=2, pp=2, global_batch=4, axis_order=order)
+    coords = [(t, c, d, p) for p in range(2) for d in range(2) for c in range(2) for t in range(2)]
+    assert sorted(rank_of(*x) for x in coords) == list(range(16))
+    for t, c, d, p in coords:
+        r = rank_of(t, c, d, p)
+        assert sorted(w.group_members(r, "cp")) == sorted(rank_of(t, x, d, p) for x in range(2))
+        assert sorted(w.group_members(r, "tp")) == sorted(rank_of(x, c, d, p) for x in range(2))
+        assert sorted(w.group_members(r, "dp_cp")) == sorted(rank_of(t, x, y, p) for x in range(2) for y in range(2))
+        assert w.peer(r, +1, "cp") == rank_of(t, 1 - c, d, p)         # the ring's next rank
+        if p == 0:
+            assert w.peer(r, +1) == rank_of(t, c, d, 1)               # the next pipeline stage
 
 
 def test_rank_order_tp_cp_dp_pp() -> None:
@@ -280,25 +353,96 @@ def test_symmetric_replay_equals_every_rank() -> None:
     assert one.step_time_s == pytest.approx(every.step_time_s, rel=1e-9)
 
 
-def test_ring_steps_run_slower_as_the_chunks_shrink() -> None:
-    """Chunk-shape efficiency: a ring step's kernel sees s/cp keys per query, so at small
-    chunks the partial kernels fall off (a query tile's prologue and epilogue amortize over
-    fewer keys): attention time per rank falls less than 1/cp."""
+def test_ring_step_kernels_against_hand_computed_times() -> None:
+    """Chunk-shape efficiency: each ring step's kernel is timed with the keys its thread blocks
+    loop over and the tiles of 128 rows it splits over the 132 SMs of an H100. Hand-worked for
+    tp 8 (4 query heads per rank), cp 4, s 8192, b 1: chunks of c = 1024 tokens, a rank's
+    2c = 2048 queries are 2048 * 4 / 128 = 64 tiles. Forward: the diagonal step loops over 2048
+    keys, the half-block steps (the last rank's: all queries, the visitor's first chunk) over
+    1024. Backward (tiles over keys, loop over queries): the diagonal 64 tiles, the half blocks'
+    1024 keys 32 tiles, each looping over 2048 queries."""
     from stage_cosim.adapters.roofline.compute import ComputeModel
 
-    gpu = resolve_cluster("dgx-h100:8").gpu.with_overrides(kernel_overhead_us=0.0)
+    gpu = resolve_cluster("dgx-h100:8").gpu
+    assert (gpu.sm_count, gpu.attention_block_rows) == (132, 128)
     model = ComputeModel(gpu)
-    w1, w8 = workload(seq_len=4096), workload(seq_len=4096, cp=8)
-    t = lambda w: sum(model.node_duration_s(n) for n in w.role(0).nodes  # noqa: E731
-                      if n.type == COMP and n.category in ATTENTION)
-    keys = 4096 / 8
-    expected = (4096 + gpu.attention_half_keys) / 4096 * keys / (keys + gpu.attention_half_keys)
-    ratio = (t(w1) / 8) / t(w8)
-    assert ratio < 1
-    assert ratio == pytest.approx(expected, rel=1e-9)
+    fwd_flops = 4 * B * 2048 * 2048 * (HQ // 8) * D            # one step: 1/cp of the rank's full-matrix work
+
+    def hand(flops: float, keys: int, tiles: int) -> float:
+        rate = gpu.bf16_tflops * 1e12 * gpu.attention_efficiency * keys / (keys + gpu.attention_half_keys)
+        return flops / (rate * min(1, tiles / 132)) + gpu.kernel_overhead_us * 1e-6
+
+    w = workload(tp=8, cp=4)
+    fwd = [n for n in layer_nodes(w, "fwd") if n.category == "attention"]
+    bwd = [n for n in layer_nodes(w, "bwd") if n.category == "attention_grad"]
+    assert [n.flops for n in fwd] == [fwd_flops] * 4 and [n.flops for n in bwd] == [fwd_flops * 5 // 2] * 4
+    assert [model.node_duration_s(n) for n in fwd] == pytest.approx(
+        [hand(fwd_flops, 2048, 64)] + [hand(fwd_flops, 1024, 64)] * 3, rel=1e-12)
+    assert [model.node_duration_s(n) for n in bwd] == pytest.approx(
+        [hand(2.5 * fwd_flops, 2048, 64)] + [hand(2.5 * fwd_flops, 2048, 32)] * 3, rel=1e-12)
+    # contiguous chunks: the last rank's diagonal, then whole blocks of 2048 x 2048
+    naive = [n for n in layer_nodes(workload(tp=8, cp=4, cp_load_balance=False), "fwd") if n.category == "attention"]
+    assert [model.node_duration_s(n) for n in naive] == pytest.approx(
+        [hand(fwd_flops, 2048, 64)] + [hand(2 * fwd_flops, 2048, 64)] * 3, rel=1e-12)
+    # one kernel over the whole sequence (cp 1): 8192 keys, 8192 * 4 / 128 = 256 tiles, every SM busy
+    whole = [n for n in layer_nodes(workload(tp=8), "fwd") if n.category == "attention"]
+    assert model.node_duration_s(whole[0]) == pytest.approx(hand(16 * fwd_flops, 8192, 256), rel=1e-12)
+    # so per rank the ring's kernels take longer than a quarter of the whole kernel's time
+    assert sum(model.node_duration_s(n) for n in fwd) > 1.5 * model.node_duration_s(whole[0]) / 4
+
+
+def test_ring_steps_add_up_to_the_causal_closed_form() -> None:
+    """With causal FLOPs, the steps' kernels add up to the rank's share of the unmasked
+    triangle, 4 * b * (s^2 / 2) * heads * d / cp forward (2.5x that backward), balanced or not
+    (the naive split's last rank: 2 - 1/cp times it)."""
+    causal = MODEL.with_overrides(causal_flops=True)
+    cp, tp = 4, 2
+    rank_share = 4 * B * (S * S // 2) * (HQ // tp) * D // cp
+    for balanced, factor in ((True, 1.0), (False, 2 - 1 / cp)):
+        w = synthesize(causal, ParallelConfig(seq_len=S, micro_batch=B, global_batch=B, tp=tp, cp=cp,
+                                              cp_load_balance=balanced))
+        fwd = [n.flops for n in layer_nodes(w, "fwd") if n.category == "attention"]
+        bwd = [n.flops for n in layer_nodes(w, "bwd") if n.category == "attention_grad"]
+        assert len(fwd) == len(bwd) == cp
+        assert sum(fwd) == pytest.approx(factor * rank_share, rel=1e-12)
+        assert sum(bwd) == pytest.approx(2.5 * factor * rank_share, rel=1e-12)
 
 
 # -- traces ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("par,symmetric", [
+    (dict(tp=2, cp=4, dp=2, pp=2, global_batch=4), True),     # the ring inside a node
+    (dict(tp=8, cp=4, global_batch=1), True),                 # the ring across nodes, every hop alike
+    (dict(tp=4, cp=4, dp=2, global_batch=2), False),          # half its hops in a node, half across
+])
+def test_ring_traces_replay_one_rank_per_stage(par, symmetric, tmp_path, run_cli) -> None:
+    """Read back, a ring trace set is simulated one rank per stage where that is exact (ranks
+    of a stage differ only in their peers, every ring hop crossing the network alike), and gives
+    the per-rank replay's step time and the direct simulation's; the text table has one row per
+    stage either way."""
+    from stage_cosim.adapters.roofline.traces import simulate_traces
+
+    parallel = ParallelConfig(seq_len=S, micro_batch=B, **par)
+    w = workload(**par)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in par.items()]
+    code, _, _ = run_cli("synth", "--model", "llama3-8b", "--layers", "2", "--seq-len", str(S), *flags,
+                         "--out", str(tmp_path / "t"), "--quiet")
+    assert code == 0
+    tmp_path = tmp_path / "t"
+    cluster = resolve_cluster("dgx-h100", parallel.world_size)
+    direct = simulate(w, cluster)[0].step_time_s
+    one, _, programs = simulate_traces(tmp_path, cluster)
+    every, _, _ = simulate_traces(tmp_path, cluster, symmetric=False)
+    assert one.config["symmetric"] is symmetric
+    assert len(programs) == (parallel.pp if symmetric else parallel.world_size)
+    assert one.step_time_s == pytest.approx(every.step_time_s, rel=1e-12)
+    assert one.step_time_s == pytest.approx(direct, rel=1e-9)
+    code, out, _ = run_cli("simulate", "--traces", str(tmp_path), "--cluster", f"dgx-h100:{parallel.world_size}",
+                           "--full")
+    assert code == 0
+    table = out[out.index("finish s"):].split("\n\n")[0].splitlines()[1:]
+    assert [int(line.split()[0]) for line in table] == list(range(parallel.pp))
+
 
 @pytest.mark.parametrize("variant", VARIANTS + [dict(cp_comm="p2p", cp_load_balance=False)],
                          ids=lambda v: v["cp_comm"] + ("" if v.get("cp_load_balance", True) else "-naive"))
@@ -347,13 +491,22 @@ def test_cp_is_a_search_dimension_with_clear_rules() -> None:
     cluster = resolve_cluster("dgx-h100:16")
     space = default_space(MODEL, cluster, 16, 131072)
     dims = {d.name: d.choices for d in space.dimensions}
-    assert dims["cp"] == (1, 2, 4, 8, 16) and dims["cp_comm"] == ("p2p", "all-gather", "a2a")
+    assert dims["cp"] == (1, 2, 4, 8, 16) and dims["cp_comm"] == ("p2p", "all-gather", "a2a", "a2a+p2p")
+    assert dims["cp_a2a_size"] == (2, 4, 8)            # all-to-all groups within a DGX's 8 GPUs
     # at 8K a rank keeps at least 4K tokens: cp 1 or 2
     assert {d.name: d.choices for d in default_space(MODEL, cluster, 16, 8192).dimensions}["cp"] == (1, 2)
     point = {d.name: d.choices[0] for d in space.dimensions}
     assert canonical(space, point | {"cp": 1, "cp_comm": "a2a"})["cp_comm"] == "p2p"   # meaningless at cp 1
     par, why = check(space, point | {"cp": 8, "cp_comm": "p2p"}, cluster)
     assert why is None and par.cp == 8 and par.dp == 2
+    # hierarchical: all-to-alls in pairs, the ring over 4 pairs; the group size means nothing
+    # for the other exchanges, and groups of 1 or of every cp rank are the plain ring and a2a
+    par, why = check(space, canonical(space, point | {"cp": 8, "cp_comm": "a2a+p2p", "cp_a2a_size": 2}), cluster)
+    assert why is None and (par.cp_comm, par.cp_a2a_size) == ("a2a+p2p", 2)
+    assert canonical(space, point | {"cp": 8, "cp_comm": "all-gather", "cp_a2a_size": 4})["cp_a2a_size"] is None
+    assert canonical(space, point | {"cp": 4, "cp_comm": "a2a+p2p", "cp_a2a_size": 4})["cp_comm"] == "a2a"
+    _, why = check(space, point | {"tp": 4, "cp": 4, "cp_comm": "a2a+p2p", "cp_a2a_size": 4}, cluster)
+    assert why.startswith("cp-comm: a2a+p2p shards attention heads")     # 8 kv heads over tp*4 = 16
     _, why = check(space, point | {"cp": 16, "cp_comm": "a2a"}, cluster)
     assert why.startswith("cp-comm: a2a shards attention heads")
     odd = default_space(MODEL, cluster, 16, 131072 - 16)

@@ -124,13 +124,13 @@ def test_search_rejects_fp8_configuration_whose_weight_cache_does_not_fit(llama_
 
     m = llama_tiny.with_overrides(layers=8)
     par = ParallelConfig(micro_batch=1, global_batch=4, seq_len=512, dtype="fp8")
-    mem = synthesize(m, par, H100).memory(0)
-    assert mem.fp8_weight_cache == 2 * _layer_params(m)[0] * m.layers     # FP8 copy + transpose
     base = resolve_cluster("dgx-h100:1")
+    mem = synthesize(m, par, H100).memory(0, base)       # with the process's runtime memory
+    assert mem.fp8_weight_cache == 2 * _layer_params(m)[0] * m.layers     # FP8 copy + transpose
 
     def on(capacity_bytes: float):
         cluster = replace(base, gpu=base.gpu.with_overrides(hbm_GiB=capacity_bytes / 2**30))
-        return evaluate(m, cluster, par, {}, Objective())
+        return evaluate(m, cluster, par, {}, Objective(), headroom=0.0)
 
     short = on(mem.total - mem.fp8_weight_cache / 2)
     assert not short.feasible and short.reason == MEMORY_REASON

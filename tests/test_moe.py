@@ -170,7 +170,7 @@ def test_model_states_and_routed_activations_of_a_small_case() -> None:
 
 
 @pytest.mark.parametrize("kw, parameter, needle", [
-    (dict(dp=8, ep=3), "ep", "must divide"),                     # 3 does not divide tp*dp = 8
+    (dict(dp=8, ep=3), "ep", "must divide"),                     # 3 does not divide tp*cp*dp = 8
     (dict(dp=4, ep=16), "ep", "must divide tp*cp*dp"),
     (dict(dp=16, ep=16), "ep", "must divide num-experts (8)"),
     (dict(dp=4, tp=2, ep=2), "sp", "sequence parallelism is required"),
@@ -390,3 +390,32 @@ def test_shared_experts_compute_while_the_dispatch_is_in_flight() -> None:
     for exact in (0, 1):          # the full replay and the fast path agree
         saved = steps[False][exact] - steps[True][exact]
         assert saved == pytest.approx(moe_layers * micro_batches * kernels, rel=1e-9)
+
+
+@pytest.mark.parametrize("precision", [{}, dict(dtype="fp8", fp8_recipe="blockwise", fp8_dispatch=True)])
+def test_fast_path_shortcuts_leave_the_result_unchanged(monkeypatch, precision) -> None:
+    """The fast path times each kind of block once for all the stages whose groups lie alike,
+    and builds each stage's first forward (beside the step-start parameter gathers) from those
+    block runs: the result is the one with every stage timing its own blocks and the first
+    forward replayed node by node with the gathers (to rounding)."""
+    from stage_cosim.adapters.roofline import fast, network
+    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.hardware import resolve_cluster
+
+    cluster = resolve_cluster("dgx-h100:16")
+    m = TINY_MLA.with_overrides(layers=5, moe_layer_freq=(0, 1, 1, 1, 1), mtp_num_layers=0)
+    par = ParallelConfig(dp=8, ep=4, pp=2, micro_batch=1, global_batch=32, seq_len=SEQ, zero=1, **precision)
+    w = synthesize(m, par, cluster.gpu)
+    composed = []
+    first_forward = fast._first_forward_composed
+    monkeypatch.setattr(fast, "_first_forward_composed", lambda *a, **k: composed.append(first_forward(*a, **k))
+                        or composed[-1])
+    quick = simulate(w, cluster)[0]
+    assert len(composed) == par.pp and all(run is not None for run in composed)
+    monkeypatch.setattr(fast, "_first_forward_composed", lambda *a, **k: None)
+    monkeypatch.delattr(network.CalibratedNetwork, "placement_key")
+    slow = simulate(w, cluster)[0]
+    assert quick.step_time_s == pytest.approx(slow.step_time_s, rel=1e-12)
+    for a, b in zip(quick.roles, slow.roles):
+        assert a.finish_s == pytest.approx(b.finish_s, rel=1e-12)
+        assert a.breakdown == pytest.approx(b.breakdown, rel=1e-12, abs=1e-15)

@@ -121,3 +121,121 @@ def test_trace_locations(run_cli, tmp_path, llama_small) -> None:
     assert len(set(results)) == 1
     code, _, err = run_cli("validate", str(tmp_path))
     assert code == 2 and err.startswith("error: traces:") and "no <prefix>.<rank>.et" in err
+
+
+# -- the astra model reads a run directory's own system and network -------------------------------------
+
+K16 = ["--model", "llama3-8b", "--layers", "4", "--cluster", "dgx-h100:16", "--tp", "2", "--pp", "2", "--dp", "4",
+       "--global-batch", "16", "--seq-len", "1024"]
+
+
+def test_astra_reads_the_run_directorys_system(run_cli, tmp_path) -> None:
+    """``simulate --traces RUN --network-model astra`` runs RUN/system.json and RUN/network.yml,
+    as the binary does, not the command line's defaults; flags given explicitly override the
+    file's fields."""
+    from astra_inputs import BINARY, run_binary, replay_args
+
+    d = tmp_path / "k16"
+    code, _, err = run_cli("astra-sim", "export", *K16, "--dataset-splits", "16", "--active-chunks", "2", "--out", str(d))
+    assert code == 0, err
+
+    def step(*args: str) -> int:
+        code, out, err = run_cli("simulate", *args, "--network-model", "astra", "--json")
+        assert code == 0, err
+        return round(json.loads(out)["step_time_s"] * 1e9)
+
+    from_files = step("--traces", str(d), "--cluster", "dgx-h100:16")
+    code, out, err = run_cli(*replay_args(d), "--json")
+    assert code == 0, err
+    assert from_files == json.loads(out)["max_finished_cycles"]
+    assert from_files == step(*K16, "--dataset-splits", "16", "--active-chunks", "2")
+    assert from_files != step(*K16)                          # the defaults (4 splits, 1 chunk) differ
+    if BINARY:
+        real = run_binary(d, 16)
+        assert isinstance(real, dict) and max(f for f, _ in real.values()) == from_files
+    # an explicit flag overrides the file's field, the others stay the file's
+    assert step("--traces", str(d), "--cluster", "dgx-h100:16", "--dataset-splits", "4") == \
+        step(*K16, "--dataset-splits", "4", "--active-chunks", "2")
+
+
+# -- traces the simulator would deadlock on ---------------------------------------------------------------
+
+def _deadlocking(tmp_path, llama_small):  # noqa: ANN001, ANN202
+    """A plain trace directory (no system or network file): the tied-embedding order the issue
+    found (the last stage's embedding all-reduce ahead of its last backward send)."""
+    import shutil
+
+    from test_astra_replay import _tied_workload, _undo_the_flush
+
+    w, cluster = _tied_workload(pp=2, vp=1)
+    d = tmp_path / "run"
+    export(w, cluster, d)
+    _undo_the_flush(d / "traces" / "workload.1.et")
+    plain = tmp_path / "plain"
+    shutil.copytree(d / "traces", plain)
+    shutil.copy(d / "comm_groups.json", plain / "comm_groups.json")
+    return plain
+
+
+def test_validate_without_files_still_finds_deadlocks(run_cli, tmp_path, llama_small) -> None:
+    from stage_cosim.trace import et_def_pb2 as pb
+    from test_traces import _rewrite
+
+    plain = _deadlocking(tmp_path, llama_small)
+    code, out, err = run_cli("validate", str(plain))
+    assert code == 1 and "deadlock" in out and "tied_grad_ar" in out and "nominal network" in out, out + err
+    # with a MEM_LOAD node too: refused for it (the simulator aborts whatever the system), never "ok"
+    _rewrite(plain / "workload.0.et", lambda ns: setattr(next(n for n in ns if n.type == pb.COMP_NODE), "type",
+                                                         pb.MEM_LOAD_NODE))
+    code, out, err = run_cli("validate", str(plain))
+    assert code == 1 and "MEM_LOAD" in out and not out.startswith("ok"), out + err
+
+
+def test_calibrated_model_warns_on_traces_astra_sim_deadlocks_on(run_cli, tmp_path, llama_small) -> None:
+    """The calibrated model overlaps communication streams as real clusters do and finishes
+    these traces; it says on stderr that ASTRA-sim would not, naming the ranks and nodes. The
+    astra model refuses them in one line."""
+    plain = _deadlocking(tmp_path, llama_small)
+    code, out, err = run_cli("simulate", "--traces", str(plain), "--cluster", "dgx-h100:2", "--json")
+    assert code == 0 and json.loads(out)["step_time_s"] > 0
+    assert err.startswith("warning: ASTRA-sim would never finish these traces") and "rank 1 node" in err
+    assert "tied_grad_ar" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli("simulate", "--traces", str(plain), "--cluster", "dgx-h100:2", "--network-model", "astra")
+    assert code == 2 and err.startswith("error: traces: deadlock") and len(err.strip().splitlines()) == 1
+
+
+# -- traces from another generator: no op_kind ------------------------------------------------------------
+
+def test_foreign_traces_are_timed_by_op_type(tmp_path) -> None:
+    """A trace without our op_kind attribute (PyTorch operator and kernel names, num_ops and
+    tensor_size only): GEMMs at the tensor-core rate, attention at the attention rate, other named
+    ops memory-bound on their tensor_size, an unnamed node by its arithmetic intensity. Each time
+    is the closed form from the GPU's calibrated parameters (compute.py's roofline)."""
+    from stage_cosim.trace.chakra import TraceNode, write_trace_file
+
+    cluster = resolve_cluster("dgx-h100:1")
+    g = cluster.gpu
+    overhead, bw = g.kernel_overhead_us * 1e-6, g.hbm_GBps * 1e9 * g.memory_efficiency
+    peak = g.bf16_tflops * 1e12
+    n = 4096
+    gemm_f, gemm_b = 2 * n ** 3, 3 * n * n * 2
+    attn_f, attn_b = 4 * 2048 * 2048 * 128 * 32, 4 * 2048 * 128 * 32 * 2
+    soft_f, soft_b = 5 * n * n, 2 * n * n * 2
+    nodes = [("aten::mm", gemm_f, gemm_b), ("aten::_scaled_dot_product_flash_attention", attn_f, attn_b),
+             ("aten::softmax", soft_f, soft_b), ("node3", gemm_f, gemm_b), ("node4", soft_f, soft_b)]
+    expected = [
+        gemm_f / (peak * g.matmul_efficiency * gemm_f / (gemm_f + g.matmul_half_flops)) + overhead,
+        attn_f / (peak * g.attention_efficiency) + overhead,
+        soft_b / bw + overhead,            # memory-bound: 5 FLOP per element does not reach the vector ridge
+        gemm_f / (peak * g.matmul_efficiency * gemm_f / (gemm_f + g.matmul_half_flops)) + overhead,
+        soft_b / bw + overhead,
+    ]
+    kinds = {"is_cpu_op": "bool_val", "num_ops": "uint64_val", "tensor_size": "uint64_val"}
+    trace = [TraceNode(i, name, 4, [i - 1] if i else [], [], 0, {"is_cpu_op": False, "num_ops": f, "tensor_size": b},
+                       kinds) for i, (name, f, b) in enumerate(nodes)]
+    (tmp_path / "t").mkdir()
+    write_trace_file(tmp_path / "t" / "foreign.0.et", trace)
+    for model in ("calibrated", "astra"):
+        got = simulate_traces(tmp_path / "t", cluster, model)[0]
+        assert got.config["compute"] == "GPU model"
+        assert got.step_time_s == pytest.approx(sum(expected), rel=1e-6 if model == "calibrated" else 1e-5), model

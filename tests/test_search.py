@@ -230,3 +230,15 @@ def test_expert_layout_with_context_parallelism_is_feasible() -> None:
     assert reason is None and (par.dp, par.cp, par.ep, par.edp) == (2, 2, 4, 1)
     par, reason = check(space, dict(tp=1, cp=2, cp_comm="p2p", pp=2, ep=4, expert_tp=1), cluster)
     assert par is None and reason == "expert-tp * ep does not divide tp * cp * dp"     # 1*2*1 ranks per stage
+
+
+def test_optimize_report_names_the_expert_layout() -> None:
+    """The text report of `stage-cosim optimize` shows ep and expert_tp wherever the expert
+    layout is not the dense one (ep 1, expert_tp = tp)."""
+    from stage_cosim.cli.optimize_cmd import describe_point
+
+    base = dict(dp=4, tp=2, pp=2, cp=1, vp=1, micro_batch=1, sp=True, zero=2, recompute="none", dtype="bf16")
+    assert describe_point({}, base | dict(ep=4, expert_tp=2)) == "dp4 tp2 pp2 ep4 expert_tp2 mb1 sp zero2"
+    assert describe_point({}, base | dict(ep=1, expert_tp=1)) == "dp4 tp2 pp2 ep1 expert_tp1 mb1 sp zero2"
+    assert describe_point({}, base | dict(ep=1, expert_tp=2)) == "dp4 tp2 pp2 mb1 sp zero2"     # dense layout
+    assert "ep" not in describe_point({}, base)                                                 # a dense model

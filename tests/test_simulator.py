@@ -267,3 +267,87 @@ def test_zero3_prefetches_one_block_ahead() -> None:
         i = order.index(n.block)
         if i > 0:
             assert rep.start[0][n.id] >= first_compute[(n.micro_batch, n.phase, order[i - 1])] - 1e-12
+
+
+# -- ZeRO-2/3 as PyTorch FSDP runs them (FSDP1: SHARD_GRAD_OP / FULL_SHARD) -----------------------
+
+def _fsdp(zero: int, **kw):
+    """Llama 3 8B (8 layers), data parallelism only, one node: FSDP's usual layout."""
+    w, c = _small("llama3-8b", dict(dp=8, global_batch=16, micro_batch=1, seq_len=2048, zero=zero, **kw))
+    _, rep, programs = simulate(w, c, exact=True)
+    role = w.role(0)
+    return w, c, rep, programs, role
+
+
+def _layer_params(m: ModelConfig) -> int:
+    """One Llama layer's parameters: q, o (h x h), k, v (h x kv_heads*head_dim), three MLP
+    matrices (h x ffn), two norms."""
+    h, kv = m.hidden, m.kv_heads * m.head_dim
+    return 2 * h * h + 2 * h * kv + 3 * h * m.ffn + 2 * h
+
+
+def test_fsdp_gathers_and_reduce_scatters_share_one_stream_in_issue_order() -> None:
+    """FULL_SHARD: FSDP issues its all-gathers (unshard stream) and reduce-scatters (post-backward
+    stream) on one process group, whose collectives ProcessGroupNCCL runs on its one internal NCCL
+    stream: they never overlap each other. In the backward (BACKWARD_PRE, the default) unit i's
+    pre-backward hook prefetches unit i-1's gather before unit i's post-backward hook issues its
+    reduce-scatter, so the stream runs ..., AG(i-1), RS(i), AG(i-2), RS(i-1), ..."""
+    w, c, rep, programs, role = _fsdp(3)
+    dp = [n for n in role.nodes if n.type == "COLL" and ("zero3_gather" in n.name or ".grad_rs_" in n.name)]
+    assert {programs[0].streams[n.id] for n in dp} == {"comm:dp"}
+    spans = sorted((rep.start[0][n.id], rep.end[0][n.id]) for n in dp)
+    assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    last = max(n.micro_batch for n in dp)
+    layers = [f"layer{i}" for i in range(8)]
+
+    def start(name: str) -> float:
+        (n,) = [n for n in dp if n.micro_batch == last and n.phase == "bwd" and n.name.startswith(name)]
+        return rep.start[0][n.id]
+
+    for i in range(2, 7):
+        ag_next, rs, ag_after = (start(f"{layers[i - 1]}.bwd.zero3_gather"), start(f"{layers[i]}.layer.grad_rs"),
+                                 start(f"{layers[i - 2]}.bwd.zero3_gather"))
+        assert ag_next < rs <= ag_after
+
+
+def test_fsdp_forward_gathers_follow_the_rate_limiter() -> None:
+    """Forward, FULL_SHARD, forward_prefetch off and limit_all_gathers on: the CPU runs ahead and
+    issues unit j's gather in its pre-forward hook, but first waits for the free event of the
+    unit two back (at most two all-gathers in flight), so unit j's gather starts when the stream
+    has finished unit j-1's gather and unit j-2's forward has finished — exactly."""
+    w, c, rep, programs, role = _fsdp(3)
+    mb = 1
+    comp_end: dict[str, float] = {}
+    for n in role.nodes:
+        if n.type == COMP and n.phase == "fwd" and n.micro_batch == mb:
+            comp_end[n.block] = max(comp_end.get(n.block, 0.0), rep.end[0][n.id])
+    gather = {n.block: n for n in role.nodes if n.micro_batch == mb and n.name.endswith("fwd.zero3_gather")}
+    for j in range(2, 8):
+        n, prev = gather[f"layer{j}"], gather[f"layer{j - 1}"]
+        expect = max(rep.end[0][prev.id], comp_end[f"layer{j - 2}"])
+        assert rep.start[0][n.id] == pytest.approx(expect, abs=1e-12)
+
+
+def test_fsdp_regathers_in_backward_only_under_full_shard() -> None:
+    """FULL_SHARD frees a unit's parameters after its forward and gathers them again before its
+    backward (twice per micro-batch); SHARD_GRAD_OP keeps the forward's parameters through the
+    backward: no gather in the backward, every gather ahead of a forward."""
+    w3, _, _, _, role3 = _fsdp(3)
+    w2, _, _, _, role2 = _fsdp(2)
+    m = w3.parallel.num_microbatches
+    gathers3 = [n for n in role3.nodes if n.type == "COLL" and n.coll.name == "ALL_GATHER" and n.block == "layer3"]
+    assert len([n for n in gathers3 if n.phase == "bwd"]) == len([n for n in gathers3 if n.phase == "fwd"]) == m
+    gathers2 = [n for n in role2.nodes if n.type == "COLL" and n.coll.name == "ALL_GATHER" and n.block == "layer3"]
+    assert gathers2 and not [n for n in gathers2 if n.phase == "bwd"]
+
+
+@pytest.mark.parametrize("dtype,nbytes", [("fp32", 4), ("bf16", 2)])
+def test_fsdp_reduce_scatters_in_the_reduce_dtype(dtype: str, nbytes: int) -> None:
+    """FSDP casts a unit's gradient to MixedPrecision's reduce_dtype before reduce-scattering it
+    (fp32 here by default, as Megatron reduces bf16 training's gradients): each micro-batch's
+    reduce-scatter of a layer moves its whole gradient in that precision."""
+    model = get_preset("llama3-8b").with_overrides(layers=2)
+    w = synthesize(model, ParallelConfig(dp=8, global_batch=16, seq_len=1024, zero=3, grad_reduce_dtype=dtype))
+    rs = [n for n in w.role(0).nodes if n.name.startswith("layer0.layer.grad_rs")]
+    assert len(rs) == w.parallel.num_microbatches
+    assert {n.comm_bytes for n in rs} == {nbytes * _layer_params(model)}

@@ -57,7 +57,7 @@ def simulate_astra_sim(w: Workload, cluster: Cluster, *, binary: str | None = No
         bd["compute"] = gpu * 1e-9
         bd["exposed_other"] = out.exposed_comm_ns[r] * 1e-9
         bd["idle"] = (step_ns - out.finished_ns[r]) * 1e-9
-        mem = w.memory(stage)
+        mem = w.memory(stage, cluster)
         roles.append(RoleResult(stage, out.finished_ns[r] * 1e-9, bd["compute"], bd, mem.total, mem.to_dict()))
     step = step_ns * 1e-9
     critical = max(roles, key=lambda x: (x.finish_s, -x.stage))

@@ -45,6 +45,8 @@ def _load_json(path: Path, what: str, parameter: str) -> Any:
         return json.loads(Path(path).read_text())
     except OSError as exc:
         raise UserError(parameter, f"{path}: cannot read the {what} ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError:
+        raise UserError(parameter, f"{path}: the {what} is not a text file") from None
     except json.JSONDecodeError as exc:
         raise UserError(parameter, f"{path}: the {what} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
 
@@ -148,6 +150,8 @@ def read_network_yml(path: Path, parameter: str = "network-configuration") -> li
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as exc:
         raise UserError(parameter, f"{path}: cannot read the network configuration ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError:
+        raise UserError(parameter, f"{path}: the network configuration is not a text file") from None
     except yaml.YAMLError as exc:
         problem = " ".join(str(exc).split())
         raise UserError(parameter, f"{path}: the network configuration is not valid YAML ({problem})") from exc

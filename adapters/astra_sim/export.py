@@ -166,7 +166,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
             "mesh": {"order": list(w.mesh.order), "degrees": dict(w.mesh.degrees)},
             "communicator_groups": w.group_counts(),
             "cluster": cluster.to_dict(),
-            "stages": [{"stage": s, "peak_memory_bytes": w.memory(s).to_dict()} for s in range(w.parallel.pp)],
+            "stages": [{"stage": s, "peak_memory_bytes": w.memory(s, cluster).to_dict()} for s in range(w.parallel.pp)],
             "model_flops_per_step": w.total_model_flops(),
             "executed_flops_per_step": w.total_executed_flops(),
         }

@@ -9,12 +9,13 @@ reference runs to the nanosecond):
   :func:`simulate_run_dir` an exported run directory;
 * :func:`replay_workload` — a synthesized workload as the exporter would write it, without
   writing it (the ``--network-model astra`` of ``simulate``, and the export's own check);
-* :func:`input_problems` — what the binary would abort or hang on, as a list of problems.
+* :func:`input_problems` — what the binary would abort or hang on, as a list of problems;
+* :func:`exit_warnings` — what it runs to the end but then trips on (its double free on exit).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -50,6 +51,7 @@ class Replayed:
     outcome: Outcome
     agent_of_rank: Callable[[int], int]
     n_ranks: int
+    warnings: list[str] = field(default_factory=list)   # what the binary trips on after its results
 
     @property
     def symmetric(self) -> bool:
@@ -148,10 +150,10 @@ def _replay(net: Network, system: AstraSystem, members_of: Callable[[object], Se
 
 def input_problems(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim], limit: int = 20) -> list[Problem]:
     """What the binary aborts or hangs on under this system and network, beyond the trace
-    checks of :func:`~stage_cosim.trace.validate.validate`: the rank count, node kinds it cannot
-    run here, endpoint-delay 0, roofline inputs, and every distinct collective's phases (missing
-    implementation lists, implementations that cannot run it, zero-byte messages, an all-gather
-    smaller than the split count)."""
+    checks of :func:`~stage_cosim.trace.validate.validate`: the rank count, endpoint-delay 0,
+    roofline inputs (``tensor_size`` 0 only matters there), and every distinct collective's phases
+    (missing implementation lists, implementations that cannot run it, zero-byte messages, an
+    all-gather smaller than the split count, more chunk copies than can be simulated)."""
     net = Network(list(dims))
     n = net.n_ranks
     out: list[Problem] = []
@@ -352,6 +354,8 @@ def replay_files(workload: str, system_file: Path, network_file: Path, memory_fi
     n = Network(dims).n_ranks
     ts = read_prefix(workload, range(n), groups_file)
     rep = replay_checked(ts, system, dims, "workload-configuration", symmetric=symmetric)
+    if any(len(impls) == 1 for impls in system.implementations.values()):
+        rep.warnings = exit_warnings(trace_set_uses(ts, n), system)
     return rep, n
 
 

@@ -46,14 +46,17 @@ SCHEDULING_POLICIES = ("LIFO", "FIFO")
 OPTIMIZATIONS = ("baseline", "localBWAware")
 # A communicator group that is not all ranks always pays this endpoint delay (§2).
 GROUP_ENDPOINT_DELAY_NS = 10
-# The most preferred-dataset-splits simulated. Every split is a chunk that each member of a
-# collective's group carries through every phase: the replay holds a queue entry and an event per
-# chunk, phase and member (about 100 B) and spends about 50 µs of CPU on each, per distinct
-# collective (benchmarks/astra_replay_speed.py --splits measures it). At 4096 splits one
-# all-reduce over 64 ranks takes about 13 s; at 10^5 it would take minutes per collective. The
-# binary is slower still: about 5 s for one 4-rank all-reduce at 10^4 splits, not done after 300 s
-# at 10^5. ASTRA-sim's own examples use 4 to 64.
+# Bounds on preferred-dataset-splits. Every split is a chunk that each member of a collective's
+# group carries through every phase: the replay holds a queue entry and an event per chunk and
+# member (about 90 B) and spends 4-10 µs of CPU on each, per distinct collective
+# (``python benchmarks/astra_replay_speed.py --splits …`` measures it; the README has the
+# figures). So chunks x members is bounded, at 2^20: about 100 MB and 5-10 s for one collective
+# (4096 splits over 256 ranks took 5.5 s, 2048 over 512 ranks 10.5 s; 4096 over 512 ranks, twice
+# the bound, did not finish in 300 s). The splits alone are bounded at 4096 as well, where the
+# binary is already slow (61 s of CPU for one all-reduce over 64 ranks); its own examples use 4
+# to 64.
 MAX_DATASET_SPLITS = 4096
+MAX_CHUNK_COPIES = 1 << 20
 
 # Chakra node types (et_def.proto NodeType).
 COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE = 4, 5, 6, 7
@@ -631,6 +634,10 @@ class CollectiveModel:
         if phases:
             chunk, n_chunks = chunking(collective, size, self.system.preferred_dataset_splits,
                                        self.net.n_ranks)
+            ranks = self.net.n_ranks if members is None else len(members)
+            require(n_chunks * ranks <= MAX_CHUNK_COPIES, "preferred-dataset-splits",
+                    f"{n_chunks} chunks of one {collective} over {ranks} ranks are {n_chunks * ranks:,} chunk copies to "
+                    f"simulate, more than the {MAX_CHUNK_COPIES:,} that run in reasonable time: use fewer splits")
             sizes = phase_sizes(phases, chunk)
             for ph, m in zip(phases, sizes):
                 check_phase(ph, len(ph.rings[0]), m)

@@ -8,15 +8,29 @@ small GEMMs fall off smoothly (wave quantization, launch); a grouped GEMM of g e
 local experts of an MoE layer) reaches what one GEMM of F/g does, so small experts fall off too.
 FP8 GEMMs have their own efficiency and half-efficiency size. Fused (flash) attention kernels
 reach their own fraction of peak, attention_efficiency, of the format they compute in (softmax
-and masking inside the kernel keep them below GEMMs), times k / (k + attention_half_keys) for a
-kernel whose queries each see k keys (a query tile's fixed prologue and epilogue amortize over
-its loop over the keys: the chunks of ring attention run slower than one kernel over the whole
-sequence). Everything else runs at the vector (CUDA-core) rate. Memory-bound kernels reach peak
+and masking inside the kernel keep them below GEMMs), times two shape terms:
+
+* k / (k + attention_half_keys) for a kernel whose thread blocks each loop over k keys (a
+  query tile's fixed prologue and epilogue amortize over its loop: the chunks of ring
+  attention run slower than one kernel over the whole sequence);
+* min(1, tiles / SMs), tiles = ceil(rows / attention_block_rows): FlashAttention gives each
+  thread block one tile of 128 rows — queries forward (its grid is query blocks x batch x
+  heads), keys backward (key blocks x batch x heads) — one block per SM (FlashAttention-3 on
+  Hopper; FlashAttention-2's smaller Ampere blocks can pair up on an SM, not modelled), so a
+  kernel over fewer rows than that leaves SMs idle for its whole length (a ring step over
+  s/(2cp) queries of a few heads). A partial last wave is not charged: causal tiles differ in length
+  and are issued longest first, so the short ones fill it.
+
+The kernel's rows come in ``groups`` (for a GEMM: the equal GEMMs of a grouped GEMM); a kernel
+that does not say (``groups`` <= 1: another generator's trace, an inference engine's kernel,
+which splits the keys over thread blocks when its queries are too few) gets no occupancy term.
+Everything else runs at the vector (CUDA-core) rate. Memory-bound kernels reach peak
 HBM bandwidth * memory_efficiency.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from stage_cosim.hardware.gpu import GPU
@@ -46,16 +60,26 @@ class ComputeModel:
             eff, half = g.fp8_matmul_efficiency, g.fp8_matmul_half_flops
         return peak * 1e12 * eff * flops / (flops + half)
 
+    def attention_rate(self, fmt: str, keys: float = 0.0, rows: float = 0.0) -> float:
+        """Achievable FLOP/s of a fused attention kernel whose thread blocks loop over ``keys``
+        and which splits ``rows`` rows of work over them (0: not known)."""
+        g = self.gpu
+        rate = g.peak_tflops(fmt or "bf16") * 1e12 * g.attention_efficiency
+        if keys > 0:
+            rate *= keys / (keys + g.attention_half_keys)
+        if rows > 1 and g.sm_count:
+            rate *= min(1.0, math.ceil(rows / g.attention_block_rows) / g.sm_count)
+        return rate
+
     def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
                    groups: int = 1, keys: float = 0.0) -> float:
-        """``groups``: the equal GEMMs of a grouped GEMM (each runs at its own shape's rate);
-        ``keys``: for fused attention, the keys each query sees in this kernel."""
+        """``groups``: the equal GEMMs of a grouped GEMM (each runs at its own shape's rate), or
+        for fused attention the rows its thread blocks split; ``keys``: for fused attention,
+        the length of each thread block's loop (the keys each query sees in this kernel)."""
         g = self.gpu
         fmt = matmul_format(matmul)
         if attention and flops > 0:
-            rate = g.peak_tflops(fmt or "bf16") * 1e12 * g.attention_efficiency
-            if keys > 0:
-                rate *= keys / (keys + g.attention_half_keys)
+            rate = self.attention_rate(fmt, keys, groups)
         elif fmt and flops > 0:
             rate = self.matmul_rate(flops / max(1, groups), fmt)
         else:
@@ -67,7 +91,7 @@ class ComputeModel:
     def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1, keys: float = 0.0) -> float:
         """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector;
         with the number format where it is not BF16: matmul_fp8 …) and, for attention, the keys
-        each query sees in it."""
+        each query sees in it and its rows of work (in ``groups``)."""
         from stage_cosim.schedule.program import parse_op_kind
 
         base, fmt = parse_op_kind(op_kind)

@@ -109,13 +109,20 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
             if len(arrived) == participants.get(g, 1):
                 del rendezvous[key]
                 members = p.members[i] or (p.rank,)
-                issue_time = {ag: tm for ag, _, tm in arrived}
-                starts = [issue_time[agent_of_rank(r)] for r in members]
+                single = len(arrived) == 1        # one agent stands for every member
+                if single:
+                    starts = [now] * len(members)
+                else:
+                    issue_time = {ag: tm for ag, _, tm in arrived}
+                    starts = [issue_time[agent_of_rank(r)] for r in members]
                 if i in p.involved:
                     finishes = network.collective(p.coll[i], p.nbytes[i], members, starts, involved=p.involved[i])
                 else:
                     finishes = network.collective(p.coll[i], p.nbytes[i], members, starts)
                 # Each agent finishes when the member it stands for does.
+                if single:
+                    push(finishes[members.index(p.rank)], a, i)
+                    return
                 done = {agent_of_rank(r): f for r, f in zip(members, finishes)
                         if programs[agent_of_rank(r)].rank == r}
                 for ag, node, _ in arrived:

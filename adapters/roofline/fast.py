@@ -43,6 +43,8 @@ class _PassRun:
     breakdown: dict[str, float]
     # per communication stream: (first start, last end) within the pass
     streams: dict[str, tuple[float, float]] | None = None
+    # (start, end, category) of every node that occupies something (standalone block runs)
+    spans: list[tuple[float, float, str]] | None = None
 
 
 def _stream_use(prog: AgentProgram, rep: Replay, skip: int = 0) -> dict[str, tuple[float, float]]:
@@ -143,6 +145,7 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     #    each kind of block once)
     template_runs: dict[tuple[int, tuple], _PassRun] = {}
     block_runs: dict[tuple, _PassRun] = {}
+    segment_runs: list = []          # per stage: (template, segment index) -> the block's run
     for s, role in enumerate(roles):
 
         def standalone(rows: list[tuple], exits: list[int], sinks: list[int], _s=s, _role=role) -> _PassRun:
@@ -151,11 +154,16 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
             rep = run_one(prog)
             end = rep.end[0]
             done = max((end[i] for i in sinks), default=max(end, default=0.0))
+            spans = list(intervals(prog.types, prog.kind, rep.start[0], end))
             return _PassRun(rep.start[0], end, max((end[e] for e in exits), default=0.0), done,
-                            _window_breakdown(prog, rep, 0.0, done, waiting), _stream_use(prog, rep))
+                            charge(spans, 0.0, done, waiting), _stream_use(prog, rep), spans)
 
+        def segment_run(t, k: int, _standalone=standalone, _s=s) -> _PassRun:  # noqa: ANN001
+            return _segment_run(t, k, _standalone, block_runs, placed_as[_s], _s)
+
+        segment_runs.append(segment_run)
         for key, t in role.templates.items():
-            run = _composed(t, standalone, block_runs, placed_as[s], s) if t.segments else None
+            run = _composed(t, segment_run) if t.segments else None
             template_runs[(s, key)] = run or standalone(t.rows, t.exits, t.sinks)
 
     # 2. the pipeline, pass by pass
@@ -171,13 +179,16 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     stream_free: list[dict[str, float]] = [dict() for _ in range(pp)]
     nxt = [0] * pp
     prologue = [[i for i in range(r.passes[0].base) if r.node(i).type == COLL] if r.passes else [] for r in roles]
+    gather_runs: dict[int, tuple[dict[int, float], list, set] | None] = {}
     remaining = sum(len(r.passes) for r in roles)
+    charged: dict[int, tuple[tuple[str, float], ...]] = {}    # a run's non-zero breakdown entries
     while remaining:
         progressed = False
         for s, role in enumerate(roles):
-            while nxt[s] < len(role.passes):
+            passes, total, free = role.passes, totals[s], stream_free[s]
+            while nxt[s] < len(passes):
                 k = nxt[s]
-                pl = role.passes[k]
+                pl = passes[k]
                 ready = sinks_done[s]
                 if pl.recv >= 0:
                     rv = role.node(pl.recv)
@@ -187,21 +198,30 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                     ready = max(ready, arrivals.pop(key))
                 t = role.templates[pl.template]
                 if pl.param_deps and prologue[s]:
-                    run = _first_forward(w, role, s, reps[s], pl, t, ready, prologue[s], compute, network,
-                                         durations, run_one, waiting, since=sinks_done[s])
+                    if s not in gather_runs:
+                        gather_runs[s] = _gathers_alone(w, role, s, reps[s], prologue[s], compute, network,
+                                                        durations, run_one, stage_members[s])
+                    run = _first_forward_composed(role, pl, t, ready, gather_runs[s], segment_runs[s], waiting,
+                                                  since=sinks_done[s])
+                    if run is None:
+                        run = _first_forward(w, role, s, reps[s], pl, t, ready, prologue[s], compute, network,
+                                             durations, run_one, waiting, since=sinks_done[s])
                     t0 = 0.0     # this run's times are absolute
                 else:
                     run = template_runs[(s, pl.template)]
                     t0 = ready
                     for st, (first, _) in (run.streams or {}).items():
-                        t0 = max(t0, stream_free[s].get(st, 0.0) - first)
-                    totals[s][waiting] += t0 - sinks_done[s]
-                for c, v in run.breakdown.items():
-                    totals[s][c] += v
+                        t0 = max(t0, free.get(st, 0.0) - first)
+                    total[waiting] += t0 - sinks_done[s]
+                entries = charged.get(id(run))
+                if entries is None:          # (adding the zeros would change nothing)
+                    entries = charged[id(run)] = tuple((c, v) for c, v in run.breakdown.items() if v)
+                for c, v in entries:
+                    total[c] += v
                 t0s[s][k] = t0
                 runs[s][k] = run
                 for st, (_, last) in (run.streams or {}).items():
-                    stream_free[s][st] = max(stream_free[s].get(st, 0.0), t0 + last)
+                    free[st] = max(free.get(st, 0.0), t0 + last)
                 exit_t = t0 + run.exit
                 sinks_done[s] = t0 + run.sinks
                 if pl.send >= 0:
@@ -221,22 +241,37 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     programs = []
     participants: dict[Hashable, int] = {}
     for s, role in enumerate(roles):
-        bases = [pl.base for pl in role.passes]
+        bases = [pl.base for pl in role.passes] + [role.step_end_start]
 
-        def abs_end(node_id: int, _s=s, _role=role, _bases=bases) -> float:
-            k = bisect.bisect_right(_bases, node_id) - 1
-            if k < 0:
-                return 0.0          # a step-start node (parameter gather): long done
-            pl = _role.passes[k]
-            run = runs[_s][k]
-            rel = node_id - pl.base
-            return t0s[_s][k] + run.end[rel] if 0 <= rel < len(run.end) else sinks_done[_s]
+        def latest_end(ids: list[int], _s=s, _bases=bases) -> float:
+            """When the last of the pass nodes ``ids`` ends (absolute; 0 for none): a node of a
+            pass at its template's time, a pipeline send or receive between passes once the
+            pass before is done, a step-start node (parameter gather) long done. The pass of
+            consecutive ids is looked up once."""
+            best, lo, hi = 0.0, 0, -1
+            t0 = 0.0
+            rel_end: list[float] = []
+            for d in ids:
+                if not lo <= d < hi:
+                    k = bisect.bisect_right(_bases, d) - 1
+                    if k < 0:
+                        lo, hi, rel_end = 0, _bases[0], []
+                        t0 = 0.0
+                        continue
+                    lo, hi = _bases[k], _bases[k + 1]
+                    t0, rel_end = t0s[_s][k], runs[_s][k].end
+                elif not rel_end and hi == _bases[0]:
+                    continue        # another step-start node
+                rel = d - lo
+                v = t0 + rel_end[rel] if rel < len(rel_end) else sinks_done[_s]
+                if v > best:
+                    best = v
+            return best
 
         tail = [role.node(i) for i in range(role.step_end_start, role.num_nodes)]
         waits, deps = [], []
         for j, n in enumerate(tail):
-            pass_deps = [d for d in n.deps if d < role.step_end_start]
-            waits.append(max((abs_end(d) for d in pass_deps), default=0.0))
+            waits.append(latest_end([d for d in n.deps if d < role.step_end_start]))
             deps.append([j] + [len(tail) + d - role.step_end_start for d in n.deps if d >= role.step_end_start])
         prog = _program(f"stage{s}", reps[s], tail, deps, w, role, compute, network, durations, waits=waits,
                         members=stage_members[s])
@@ -261,55 +296,132 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
     return finishes, totals
 
 
-def _composed(t, standalone, block_runs: dict[tuple, _PassRun], placed_as: Hashable,  # noqa: ANN001
-              stage: int) -> _PassRun | None:
+def _segment_run(t, k: int, standalone, block_runs: dict[tuple, _PassRun], placed_as: Hashable,  # noqa: ANN001
+                 stage: int) -> _PassRun:
+    """The standalone run of segment ``k`` of template ``t``, its ids relative to the block.
+    ``block_runs`` is shared by the stages: a run is keyed by where the stage's groups lie
+    (``placed_as``), or by the ``stage`` for a block with point-to-point messages."""
+    segments = t.segments
+    kind, lo, hi, _, src = segments[k]
+    # what the rest waits on: the next block's entry, or (the last block) the pass's exits
+    # and sinks
+    if k + 1 < len(segments):
+        exits = sinks = tuple(sorted(d - lo for d in segments[k + 1][3] if lo <= d < hi))
+    else:
+        exits = tuple(e - lo for e in t.exits if lo <= e < hi)
+        sinks = tuple(i - lo for i in t.sinks if lo <= i < hi)
+    p2p = block_runs.get(("p2p", kind))
+    if p2p is None:
+        p2p = block_runs[("p2p", kind)] = any(r[1] in (SEND, RECV) for r in t.block_rows(src)[:hi - lo])
+    key = (kind, exits, sinks, stage if p2p else placed_as)
+    run = block_runs.get(key)
+    if run is None:
+        # the generated block of this kind, its ids made relative (outside ones dropped)
+        rows = [(*r[:2], tuple(d - src for d in r[2] if d >= src), *r[3:]) for r in t.block_rows(src)[:hi - lo]]
+        run = block_runs[key] = standalone(rows, list(exits), list(sinks))
+    return run
+
+
+def _merge_streams(streams: dict[str, tuple[float, float]], run: _PassRun, offset: float) -> None:
+    for st, (first, last) in (run.streams or {}).items():
+        lo_t, hi_t = streams.get(st, (float("inf"), float("-inf")))
+        streams[st] = (min(lo_t, first + offset), max(hi_t, last + offset))
+
+
+def _composed(t, segment_run) -> _PassRun | None:  # noqa: ANN001
     """A pass template's run from one standalone run per kind of block (``t.segments``): each
     block starts when the exits of the one before are done. Exact when nothing of a block
     outlives the exits the next one waits for (every stream is then idle when it starts);
-    None where that fails (the whole template is replayed instead). ``block_runs`` is shared
-    by the stages: a run is keyed by where the stage's groups lie (``placed_as``), or by the
-    ``stage`` for a block with point-to-point messages."""
+    None where that fails (the whole template is replayed instead)."""
     n = t.num_rows
     start = [0.0] * n
     end = [0.0] * n
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     streams: dict[str, tuple[float, float]] = {}
     busy_until = 0.0
-    segments = t.segments
-    for k, (kind, lo, hi, entry, src) in enumerate(segments):
+    for k, (kind, lo, hi, entry, src) in enumerate(t.segments):
         offset = max((end[d] for d in entry if d >= 0), default=0.0)
         if busy_until > offset + 1e-12:
             return None
-        # what the rest waits on: the next block's entry, or (the last block) the pass's exits
-        # and sinks
-        if k + 1 < len(segments):
-            exits = sinks = tuple(sorted(d - lo for d in segments[k + 1][3] if lo <= d < hi))
-        else:
-            exits = tuple(e - lo for e in t.exits if lo <= e < hi)
-            sinks = tuple(i - lo for i in t.sinks if lo <= i < hi)
-        p2p = block_runs.get(("p2p", kind))
-        if p2p is None:
-            p2p = block_runs[("p2p", kind)] = any(r[1] in (SEND, RECV) for r in t.block_rows(src)[:hi - lo])
-        key = (kind, exits, sinks, stage if p2p else placed_as)
-        run = block_runs.get(key)
-        if run is None:
-            # the generated block of this kind, its ids made relative (outside ones dropped)
-            rows = [(*r[:2], tuple(d - src for d in r[2] if d >= src), *r[3:]) for r in t.block_rows(src)[:hi - lo]]
-            run = block_runs[key] = standalone(rows, list(exits), list(sinks))
+        run = segment_run(t, k)
         start[lo:hi] = [x + offset for x in run.start]
         end[lo:hi] = [x + offset for x in run.end]
         busy_until = max(end[lo:hi], default=offset)
         for c, v in run.breakdown.items():
             breakdown[c] += v
-        for st, (first, last) in (run.streams or {}).items():
-            lo_t, hi_t = streams.get(st, (float("inf"), float("-inf")))
-            streams[st] = (min(lo_t, first + offset), max(hi_t, last + offset))
+        _merge_streams(streams, run, offset)
     total = max(end, default=0.0)
     exit_t = max((end[e] for e in t.exits), default=0.0)
     sinks = max((end[i] for i in t.sinks), default=total)
     if total > sinks + 1e-12:
         return None
     return _PassRun(start, end, exit_t, sinks, breakdown, streams)
+
+
+def _gathers_alone(w: Workload, role: RoleGraph, s: int, rank: int, prologue: list[int], compute: ComputeModel,
+                   network: NetworkModel, durations: dict, run_one, members: dict  # noqa: ANN001
+                   ) -> tuple[dict[int, float], list, set]:
+    """The step-start parameter gathers of a stage from time 0, on their own: (end by node
+    id, their spans, the streams they use)."""
+    gathers = [role.node(i) for i in prologue]
+    prog = _program(f"stage{s}", rank, gathers, [[] for _ in gathers], w, role, compute, network, durations,
+                    members=members)
+    rep = run_one(prog)
+    return ({nid: rep.end[0][j] for j, nid in enumerate(prologue)},
+            list(intervals(prog.types, prog.kind, rep.start[0], rep.end[0])),
+            {st for st in prog.streams if st is not None})
+
+
+def _first_forward_composed(role: RoleGraph, pl, t, ready: float, gathers, segment_run,  # noqa: ANN001
+                            waiting: str, since: float) -> _PassRun | None:
+    """:func:`_first_forward` from the blocks' standalone runs: the parameter gathers use
+    streams of their own, so they run as they do alone, and each block starts when what it
+    waits for outside itself (the block before, its gathers, the pass's input at ``ready``)
+    is done. Exact where every block's first kernels wait for that same time and nothing of a
+    block outlives the start of the next; None otherwise (and where a block shares a stream
+    with the gathers): the pass is replayed with the gathers instead."""
+    if not t.segments:
+        return None
+    gather_end, gather_spans, gather_streams = gathers
+    base, n = pl.base, t.num_rows
+    start = [0.0] * n
+    end = [0.0] * n
+    spans = list(gather_spans)
+    streams: dict[str, tuple[float, float]] = {}
+    busy_until = 0.0
+    for k, (kind, lo, hi, entry, src) in enumerate(t.segments):
+        run = segment_run(t, k)
+        if gather_streams & set(run.streams or ()):
+            return None
+        # when the block's nodes could start for what they wait on outside the block
+        outside: list[tuple[bool, float]] = []      # (a first node of the block, that time)
+        for i in range(lo, hi):
+            node = role.node(base + i)
+            first, at = True, 0.0
+            for d in node.deps:
+                if base + lo <= d < base + hi:
+                    first = False
+                elif base <= d < base + lo:
+                    at = max(at, end[d - base])
+                else:
+                    at = max(at, gather_end.get(d, ready))   # a gather, or the input / previous pass
+            if node.ctrl:
+                at = max(at, ready)
+            outside.append((first, at))
+        offset = max(at for _, at in outside)
+        if busy_until > offset + 1e-12 or any(first and at < offset - 1e-12 for first, at in outside):
+            return None
+        start[lo:hi] = [x + offset for x in run.start]
+        end[lo:hi] = [x + offset for x in run.end]
+        busy_until = max(end[lo:hi], default=offset)
+        spans += [(a + offset, b + offset, c) for a, b, c in run.spans or ()]
+        _merge_streams(streams, run, offset)
+    total = max(end, default=ready)
+    exit_t = max((end[e] for e in t.exits), default=ready)
+    sinks = max((end[i] for i in t.sinks), default=total)
+    if total > sinks + 1e-12:
+        return None
+    return _PassRun(start, end, exit_t, sinks, charge(spans, since, sinks, waiting), streams)
 
 
 def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready: float, prologue: list[int],  # noqa: ANN001

@@ -55,7 +55,12 @@ class CalibratedNetwork:
             return None          # a posted receive waits for data, it occupies nothing
         if node_type == "SEND" and kind == "pp":
             return "send"        # pipeline sends
-        return f"comm:{kind}"    # one NCCL stream per communicator kind (the cp ring's sends too)
+        # One stream per communicator kind (the cp ring's sends too): PyTorch's ProcessGroupNCCL
+        # runs every collective of a process group on that group's one internal NCCL stream,
+        # whichever stream issued it, so they run one at a time in issue order. FSDP issues its
+        # all-gathers from its unshard stream and its reduce-scatters from its post-backward
+        # stream, over the same (data-parallel) group: they share this stream.
+        return f"comm:{kind}"
 
     # -- one level --------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Hashable
+from typing import Callable, Hashable
 
 from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
@@ -13,7 +13,8 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.result import RoleResult, SimResult, fp8_mfu
 from stage_cosim.parallel.axes import spans_stages
-from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP
+from stage_cosim.runtime import gc_paused
+from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, SEND
 from stage_cosim.workload import Workload
 
 NETWORK_MODELS = ("calibrated", "astra")
@@ -68,6 +69,9 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
 
     participants: dict[Hashable, int] = {}
     programs = []
+    # what every rank of a stage runs alike (shared by its ranks' programs: a replay of every
+    # rank holds one copy per stage, not per rank)
+    columns: dict[int, tuple] = {}
     for a, rank in enumerate(reps):
         role = w.role(w.role_of(rank))
         members_of = {kind: tuple(w.group_members(rank, kind)) for kind in w.group_kinds}
@@ -80,30 +84,132 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
                 groups[kind] = (kind, w.group_id(rank, kind))
                 participants[groups[kind]] = len({agent_of_rank(r) for r in members})
         n = len(role.nodes)
+        shared = columns.get(role.stage)
+        if shared is None:
+            types, deps, dur, kind_of, coll = [], [], [0.0] * n, [""] * n, [None] * n
+            nbytes, tag = [0] * n, [0] * n
+            for i, node in enumerate(role.nodes):
+                types.append(node.type)
+                deps.append(node.deps + node.ctrl if node.ctrl else node.deps)
+                if node.type == COMP:
+                    dur[i] = duration(node)
+                    continue
+                nbytes[i] = node.comm_bytes
+                kind_of[i] = node.group
+                if node.type == COLL:
+                    coll[i] = node.coll.value
+                else:
+                    tag[i] = node.tag
+            shared = columns[role.stage] = (types, deps, dur, kind_of, coll, nbytes, tag)
+        types, deps, dur, kind_of, coll, nbytes, tag = shared
         prog = AgentProgram(name=f"stage{role.stage}" if symmetric else f"rank{rank}", rank=rank,
-                            ids=list(range(n)), types=[], deps=[], duration=[0.0] * n, kind=[""] * n,
-                            coll=[None] * n, nbytes=[0] * n, peer=[-1] * n, tag=[0] * n, group=[None] * n,
-                            members=[None] * n)
+                            ids=range(n), types=types, deps=deps, duration=dur, kind=kind_of,  # type: ignore[arg-type]
+                            coll=coll, nbytes=nbytes, peer=[-1] * n, tag=tag, group=[None] * n, members=[None] * n)
         for i, node in enumerate(role.nodes):
-            prog.types.append(node.type)
-            prog.deps.append(node.deps + node.ctrl if node.ctrl else node.deps)
-            if node.type == COMP:
-                prog.duration[i] = duration(node)
-                continue
-            prog.nbytes[i] = node.comm_bytes
             if node.type == COLL:
-                prog.kind[i] = node.group
-                prog.coll[i] = node.coll.value
                 prog.group[i] = groups[node.group]
                 prog.members[i] = members_of[node.group]
-            else:
-                prog.kind[i] = node.group
-                prog.tag[i] = node.tag
+            elif node.type != COMP:
                 peer = w.peer(rank, node.peer, node.group)
                 prog.peer[i] = agent_of_rank(peer)
                 prog.peer_rank[i] = peer
         programs.append(prog)
     return programs, participants, agent_of_rank
+
+
+# -- every rank, one per class where that is proven exact -------------------------------------
+
+def stages_symmetric(w: Workload, network: NetworkModel,
+                     progress: Callable[[int, int], None] | None = None) -> bool:
+    """Whether one rank per pipeline stage stands exactly for every rank of its stage.
+
+    Every rank of a stage runs the stage's graph, so its times can differ from the
+    representative's only through what its communication costs and whom it waits for. They
+    are equal, by induction over the replay's events, where for every rank: each collective's
+    group is placed as the network sees the representative's (``placement_key``: equal keys,
+    equal durations) and holds members of the same stages; each message goes to a rank of the
+    same stage as the representative's and costs the same (``p2p``); and the representative's
+    groups that span stages hold the representatives of those stages (representatives wait
+    only for representatives). ``progress(done, total)`` is called as ranks are checked."""
+    key = getattr(network, "placement_key", None)
+    if key is None:
+        return False
+    pp = w.parallel.pp
+    reps = [w.mesh.rank(pp=s) for s in range(pp)]
+    colls: list[list[str]] = []
+    msgs: list[list[tuple[int, str, int]]] = []
+    for role in w.roles:
+        kinds, sends = set(), set()
+        for n in role.nodes:
+            if n.type == COLL:
+                kinds.add(n.group)
+            elif n.type == SEND:
+                sends.add((n.peer, n.group, n.comm_bytes))
+        colls.append(sorted(kinds))
+        msgs.append(sorted(sends))
+    shapes: dict[tuple[str, int], tuple] = {}
+
+    def shape(rank: int, kind: str) -> tuple:
+        g = (kind, w.group_id(rank, kind))
+        found = shapes.get(g)
+        if found is None:
+            members = w.group_members(rank, kind)
+            found = shapes[g] = (key(members), tuple(sorted(w.role_of(m) for m in members)))
+        return found
+
+    for s, rep in enumerate(reps):
+        for kind in colls[s]:
+            if spans_stages(kind):
+                members = set(w.group_members(rep, kind))
+                if any(reps[w.role_of(m)] not in members for m in members):
+                    return False
+    want = [({kind: shape(rep, kind) for kind in colls[s]},
+             [(w.role_of(w.peer(rep, d, g)), network.p2p(rep, w.peer(rep, d, g), b)) for d, g, b in msgs[s]])
+            for s, rep in enumerate(reps)]
+    n = w.world_size
+    step = max(1, n // 100)
+    for r in range(n):
+        s = w.role_of(r)
+        groups, links = want[s]
+        if any(shape(r, kind) != groups[kind] for kind in colls[s]):
+            return False
+        for (d, g, b), (stage, cost) in zip(msgs[s], links):
+            q = w.peer(r, d, g)
+            if w.role_of(q) != stage or network.p2p(r, q, b) != cost:
+                return False
+        if progress is not None and (r + 1) % step == 0:
+            progress(r + 1, n)
+    return True
+
+
+def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
+                        astra_settings=None, compute_mode: str = "replay",  # noqa: ANN001
+                        progress: Callable[[str, int, int], None] | None = None
+                        ) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
+    """Every rank's step, node by node: one rank per pipeline stage where
+    :func:`stages_symmetric` proves it stands exactly for every rank of its stage (the result
+    is then the per-rank replay's), else every rank replayed. ``config.ranks_replayed`` says
+    which. ``progress(phase, done, total)``: what is being done."""
+    check_fits(cluster, w.mesh, w.meshes.get("expert"))
+    w.check_gpu(cluster.gpu)
+    if network_model == "astra":
+        # ASTRA-sim's replay checks the same for its own network model (every rank, one per
+        # stage where exact)
+        result, rep, programs = _simulate_astra(w, cluster, True, astra_settings, compute_mode, views=True)
+        result.config["ranks_replayed"] = len(programs or ()) or w.world_size
+        return result, rep, programs
+    with gc_paused():
+        network = make_network(network_model, cluster)
+        if progress is not None:
+            progress("building the stages' graphs", 0, 1)
+        proven = w.parallel.pp < w.world_size and stages_symmetric(
+            w, network, None if progress is None else lambda done, n: progress("checking every rank", done, n))
+        if progress is not None:
+            progress(f"replaying {w.parallel.pp if proven else w.world_size} ranks", 0, 1)
+        result, rep, programs = _simulate_roofline(w, cluster, network_model, proven, True)
+    result.config["ranks_replayed"] = len(programs or ())
+    result.config["symmetric"] = proven
+    return result, rep, programs
 
 
 # -- where the time goes -----------------------------------------------------------------------
@@ -135,6 +241,14 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     w.check_gpu(cluster.gpu)
     if network_model == "astra":
         return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode, views=exact is True)
+    # the stages' graphs (built on first use), the programs and the replay's events are many
+    # small acyclic objects: the cycle collector would only rescan them
+    with gc_paused():
+        return _simulate_roofline(w, cluster, network_model, symmetric, exact)
+
+
+def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None
+                       ) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     compute = ComputeModel(cluster.gpu)
     network = make_network(network_model, cluster)
     if exact is None:
@@ -212,7 +326,7 @@ def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, 
     par = w.parallel
     roles = []
     for stage in sorted(finish_of):
-        mem = w.memory(stage)
+        mem = w.memory(stage, cluster)
         bd = bd_of[stage]
         roles.append(RoleResult(stage, finish_of[stage], bd["compute"], bd, mem.total, mem.to_dict()))
     critical = max(roles, key=lambda r: (r.finish_s, -r.stage))

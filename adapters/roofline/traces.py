@@ -89,6 +89,7 @@ def kernel_seconds(ts: TraceSet, compute: ComputeModel) -> list[list[float]]:
             kind = t.attrs[i].get("op_kind")
             secs[i] = compute.duration_of(ops, size, str(kind[1]) if kind is not None else
                                           op_kind_of(t.names[i], ops, size, compute),
+                                          groups=t.int_attr(i, "attention_rows", 1) or 1,
                                           keys=t.int_attr(i, "attention_keys", 0) or 0)
         out.append(secs)
     return out
@@ -109,9 +110,10 @@ def _manifest(located: traceset.Located) -> dict:
     for d in (located.trace_dir, located.run_dir):
         if d is not None and (d / "manifest.json").is_file():
             try:
-                return json.loads((d / "manifest.json").read_text())
-            except (OSError, json.JSONDecodeError):
+                doc = json.loads((d / "manifest.json").read_text())
+            except (OSError, ValueError):       # unreadable, not text, not JSON: no manifest
                 return {}
+            return doc if isinstance(doc, dict) else {}
     return {}
 
 
@@ -171,6 +173,45 @@ def send_kinds(manifest: dict):  # noqa: ANN201 (rank, peer -> kind)
     return kind
 
 
+def _symmetric_with_rings(cl, reps: dict[int, int], members_of, net: Network) -> bool:  # noqa: ANN001
+    """Whether one rank per class stands exactly for its class in this engine: the rule of
+    :func:`astra_replay.symmetric`, except that a representative may also send to and receive
+    from ranks of its own class (the ring of context parallelism round a stage's cp ranks, whose
+    ranks differ only in their peers). Its agent then pairs with itself — its receive from the
+    previous rank is its own send to the next — which is exact when every transfer of the class
+    crosses the network alike. So, with the network distance of a transfer taken over every
+    dimension its ends differ in (this engine prices a transfer by where both ends sit), the
+    representative's ring links must all be equal, and every rank's peers as far as its
+    representative's."""
+    from stage_cosim.adapters.roofline.astra_replay import K_COLL, Classes
+
+    def link(a: int, b: int) -> tuple[tuple[int, int], ...]:
+        return tuple((d, net.dims[d].hops(x, y)) for d, (x, y) in enumerate(zip(net.coords[a], net.coords[b]))
+                     if x != y)
+
+    def peer(kind: int, t: object) -> bool:
+        return kind != K_COLL and isinstance(t, int) and 0 <= t < cl.n_ranks
+
+    def in_class(r: int, kind: int, t: object) -> bool:
+        return peer(kind, t) and cl.class_of[t] == cl.class_of[r]  # type: ignore[index]
+
+    for r in set(reps.values()):
+        if len({link(r, t) for kind, t in cl.targets(r) if in_class(r, kind, t)}) > 1:  # type: ignore[arg-type]
+            return False
+
+    def targets(r: int):  # noqa: ANN202
+        return [(kind, t) for kind, t in cl.targets(r) if not in_class(r, kind, t)]
+
+    if not is_symmetric(Classes(cl.class_of, cl.n_ranks, cl.pairs, targets), reps, members_of, net):
+        return False
+    for r in range(cl.n_ranks):
+        rep = reps[cl.class_of[r]]
+        if rep != r and any(peer(kind, mine) and link(rep, theirs) != link(r, mine)  # type: ignore[arg-type]
+                            for kind, theirs, mine in cl.pairs(r)):
+            return False
+    return True
+
+
 def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds: dict[str, str],
                    symmetric: bool = True, send_kind=lambda rank, peer: "pp"  # noqa: ANN001
                    ) -> tuple[list[AgentProgram], dict[Hashable, int], object]:
@@ -185,7 +226,7 @@ def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds:
     agent_of = {r: r for r in range(n)}
     if symmetric and len(ts.classes) < n:
         cl, reps = trace_classes(ts, members_of)
-        if is_symmetric(cl, reps, members_of, Network(cluster.network_dims())):
+        if _symmetric_with_rings(cl, reps, members_of, Network(cluster.network_dims())):
             order = sorted(reps)
             agents = [reps[c] for c in order]
             index = {c: a for a, c in enumerate(order)}

@@ -103,19 +103,19 @@ def localize(req: Mapping[str, Any]) -> dict[str, Any]:
                 raise UserError(key, f"{value}: expected a mapping")
             doc.setdefault("name", value)
             out[key] = doc
-    trace = out.get("trace")
-    if isinstance(trace, (str, Path)):
+    if isinstance(out.get("trace"), (str, Path)):
+        out["requests"] = trace_rows(out)
         out.pop("trace")
-        out["requests"] = trace_rows(trace)
     return out
 
 
-def trace_rows(path: str | Path) -> list[dict[str, Any]]:
-    """A request trace file (CSV or JSON lines, as ``serve-sim --trace`` reads it) as inline rows;
-    the server sorts and checks them as the local reader does."""
-    from stage_cosim.serving.requests import read_trace
+def trace_rows(req: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The requests of a serving request's ``trace`` file (CSV or JSON lines) as inline rows,
+    read and checked as ``serve-sim`` reads them locally (the same errors, in the same order);
+    the server sorts and checks the rows as the local reader does."""
+    from stage_cosim.api import requests_of
 
-    reqs = read_trace(path, "trace")
+    reqs = requests_of({**req, "trace": str(req["trace"])})
     return [{"arrival_s": float(a), "input_len": int(i), "output_len": int(o)}
             for a, i, o in zip(reqs.arrival_s, reqs.input_len, reqs.output_len)]
 

@@ -52,7 +52,7 @@ def simulate(req: dict[str, Any], options: Mapping[str, Any], out: Path) -> dict
     if not (traces or full or timeline):
         return api.simulate(req)
     # Beyond api.simulate's vocabulary: the calls of `stage-cosim simulate` for these flags.
-    from stage_cosim.adapters.roofline.simulate import simulate as run_sim, simulate_traces
+    from stage_cosim.adapters.roofline.simulate import simulate_traces
     from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
     from stage_cosim.workload import synthesize as synth_workload
 
@@ -70,8 +70,7 @@ def simulate(req: dict[str, Any], options: Mapping[str, Any], out: Path) -> dict
         model, parallel = api.model_of(req), api.parallel_of(req)
         cluster = api.cluster_of(req, parallel.world_size)
         workload = synth_workload(model, parallel, cluster.gpu, inference=api.inference_of(req))
-        result, rep, programs = run_sim(workload, cluster, network_model,
-                                        symmetric=not full, exact=True if timeline else None)
+        result, rep, programs = _replay(workload, cluster, network_model, full, timeline)
         names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
     if timeline:
         labels = names or [[f"node{i}" for i in p.ids] for p in programs]
@@ -81,6 +80,24 @@ def simulate(req: dict[str, Any], options: Mapping[str, Any], out: Path) -> dict
         # the server's directory means nothing to the client, which puts back its own name
         doc["config"]["traces"] = f"upload:{options.get('traces_upload', '')}"
     return doc
+
+
+def _replay(workload: Any, cluster: Any, network_model: str, full: bool, timeline: bool) -> tuple[Any, Any, Any]:
+    """(result, replay, programs) as ``stage-cosim simulate`` computes them for --full and --timeline:
+    every rank replayed node by node (``simulate_every_rank``, where the simulator has it); else
+    the usual replay, and for a timeline a node-level replay of its own, whose record it draws."""
+    from stage_cosim.adapters.roofline import simulate as roofline
+
+    every_rank = getattr(roofline, "simulate_every_rank", None)
+    if full and every_rank is not None:
+        return every_rank(workload, cluster, network_model)
+    if full:
+        return roofline.simulate(workload, cluster, network_model, symmetric=False, exact=True if timeline else None)
+    exact = True if timeline and network_model == "astra" else None
+    result, rep, programs = roofline.simulate(workload, cluster, network_model, exact=exact)
+    if timeline and rep is None:
+        _, rep, programs = roofline.simulate(workload, cluster, network_model, exact=True)
+    return result, rep, programs
 
 
 def synthesize(req: dict[str, Any], options: Mapping[str, Any], out: Path, report: Reporter) -> dict[str, Any]:

@@ -285,7 +285,9 @@ def start_guard(server: int) -> None:
     if os.fork() != 0:
         return
     try:                                     # the guard
-        os.closerange(0, os.sysconf("SC_OPEN_MAX"))   # no pipe of the server's stays open because of it
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            with contextlib.suppress(OSError):      # no pipe of the server's stays open because of it
+                os.close(fd)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # only the group's SIGKILL, or the worker's end, stops it
         _set_parent_death_signal(signal.SIGKILL)

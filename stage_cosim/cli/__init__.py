@@ -55,16 +55,54 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("interrupted", err=True)
         return 130
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.UsageError as exc:
+        click.echo(f"error: {usage_error(exc)}", err=True)
+        return 2
     except click.ClickException as exc:
-        hint = ""
-        if isinstance(exc, click.UsageError) and exc.ctx is not None:
-            hint = f" (see '{exc.ctx.command_path} --help')"
-        click.echo(f"error: {exc.format_message()}{hint}", err=True)
+        click.echo(f"error: {exc.format_message()}", err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         return 130
     return rv if isinstance(rv, int) else 0
+
+
+def _param_name(param: click.Parameter | None, fallback: str | None = None) -> str:
+    """A parameter as the project names it: the flag without its dashes (``seq-len``), an
+    argument by its name (``spec``)."""
+    if param is not None:
+        if isinstance(param, click.Option) and param.opts:
+            return max(param.opts, key=len).lstrip("-")
+        return (param.name or "argument").replace("_", "-")
+    return (fallback or "arguments").lstrip("-")
+
+
+def usage_error(exc: click.UsageError) -> str:
+    """click's usage errors as ``<parameter>: <rule>`` (one line; no usage text, no pointer to
+    --help), the form every other bad input takes."""
+    if isinstance(exc, click.MissingParameter):
+        return f"{_param_name(exc.param)}: is required"
+    if isinstance(exc, click.BadParameter):
+        rule = exc.message.rstrip(".")
+        return f"{_param_name(exc.param, exc.param_hint if isinstance(exc.param_hint, str) else None)}: {rule}"
+    if isinstance(exc, click.NoSuchOption):
+        near = f" (did you mean {', '.join(exc.possibilities)}?)" if exc.possibilities else ""
+        where = f" of '{exc.ctx.command_path}'" if exc.ctx is not None else ""
+        return f"{exc.option_name}: no such option{where}{near}"
+    if isinstance(exc, click.BadOptionUsage):
+        rule = exc.message.rstrip(".")
+        if rule.endswith("requires an argument"):
+            rule = "needs a value"
+        return f"{exc.option_name.lstrip('-')}: {rule}"
+    msg = exc.format_message().rstrip(".")
+    if msg.startswith("No such command"):
+        names = ", ".join(cli.list_commands(exc.ctx)) if exc.ctx is not None else ""
+        return f"command: {msg[0].lower()}{msg[1:]}" + (f" (commands: {names})" if names else "")
+    if msg.startswith("Got unexpected extra argument"):
+        return f"arguments: {msg[4].lower()}{msg[5:]}"
+    return f"arguments: {msg[0].lower()}{msg[1:]}"
 
 
 def run() -> None:

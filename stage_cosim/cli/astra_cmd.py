@@ -79,13 +79,17 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.workload import synthesize
 
+    from stage_cosim.files import check_output_folder, reported_write
+
     settings = settings_from(kw)
     model = resolve_model_options(kw)
     inference = resolve_inference_options(kw)
     parallel = resolve_parallel_options(kw)
+    check_output_folder(out, "out", force)          # before the work, not after it
     machine = resolve_cluster(cluster, parallel.world_size)
     w = synthesize(model, parallel, machine.gpu, inference=inference)
-    manifest = export(w, machine, out, mode=compute_mode, settings=settings, force=force)
+    with reported_write("out", out):
+        manifest = export(w, machine, out, mode=compute_mode, settings=settings, force=force)
     click.echo(f"wrote an ASTRA-sim run directory for {manifest['ranks']} ranks to {out} "
                f"({manifest['trace_bytes'] / 2**20:.1f} MiB of traces, compute: {compute_mode})")
     click.echo(f"run it with: {out}/run.sh /path/to/AstraSim_Analytical_Congestion_Unaware")

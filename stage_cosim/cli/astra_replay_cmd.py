@@ -57,7 +57,15 @@ def replay_cmd(ctx: click.Context, workload: str, system_file: Path, network_fil
                        ("remote-memory-configuration", memory_file), ("comm-group-configuration", groups)):
         if path is not None and not path.is_file():
             raise UserError(flag, f"{path}: no such file")
+    if logging_folder is not None:                  # checked before the replay, written after it
+        from stage_cosim.files import check_output, check_output_folder
+
+        check_output_folder(logging_folder, "logging-folder", force=True)
+        if logging_folder.is_dir():
+            check_output(logging_folder / "log.log", "logging-folder")
     done, n = replay_files(workload, system_file, network_file, memory_file, groups, symmetric=not full)
+    for warning in done.warnings:           # the binary prints the same results, then may abort
+        click.echo(f"warning: {warning}", err=True)
     r = done.result()
     if as_json:
         click.echo(json.dumps({
@@ -74,8 +82,11 @@ def replay_cmd(ctx: click.Context, workload: str, system_file: Path, network_fil
     if logging_folder is not None:
         from stage_cosim.files import write_text_atomic
 
-        logging_folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(logging_folder / "log.log", text)
+        from stage_cosim.files import reported_write
+
+        with reported_write("logging-folder", logging_folder):     # the result is out already
+            logging_folder.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(logging_folder / "log.log", text)
 
 
 def result_lines(done) -> list[str]:  # noqa: ANN001

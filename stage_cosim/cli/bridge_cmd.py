@@ -2,9 +2,9 @@
 
 ``remote simulate``, ``synth``, ``optimize``, ``explore`` and ``serve-sim`` take the local
 commands' own flags (the same click parameters) and print what the local commands print;
-``remote simulate --json`` prints exactly what ``simulate --json`` prints. Server errors become the usual one-line ``error: <parameter>:
-<rule>`` with exit status 2; a job that fails for another reason prints its error and the end of
-its log, exit status 1.
+``remote simulate --json`` prints exactly what ``simulate --json`` prints. Server errors become
+the usual one-line ``error: <parameter>: <rule>`` with exit status 2; a job that fails for another
+reason prints its error and the end of its log, exit status 1.
 """
 
 from __future__ import annotations
@@ -87,13 +87,15 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
             raise UserError(name, f"must be positive, got {value}")
     if not 0 <= port <= 65535:
         raise UserError("port", f"must be within 0..65535, got {port}")
+    _check_port(host, port)
     for name, value in (("drain-timeout", drain_timeout), ("job-cpu-s", job_cpu_s),
                         ("max-job-memory-mib", max_job_memory_mib or 0)):
         if value < 0:
             raise UserError(name, f"must not be negative, got {value}")
     if max_request_kib << 10 > MAX_REQUEST_BYTES:
-        raise UserError("max-request-kib", f"must be at most {MAX_REQUEST_BYTES >> 10:,} (a job record, which holds "
-                                           f"the request, must fit a default client's 4 MiB messages), got {max_request_kib:,}")
+        raise UserError("max-request-kib", f"must be at most {MAX_REQUEST_BYTES >> 10:,} (a job record, which "
+                                           "holds the request, must fit a default client's 4 MiB messages), got "
+                                           f"{max_request_kib:,}")
     if max_job_memory_mib and max_job_memory_mib < MIN_JOB_MEMORY_MIB:
         raise UserError("max-job-memory-mib", f"must be 0 (no limit) or at least {MIN_JOB_MEMORY_MIB} (a worker holds "
                                               f"the library before any job), got {max_job_memory_mib}")
@@ -120,6 +122,33 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
         sys.stdout.flush()      # a supervisor reading our output sees the port at once
 
     asyncio.run(run_server(config, announce=announce))
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on before gRPC tries it: gRPC's own failure
+    writes a log line of its core to stderr first and an error that points at its settings.
+    A plain socket with the server's options (SO_REUSEADDR, no port sharing) fails alike."""
+    import errno
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError("host", f"cannot resolve {host!r}: {exc.strerror}") from None
+    failures = []
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                raise UserError("port", f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            failures.append(exc)
+    if failures and len(failures) == len(infos):
+        raise UserError("port", f"cannot listen on {host}:{port}: {failures[0].strerror}")
 
 
 # -- remote: shared pieces --------------------------------------------------------------------------------

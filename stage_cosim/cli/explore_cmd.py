@@ -10,7 +10,7 @@ import click
 from tqdm import tqdm
 
 from stage_cosim.cli.optimize_cmd import describe_point
-from stage_cosim.files import save_figure
+from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, save_figure
 
 
 def _fmt_values(values: dict) -> str:
@@ -69,6 +69,7 @@ def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
     """Search GPU and network parameters (bounds and costs from SPEC) for the best step time per cost."""
     from stage_cosim.search.explore import explore as run, load_spec
 
+    check_output(plot, "plot", FIGURE_SUFFIXES)         # before the exploration, not after it
     s = load_spec(spec)
     show = not quiet and sys.stderr.isatty()
     with tqdm(disable=not show, unit="candidate", desc="explore", dynamic_ncols=True) as bar:
@@ -76,12 +77,13 @@ def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
             bar.update(p["candidates"] - bar.n)
 
         doc = run(s, progress=progress)
-    if plot is not None:
-        plot_frontier(doc, plot)
     if as_json:
         click.echo(json.dumps(doc, indent=1))
-        return
-    print_report(doc, s)
+    else:
+        print_report(doc, s)
+    if plot is not None:
+        with reported_write("plot", plot):          # the result is out: a failed write loses nothing
+            plot_frontier(doc, plot)
 
 
 def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
@@ -91,6 +93,12 @@ def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
     unit = UNITS.get(m, m)
     click.echo(f"baseline  {_fmt_values(b['values'])}: ${b['cost_per_gpu']:,.0f}/GPU, {b[m]:.4g} {unit} "
                f"({_layout(b['best'])})")
+    what = "configuration" if m == "step_time_s" else "layout"
+    if b.get("proven_optimal"):
+        click.echo(f"          the baseline's proven optimum (every feasible {what} simulated)")
+    elif b.get("unexplored") is not None:
+        click.echo(f"          not proven optimal: the best the inner searches found, {b['unexplored']:,} structurally "
+                   f"feasible {what}s not simulated (a larger inner_budget explores more)")
     rows = doc.get("frontier") or doc.get("best") or []
     label = METRIC_LABELS.get(m, m)
     title = f"Pareto frontier (cost against {label})" if s.mode == "pareto" else f"best within ${s.budget:,.0f}/GPU"
@@ -99,6 +107,10 @@ def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
     for c in rows:
         click.echo(f"{c['cost_per_gpu']:>10,.0f} {c[m]:>12.4g} {c[m] / b[m] - 1:>+7.1%}  "
                    f"{_fmt_values(c['values'])}  |  {_layout(c['best'])}")
+    unproven = [c for c in rows if not c.get("proven_optimal")]
+    if unproven:
+        click.echo(f"({len(unproven)} of {len(rows)} rows: the best {'configuration' if m == 'step_time_s' else 'layout'} "
+                   "a local search from the winners found on that hardware, not proven optimal)")
     if doc["sensitivity"]:
         click.echo(f"\nsensitivity around the baseline (elasticity: % of {label} per % of the resource):")
         for d in doc["sensitivity"]:

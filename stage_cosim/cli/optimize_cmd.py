@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -14,8 +16,9 @@ from stage_cosim.cli.options import (
     PRECISION_FLAGS, cluster_option, model_options, precision_options, resolve_model_options,
 )
 from stage_cosim.errors import UserError
-from stage_cosim.files import save_figure
+from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, save_figure
 from stage_cosim.result import BREAKDOWN_KEYS
+from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
 
 GiB = 1 << 30
 
@@ -43,23 +46,70 @@ def describe_point(p: dict, par: dict) -> str:
     return " ".join(parts)
 
 
+STEP_PRECISION = 1e-4      # the report shows seconds to 4 decimals
+
+
+def _shown(e: dict, keys: list[str]) -> tuple:
+    """Every figure the report shows for an entry, as shown."""
+    return (f"{e['step_time_s']:.4f}", f"{100 * e['mfu']:.1f}", f"{e['peak_memory_bytes'] / GiB:.1f}",
+            *(f"{e['breakdown'].get(k, 0.0):.4f}" for k in keys))
+
+
+def _dimension(token: str) -> str:
+    """The dimension a token of :func:`describe_point` sets: dp8 -> dp, rc=full -> rc, cp2(a2a) -> cp."""
+    return re.match(r"[a-z_]+", token).group(0) if re.match(r"[a-z_]+", token) else token
+
+
+def _difference(a: dict, b: dict) -> str:
+    """What ``b``'s configuration sets otherwise than ``a``'s: "rc=selective", "dp4 tp4 (#1: dp8
+    tp2)", "no sp"."""
+    ta = {_dimension(t): t for t in describe_point(a["point"], a["config"]["parallel"]).split()}
+    tb = {_dimension(t): t for t in describe_point(b["point"], b["config"]["parallel"]).split()}
+    changed = [d for d in tb if d in ta and ta[d] != tb[d]]
+    parts = [tb[d] for d in changed]
+    if changed:
+        parts[-1] += f" (#1: {' '.join(ta[d] for d in changed)})"
+    parts += [tb[d] for d in tb if d not in ta] + [f"no {ta[d]}" for d in ta if d not in tb]
+    return " ".join(parts) or "the same configuration"
+
+
+def fold(top: list[dict], keys: list[str]) -> list[tuple[dict, list[dict]]]:
+    """The ranked entries, those identical in every figure shown folded into the first of them:
+    (entry, its equivalent variants)."""
+    out: list[tuple[dict, list[dict]]] = []
+    for e in top:
+        same = next((group for group in out if _shown(group[0], keys) == _shown(e, keys)), None)
+        if same is None:
+            out.append((e, []))
+        else:
+            same[1].append(e)
+    return out
+
+
 def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Objective)
     best = doc["best"]
     if best is None:
-        click.echo("no feasible configuration", err=True)
+        # an answer, not an error: the rules (and memory) below rule out every configuration
+        click.echo("best: none — no feasible configuration (the rules below rule out every one)")
     else:
         verdict = "proven optimum (every feasible configuration simulated)" if doc["proven_optimal"] else \
-            f"best found by {doc['method']}"
+            f"best found by {doc['method']}, not proven optimal"
         click.echo(f"best: {describe_point(best['point'], best['config']['parallel'])}  —  "
                    f"{objective.describe(best['score'])}  [{verdict}]")
         keys = [k for k in BREAKDOWN_KEYS if any(e["breakdown"].get(k) for e in doc["top"])]
+        rows = fold(doc["top"][:top_k], keys)
         click.echo("")
         click.echo(f"{'#':>2} {'configuration':<42} {'step s':>8} {'MFU':>6} {'mem GiB':>8} "
                    + " ".join(f"{k.replace('exposed_', 'exp_'):>10}" for k in keys))
-        for i, e in enumerate(doc["top"][:top_k], 1):
+        for i, (e, same) in enumerate(rows, 1):
+            also = f"  (also: {'; '.join(_difference(e, v) for v in same)})" if same else ""
             click.echo(f"{i:>2} {describe_point(e['point'], e['config']['parallel']):<42} {e['step_time_s']:>8.4f} "
                        f"{100 * e['mfu']:>5.1f}% {e['peak_memory_bytes'] / GiB:>8.1f} "
-                       + " ".join(f"{e['breakdown'][k]:>10.4f}" for k in keys))
+                       + " ".join(f"{e['breakdown'][k]:>10.4f}" for k in keys) + also)
+        folded = sum(len(same) for _, same in rows)
+        if folded:
+            click.echo(f"({folded} equivalent variant{'s' if folded > 1 else ''} folded: identical in every figure "
+                       "shown)")
         by_dtype = doc.get("best_by_dtype") or {}
         if len(by_dtype) > 1:
             click.echo("")
@@ -69,18 +119,32 @@ def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Obj
                 click.echo(f"best {d:<5} {describe_point(e['point'], e['config']['parallel']):<42} "
                            f"{e['step_time_s']:>8.4f} s  {100 * e['mfu']:>5.1f}% MFU of BF16 peak"
                            + (f"  ({e['step_time_s'] / fastest:.2f}x the fastest)" if e["step_time_s"] > fastest else ""))
-        if len(doc["top"]) > 1:
-            a, b = doc["top"][0], doc["top"][1]
-            diffs = sorted(((b["breakdown"][k] - a["breakdown"][k], k) for k in keys), reverse=True)
-            reasons = ", ".join(f"{k.replace('exposed_', 'exposed ').replace('_', ' ')} "
-                                f"{'-' if d > 0 else '+'}{abs(d):.4f} s" for d, k in diffs if abs(d) > 1e-4)
-            click.echo(f"\nwhy #1 beats #2 ({b['step_time_s'] - a['step_time_s']:+.4f} s per step): {reasons}")
+        if len(rows) > 1:
+            click.echo("\n" + why_first(rows[0][0], rows[1][0], keys))
     click.echo(f"\n{doc['evaluations']} configurations simulated or memory-checked, space of {doc['space_size']}"
                + (" (interrupted: best so far)" if doc["interrupted"] else ""))
+    if not doc["proven_optimal"] and doc.get("unexplored") is not None and doc.get("feasible") is not None:
+        click.echo(f"not proven optimal: {doc['unexplored']:,} of {doc['feasible']:,} structurally feasible "
+                   f"configurations not simulated (a larger --budget explores more; the whole space proves the optimum)")
     if doc["infeasible"]:
         click.echo("infeasible, by rule:")
         for reason, n in sorted(doc["infeasible"].items(), key=lambda kv: -kv[1]):
             click.echo(f"  {n:>7}  {reason}")
+
+
+def why_first(a: dict, b: dict, keys: list[str]) -> str:
+    """Why #1 beats #2: the categories where their step differs beyond the shown precision, and
+    what #2 changes in the configuration; a tie within that precision is said as one."""
+    gap = b["step_time_s"] - a["step_time_s"]
+    change = f"#2 has {_difference(a, b)}"
+    if abs(gap) < STEP_PRECISION / 2:
+        return (f"why #1 beats #2: they tie within the shown precision ({STEP_PRECISION:g} s per step; #1 by "
+                f"{gap:.2e} s); {change}")
+    diffs = sorted(((b["breakdown"].get(k, 0.0) - a["breakdown"].get(k, 0.0), k) for k in keys),
+                   key=lambda dk: -abs(dk[0]))
+    shown = [(d, k) for d, k in diffs if abs(d) >= STEP_PRECISION / 2] or diffs[:1]
+    reasons = ", ".join(f"{k.replace('exposed_', 'exposed ').replace('_', ' ')} {d:+.4f} s" for d, k in shown)
+    return f"why #1 beats #2 ({gap:+.4f} s per step; {change}): {reasons}"
 
 
 def plot_top(doc: dict, path: Path) -> None:
@@ -89,9 +153,11 @@ def plot_top(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    top = doc["top"]
-    keys = [k for k in BREAKDOWN_KEYS if any(e["breakdown"].get(k) for e in top)]
-    labels = [describe_point(e["point"], e["config"]["parallel"]) for e in top]
+    keys = [k for k in BREAKDOWN_KEYS if any(e["breakdown"].get(k) for e in doc["top"])]
+    rows = fold(doc["top"], keys)
+    top = [e for e, _ in rows]
+    labels = [describe_point(e["point"], e["config"]["parallel"]) + (f" (+{len(same)} equivalent)" if same else "")
+              for e, same in rows]
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(top) + 2))
     left = [0.0] * len(top)
     for k in keys:
@@ -138,7 +204,9 @@ def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a har
 @click.option("--budget", type=int, default=None, help="Most simulations (default: all if the space is small, else 300).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Local worker processes.")
 @click.option("--ray", "ray_address", default=None, metavar="auto|ADDRESS", help="Evaluate on a Ray cluster.")
-@click.option("--headroom", type=float, default=0.0, show_default=True, help="Fraction of HBM to keep free.")
+@click.option("--headroom", type=float, default=DEFAULT_HEADROOM, show_default=True,
+              help="Fraction of HBM to keep free beyond everything modelled (the runtime memory included): "
+                   "a margin for what is not.")
 @click.option("--allow-cross-domain-tp", is_flag=True, help="Let tensor-parallel groups span scale-up domains.")
 @click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True)
 @click.option("--top", "top_k", type=int, default=5, show_default=True)
@@ -149,8 +217,9 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
              seed: int, budget: int | None, workers: int, ray_address: str | None, headroom: float,
              allow_cross_domain_tp: bool, network_model: str, top_k: int, as_json: bool, plot: Path | None,
              quiet: bool, **kw) -> None:
-    """Search tp, pp, dp, vp, micro-batch, sp, ZeRO and recomputation (and, with --dtype auto, the
-    precision) for the best training step; or, with --phase serve, the serving layout (tp, pp, ep,
+    """Search tp, cp (with its exchange: p2p, all-gather, a2a, a2a+p2p and its group size), pp,
+    dp, vp, micro-batch, sp, ZeRO, recomputation, for MoE models ep and expert-tp (and, with
+    --dtype auto, the precision) for the best training step; or, with --phase serve, the serving layout (tp, pp, ep,
     attention data parallelism, batch limit, prefill/decode split) with the most goodput per GPU."""
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.search.evaluate import Objective
@@ -158,6 +227,8 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
     from stage_cosim.search.space import default_space
 
     serve = {k: kw.pop(k) for k in SERVE_FLAGS}
+    if top_k < 1:
+        raise UserError("top", f"must be at least 1, got {top_k}")
     if phase == "serve":
         from stage_cosim.cli.optimize_serve import optimize_serve
 
@@ -183,6 +254,11 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
         raise UserError("headroom", f"must be in [0, 1), got {headroom}")
     if budget is not None and budget < 1:
         raise UserError("budget", f"must be at least 1, got {budget}")
+    if not 0 <= seed < 2**32:
+        raise UserError("seed", f"must be in 0..{2**32 - 1}, got {seed}")
+    if not math.isfinite(price) or price < 0:
+        raise UserError("price", f"must be a non-negative number of $ per GPU-hour, got {price}")
+    check_output(plot, "plot", FIGURE_SUFFIXES)         # before the search, not after it
     model = resolve_model_options(kw)
     if ":" not in cluster and not Path(cluster).suffix in (".yaml", ".yml"):
         raise UserError("cluster", f"give the GPU count to search over, e.g. {cluster}:1024")
@@ -204,11 +280,12 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
 
         result = run(space, c, settings, progress=progress)
     doc = result.to_dict()
-    if plot is not None and doc["top"]:
-        plot_top(doc, plot)
     if as_json:
         click.echo(json.dumps(doc, indent=1))
     else:
         print_report(doc, obj, top_k)
+    if plot is not None and doc["top"]:
+        with reported_write("plot", plot):         # the result is out: a failed write loses nothing
+            plot_top(doc, plot)
     if result.interrupted:
         raise click.exceptions.Exit(130)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 import click
@@ -44,10 +46,138 @@ def _experts_line(par: dict) -> str:
             f" busiest expert rank at {par['moe_load']:.2f}x the mean ({routing})")
 
 
-def print_summary(r: SimResult) -> None:
+def _params_line(cfg: dict) -> str | None:
+    """The model and its parameter counts (total, and active per token where experts route)."""
+    doc = cfg.get("model")
+    if not doc:
+        return None
+    from stage_cosim.model import ModelConfig
+
+    try:
+        model = ModelConfig(**{k: v for k, v in doc.items() if k in ModelConfig.__dataclass_fields__})
+        total, active = model.param_count(), model.active_param_count()
+    except (TypeError, ValueError, UserError):          # a description this version cannot rebuild
+        return f"{doc.get('name', '?')}"
+    per_token = f", {active / 1e9:,.2f} B active per token" if active != total else ""
+    return f"{model.name}: {total / 1e9:,.2f} B parameters{per_token}"
+
+
+def _cluster_line(cfg: dict) -> str | None:
+    c = cfg.get("cluster")
+    if not c:
+        return None
+    up, out = c["scale_up"], c["scale_out"]
+    per = min(up["gpus_per_domain"], c["num_gpus"])
+    return (f"{c['name']}: {c['num_gpus']:,} x {c['gpu']['name']} ({c['gpu']['hbm_GiB']:g} GiB HBM), "
+            f"{per} per scale-up domain at {up['bandwidth_GBps']:g} GB/s, "
+            f"scale-out {out['bandwidth_GBps']:g} GB/s per GPU")
+
+
+def memory_categories(roles) -> list[str]:  # noqa: ANN001 (RoleResult)
+    """The memory categories worth a column: those some stage holds, without the total, the
+    published-style subtotals, and the parts of a category shown whole (``runtime_*``)."""
+    keys: list[str] = []
+    for role in roles:
+        for k, v in role.memory.items():
+            if k in keys or k == "total" or k.startswith("model_states_") or not v:
+                continue
+            if "_" in k and k.split("_", 1)[0] in role.memory and k.split("_", 1)[0] != k:
+                continue
+            keys.append(k)
+    return keys
+
+
+def print_memory(r: SimResult, rows: list) -> None:  # noqa: ANN001 (RoleResult)
+    """Per stage, memory per GPU by category against HBM: what a configuration that does not
+    fit would have to shed."""
+    keys = memory_categories(rows)
+    if not keys:
+        return
+    hbm = r.memory_capacity_bytes
+    labels = [k.replace("_", " ") for k in keys]
+    click.echo(f"\nmemory per GPU, GiB (HBM {hbm / GiB:.0f} GiB)")
+    click.echo(f"{'stage':>5} " + " ".join(f"{lab:>{max(9, len(lab))}}" for lab in labels)
+               + f" {'total':>8} {'of HBM':>7}")
+    for role in rows:
+        total = role.memory.get("total", role.peak_memory_bytes)
+        click.echo(f"{role.stage:>5} " + " ".join(f"{role.memory.get(k, 0) / GiB:>{max(9, len(lab))}.2f}"
+                                                  for k, lab in zip(keys, labels))
+                   + f" {total / GiB:>8.2f} {100 * total / hbm:>6.0f}%")
+
+
+def parse_tokens(text: str) -> float:
+    """A token count: 1e12, 15T, 300B, 2.5M, 400K (positive, finite)."""
+    units = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+    t = text.strip().lower().replace("_", "").replace(",", "")
+    scale = units.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * scale
+    except ValueError:
+        raise UserError("train-tokens", f"must be a number of tokens (1e12, 15T, 300B), got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise UserError("train-tokens", f"must be a positive number of tokens, got {text!r}")
+    return value
+
+
+def training_run(r: SimResult, tokens: float | None, price: float | None) -> dict | None:
+    """Time and cost of ``tokens`` (or of one step and a million tokens, with a price alone)."""
+    if tokens is None and price is None:
+        return None
+    gpus = int(r.config.get("num_gpus", 1))
+    per_step = r.tokens_per_s * r.step_time_s
+    out: dict = {"num_gpus": gpus, "tokens_per_step": per_step, "price_per_gpu_hour": price}
+    if tokens is not None:
+        seconds = tokens / r.tokens_per_s
+        out.update(tokens=tokens, steps=tokens / per_step, seconds=seconds, gpu_hours=seconds / 3600 * gpus)
+        if price is not None:
+            out["cost"] = out["gpu_hours"] * price
+    if price is not None:
+        out["cost_per_step"] = r.step_time_s / 3600 * gpus * price
+        out["cost_per_million_tokens"] = 1e6 / r.tokens_per_s / 3600 * gpus * price
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:,.1f} hours"
+    return f"{seconds / 60:,.1f} minutes" if seconds >= 120 else f"{seconds:,.1f} s"
+
+
+def _count(n: float) -> str:
+    """1.5T, 300B, 2M: a token count as people write it."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:,.4g}{unit}"
+    return f"{n:,.0f}"
+
+
+def _money(x: float) -> str:
+    return f"${x:,.0f}" if x >= 100 else f"${x:,.4g}"
+
+
+def print_training_run(run: dict) -> None:
+    price = run.get("price_per_gpu_hour")
+    if "tokens" in run:
+        cost = f", {_money(run['cost'])} at ${price:g}/GPU-h" if "cost" in run else ""
+        click.echo(f"to train {_count(run['tokens']):<8}{_duration(run['seconds'])} on {run['num_gpus']:,} GPUs: "
+                   f"{run['steps']:,.0f} steps, {run['gpu_hours']:,.0f} GPU-hours{cost}")
+    if price is not None:
+        click.echo(f"cost             {_money(run['cost_per_step'])} per step, {_money(run['cost_per_million_tokens'])} "
+                   f"per million tokens at ${price:g}/GPU-h")
+
+
+def print_summary(r: SimResult, run: dict | None = None) -> None:
+    """The text report (also 'remote simulate'); ``run``: :func:`training_run`'s figures."""
     cfg = r.config
     par = cfg.get("parallel") or {}
     inf = r.inference
+    model_line, cluster_line = _params_line(cfg), _cluster_line(cfg)
+    if model_line:
+        click.echo(f"model            {model_line}")
+    if cluster_line:
+        click.echo(f"cluster          {cluster_line}")
     if inf:
         what = (f"prefill of {inf['batch']} x {inf['input_len']} tokens" if inf["phase"] == "prefill" else
                 f"decode step of {inf['batch']} requests at context {inf['context_len']}")
@@ -70,6 +200,8 @@ def print_summary(r: SimResult) -> None:
                    f"{inf['kv_cache_bytes_per_token_per_gpu'] / 1024:.1f} KiB per token per GPU ({inf['kv_cache_dtype']})")
     fits = "fits" if r.fits_in_memory else "DOES NOT FIT"
     click.echo(f"peak memory      {r.peak_memory_bytes / GiB:.1f} GiB of {r.memory_capacity_bytes / GiB:.0f} GiB ({fits})")
+    if run:
+        print_training_run(run)
     if par:
         training = "" if inf else (f"{' vp' + str(par['vp']) if par.get('vp', 1) > 1 else ''}"
                                    f"{' sp' if par.get('sp') else ''} zero{par['zero']} recompute={par['recompute']}"
@@ -84,9 +216,49 @@ def print_summary(r: SimResult) -> None:
     click.echo("")
     click.echo(f"{'stage':>5} {'finish s':>9} " + " ".join(f"{k.replace('exposed_', 'exp_'):>12}" for k in keys)
                + f" {'mem GiB':>8}")
+    # one row per stage: a replay of every rank has a role per rank, and the stage's row is the
+    # rank that finishes last
+    rows: dict[int, object] = {}
     for role in r.roles:
+        if role.stage not in rows or role.finish_s > rows[role.stage].finish_s:
+            rows[role.stage] = role
+    for role in (rows[stage] for stage in sorted(rows)):
         click.echo(f"{role.stage:>5} {role.finish_s:>9.4f} " + " ".join(f"{role.breakdown[k]:>12.4f}" for k in keys)
                    + f" {role.peak_memory_bytes / GiB:>8.1f}")
+    print_memory(r, [rows[stage] for stage in sorted(rows)])
+
+
+def plot_stages(r: SimResult, path: Path) -> None:
+    """Where each pipeline stage's step goes: one stacked bar per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stage_cosim.files import save_figure
+
+    rows: dict[int, object] = {}
+    for role in r.roles:
+        if role.stage not in rows or role.finish_s > rows[role.stage].finish_s:
+            rows[role.stage] = role
+    roles = [rows[s] for s in sorted(rows)]
+    keys = [k for k in r.breakdown if any(role.breakdown.get(k) for role in roles)]
+    labels = [f"stage {role.stage}" for role in roles]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(roles) + 2.5))
+    left = [0.0] * len(roles)
+    for k in keys:
+        vals = [role.breakdown.get(k, 0.0) for role in roles]
+        ax.barh(labels, vals, left=left, label=k.replace("exposed_", "exposed ").replace("_", " "))
+        left = [a + b for a, b in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds" + (" per step" if not r.inference else ""))
+    par = r.config.get("parallel") or {}
+    ax.set_title(f"{(r.config.get('model') or {}).get('name', 'step')}: where the time goes per pipeline stage"
+                 + (f" (dp{par['dp']} tp{par['tp']} pp{par['pp']})" if par else ""))
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(1, len(roles))), ncol=min(5, len(keys)),
+              fontsize=8, frameon=False)
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 @click.command()
@@ -101,10 +273,19 @@ def print_summary(r: SimResult) -> None:
                    "directory) instead of synthesizing.")
 @click.option("--comm-groups", type=click.Path(path_type=Path), default=None,
               help="--traces: the communicator-group file (default: comm_groups.json beside the traces or above).")
-@click.option("--full", is_flag=True, help="Replay every rank instead of one rank per pipeline stage.")
+@click.option("--full", is_flag=True,
+              help="Replay every rank node by node (one rank per pipeline stage where that is proven exact for "
+                   "every rank) instead of one rank per stage, pass by pass.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--timeline", type=click.Path(path_type=Path), default=None,
-              help="Write a Chrome/Perfetto trace (ui.perfetto.dev) of the simulated ranks.")
+              help="Write a Chrome/Perfetto trace (ui.perfetto.dev) of the simulated ranks (FILE.json).")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Draw where each pipeline stage's step goes (PNG, PDF or SVG).")
+@click.option("--train-tokens", default=None, metavar="N",
+              help="Print the time (and, with --price, the cost) to train N tokens (1e12, 15T, 300B).")
+@click.option("--price", type=float, default=None, metavar="$/GPU-h",
+              help="Price per GPU-hour: the cost of a step, of a million tokens and of --train-tokens.")
+@click.option("--quiet", is_flag=True, help="No progress (--full shows it on a terminal).")
 @click.option("--backend", type=click.Choice(["roofline", "astra-sim"]), default="roofline", show_default=True,
               help="Our analytical simulator, or a user's ASTRA-sim binary.")
 @click.option("--astra-sim", "astra_bin", default=None, metavar="PATH",
@@ -114,30 +295,39 @@ def print_summary(r: SimResult) -> None:
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="astra-sim backend: seconds.")
 @with_astra_options
 def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups: Path | None, full: bool,
-             as_json: bool, timeline: Path | None, backend: str, astra_bin: str | None, keep: Path | None,
-             timeout: float, compute_mode: str, **kw) -> None:
+             as_json: bool, timeline: Path | None, plot: Path | None, train_tokens: str | None, price: float | None,
+             quiet: bool, backend: str, astra_bin: str | None, keep: Path | None, timeout: float, compute_mode: str,
+             **kw) -> None:
     """Simulate one training step with the built-in analytical simulator (or ASTRA-sim)."""
-    from stage_cosim.adapters.roofline.simulate import simulate as run, simulate_traces
-    from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
+    from stage_cosim.adapters.roofline.simulate import simulate as run, simulate_every_rank, simulate_traces
+    from stage_cosim.files import FIGURE_SUFFIXES, check_output
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.workload import synthesize
 
+    # every output and option is checked before any work: a finished result is never lost
+    check_output(timeline, "timeline", (".json",))
+    check_output(plot, "plot", FIGURE_SUFFIXES)
+    tokens = parse_tokens(train_tokens) if train_tokens is not None else None
+    if price is not None and not (math.isfinite(price) and price > 0):
+        raise UserError("price", f"must be a positive number of $ per GPU-hour, got {price}")
     settings = settings_from(kw)
     model = resolve_model_options(kw)
     inference = resolve_inference_options(kw)
     parallel = resolve_parallel_options(kw)
+    if tokens is not None and inference is not None:
+        raise UserError("train-tokens", "is the length of a training run (not with --phase prefill|decode)")
+    programs = rep = names = None
     if backend == "astra-sim":
         from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
 
         if traces is not None or timeline is not None:
             raise UserError("backend", "--traces and --timeline work with the roofline backend only")
+        check_output(keep / "x" if keep is not None else None, "keep")
         machine = resolve_cluster(cluster, parallel.world_size)
         result = simulate_astra_sim(synthesize(model, parallel, machine.gpu, inference=inference), machine,
                                     binary=astra_bin, mode=compute_mode, settings=settings, keep=keep,
                                     timeout_s=timeout)
-        click.echo(json.dumps(result.to_dict(), indent=1)) if as_json else print_summary(result)
-        return
-    if traces is not None:
+    elif traces is not None:
         from stage_cosim.trace.traceset import locate
 
         if inference is not None:
@@ -148,21 +338,100 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
                                                 compute_mode=compute_mode, symmetric=not full)
         for warning in result.config.get("warnings", []):
             click.echo(f"warning: {warning}", err=True)
-        names = None
     else:
         machine = resolve_cluster(cluster, parallel.world_size)
         workload = synthesize(model, parallel, machine.gpu, inference=inference)
-        # a timeline needs every node's times: replay node by node then
-        result, rep, programs = run(workload, machine, network_model,
-                                    symmetric=not full, exact=True if timeline is not None else None,
-                                    astra_settings=settings, compute_mode=compute_mode)
-        names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
-    if timeline is not None:
-        labels = names or [[f"node{i}" for i in p.ids] for p in programs]
-        write_timeline(timeline, timeline_events(programs, rep, labels))
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=1))
-    else:
-        print_summary(result)
+        if full:
+            with _progress(quiet) as progress:
+                result, rep, programs = simulate_every_rank(workload, machine, network_model, astra_settings=settings,
+                                                            compute_mode=compute_mode, progress=progress)
+        else:
+            # the result is the same with or without a timeline: a timeline is recorded from a
+            # node-level replay of its own (for the astra model, the replay that gives the result)
+            astra = network_model == "astra"
+            result, rep, programs = run(workload, machine, network_model, exact=True if astra and timeline else None,
+                                        astra_settings=settings, compute_mode=compute_mode)
+            if timeline is not None and rep is None:
+                recorded, rep, programs = run(workload, machine, network_model, exact=True,
+                                              astra_settings=settings, compute_mode=compute_mode)
+                _compare_recorded(result, recorded)
         if timeline is not None:
+            names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
+    if traces is None:
+        warn_positions(model, parallel, inference)      # with the result, never before an error
+    doc_run = training_run(result, tokens, price)
+    if as_json:
+        doc = result.to_dict()
+        if doc_run:
+            doc["training_run"] = doc_run
+        click.echo(json.dumps(doc, indent=1))
+    else:
+        print_summary(result, doc_run)
+        if full and "ranks_replayed" in result.config:
+            k, n = result.config["ranks_replayed"], result.config["num_gpus"]
+            click.echo(f"\nreplay           every rank node by node: {k:,} of {n:,} ranks replayed"
+                       + (" (each stands for its pipeline stage: proven exact for every rank)" if k < n else ""))
+    # the outputs, after the result is out: a failure to write one is its own one-line error
+    from stage_cosim.files import reported_write
+
+    if timeline is not None:
+        from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
+
+        labels = names or [[f"node{i}" for i in p.ids] for p in programs]
+        with reported_write("timeline", timeline):
+            write_timeline(timeline, timeline_events(programs, rep, labels))
+        if not as_json:
             click.echo(f"\ntimeline: {timeline} (open in https://ui.perfetto.dev)")
+    if plot is not None:
+        with reported_write("plot", plot):
+            plot_stages(result, plot)
+        if not as_json:
+            click.echo(f"plot: {plot}")
+
+
+def _compare_recorded(result: SimResult, recorded: SimResult) -> None:
+    """The timeline's replay (node by node) against the result's (pass by pass): they agree
+    to rounding where no pass overlaps the next in a way the pass-level replay cannot see;
+    where they do not, the timeline says so rather than passing for the result."""
+    rel = abs(recorded.step_time_s - result.step_time_s) / result.step_time_s
+    if rel > 1e-9:
+        click.echo(f"warning: timeline: the node-level replay it records takes {recorded.step_time_s:.6f} s per step, "
+                   f"{100 * rel:.3f} % from the reported {result.step_time_s:.6f} s (the pass-level replay)", err=True)
+
+
+def warn_positions(model, parallel, inference) -> None:  # noqa: ANN001
+    """RoPE runs past the positions a model was trained for (its cost does not change), but the
+    model was not trained there: said once. (Learned positions cannot: refused by the rules.)"""
+    if model.position != "rope":
+        return
+    seq = inference.context if inference is not None else parallel.seq_len
+    if seq > model.max_seq:
+        what = "the context" if inference is not None else "seq-len"
+        click.echo(f"warning: {what} {seq:,} exceeds {model.name}'s max_position_embeddings ({model.max_seq:,}): "
+                   "its rotary positions go beyond what it was trained on (the cost is modelled, the quality is not)",
+                   err=True)
+
+
+class _progress:
+    """tqdm on stderr (a terminal, not --quiet) for the phases of a replay of every rank."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.show = not quiet and sys.stderr.isatty()
+        self.bar = None
+
+    def __enter__(self):  # noqa: ANN204
+        return self.update if self.show else None
+
+    def update(self, phase: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None or self.bar.desc != phase:
+            if self.bar is not None:
+                self.bar.close()
+            self.bar = tqdm(total=total, desc=phase, unit="rank" if total > 1 else "", leave=False,
+                            dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        if self.bar is not None:
+            self.bar.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -97,6 +97,23 @@ class Node:
         return f"Node({self.id} {self.type} {self.name})"
 
 
+@dataclass(frozen=True)
+class RuntimeMemory:
+    """What a rank's process holds beside its tensors, bytes (see :mod:`stage_cosim.hardware.runtime`):
+    the CUDA context, cuBLAS workspaces, NCCL's buffers for the communicators it uses, and what
+    the caching allocator loses to fragmentation. It depends on the GPU and where the rank's
+    peers are, so a stage's memory has it only once a cluster is named."""
+
+    cuda_context: int = 0
+    cublas_workspace: int = 0
+    nccl_buffers: int = 0
+    fragmentation: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.cuda_context + self.cublas_workspace + self.nccl_buffers + self.fragmentation
+
+
 @dataclass
 class StageMemory:
     """Peak memory of one rank of a stage, bytes by category."""
@@ -115,19 +132,27 @@ class StageMemory:
     fp8_amax_history: int = 0
     # An inference step: the KV cache of the step's requests (held from step to step).
     kv_cache: int = 0
+    # The process's own memory on the GPU (zero until a cluster is named: Workload.memory).
+    runtime: RuntimeMemory = field(default_factory=RuntimeMemory)
 
     @property
     def total(self) -> int:
         return (self.weights + self.gradients + self.optimizer + self.activations + self.workspace
-                + self.fp8_weight_cache + self.fp8_amax_history + self.kv_cache)
+                + self.fp8_weight_cache + self.fp8_amax_history + self.kv_cache + self.runtime.total)
+
+    def with_runtime(self, runtime: RuntimeMemory) -> "StageMemory":
+        return replace(self, runtime=runtime)
 
     def to_dict(self) -> dict[str, int]:
+        rt = self.runtime
         return {"weights": self.weights, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "workspace": self.workspace,
                 "fp8_weight_cache": self.fp8_weight_cache, "fp8_amax_history": self.fp8_amax_history,
-                "kv_cache": self.kv_cache,
+                "kv_cache": self.kv_cache, "runtime": rt.total,
                 "total": self.total, "model_states_layers": self.states_layers,
-                "model_states_embedding_and_head": self.states_embedding_head}
+                "model_states_embedding_and_head": self.states_embedding_head,
+                "runtime_cuda_context": rt.cuda_context, "runtime_cublas_workspace": rt.cublas_workspace,
+                "runtime_nccl_buffers": rt.nccl_buffers, "runtime_fragmentation": rt.fragmentation}
 
 
 @dataclass
@@ -183,8 +208,8 @@ class RoleGraph:
     def compute_totals(self) -> tuple[int, int, int]:
         """(executed FLOPs, model FLOPs, matmul FLOPs) of the compute nodes, without creating them."""
         executed = model = matmul = 0
-        for n in self._nodes:
-            if n is not None and n.type == COMP:
+        for n in filter(None, self._nodes):     # (the created nodes: most slots are None)
+            if n.type == COMP:
                 executed += n.flops
                 model += n.model_flops
                 matmul += n.flops if n.matmul else 0
@@ -513,6 +538,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     last_prologue: int | None = None
     prev_first_compute: int | None = None     # the previous block's first kernel
     last_compute: int | None = None
+    lasts: list[int | None] = []              # each block's last kernel so far
     pair_base = pairs = 0                     # send/recv pairs of the blocks before / so far
     copies: dict[tuple[int, int], _BlockCopy] = {}
     local_sinks: list[int] = []               # compute rows no row of their own block reads
@@ -532,6 +558,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             last_compute = m.last_compute + start - m.start if m.last_compute is not None else last_compute
             local_sinks += [j + start - m.start for j in m.sinks]
             blocks.append((inst.label, start, n))
+            lasts.append(m.last_compute + start - m.start if m.last_compute is not None else None)
             if segments is not None:
                 segments.append(((*kind, phase, first), start, n, entry, m.start))
             continue
@@ -548,14 +575,21 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             if st.deps:
                 deps = [x for d in st.deps for x in ids[d]]
             else:
-                # ZeRO-3 prefetch, one block ahead: a block's gather starts once the previous
-                # block's gather is done and that block has started computing (for the pass's
-                # first block: once the previous pass's last gather is done).
+                # ZeRO-3's parameter gathers as PyTorch FSDP (FULL_SHARD) runs them: the CPU runs
+                # ahead of the GPU and issues a block's gather when it reaches the block (in the
+                # forward its pre-forward hook, forward_prefetch off; in the backward the block
+                # before it in the pass prefetches it, BACKWARD_PRE), behind the previous gather
+                # on the one NCCL stream, but first waits for the block two back to be freed
+                # (limit_all_gathers: two gathered blocks at most), i.e. for its last kernel. The
+                # second block's "two back" is the previous pass's last; the first block's gather
+                # waits for the previous pass (and its last gather).
                 if st.prologue:
                     prologue = True
                     deps = [last_prologue] if last_prologue is not None else [_CHAIN]
-                    if prev_first_compute is not None:
-                        deps.append(prev_first_compute)
+                    if bi >= 2 and lasts[bi - 2] is not None:
+                        deps.append(lasts[bi - 2])
+                    elif bi == 1:
+                        deps.append(_CTRL)
                 else:
                     deps = list(prev_exit) + [_PARAMS - bi]
                 if bi == 0:
@@ -597,6 +631,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         sinks_here = [j for j in computes if j not in read]
         local_sinks += sinks_here
         blocks.append((inst.label, start, n))
+        lasts.append(block_last)
         if prologue:
             segments = None       # the parameter prefetch chains blocks together
         elif segments is not None:

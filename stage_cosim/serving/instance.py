@@ -111,14 +111,14 @@ def instance_kind(model: ModelConfig, parallel: ParallelConfig, inference: Infer
     m, shape = timer.split(biggest)
     w = timer.workload(shape, m)
     stages = range(par.pp)
-    mems = [w.memory(s) for s in stages]
+    mems = [w.memory(s, cluster) for s in stages]
     weights = max(mem.weights for mem in mems)
     workspace = max(mem.workspace + mem.activations for mem in mems)
     per_window: dict[int | None, float] = {}
     for s in stages:
         for window, b in w.kv_cache_bytes_per_token_by_window(s).items():
             per_window[window] = max(per_window.get(window, 0.0), b)
-    capacity = serving.hbm_utilization * cluster.gpu.memory_bytes - weights - workspace
+    capacity = serving.hbm_utilization * cluster.gpu.memory_bytes - weights - workspace - max(m.runtime.total for m in mems)
     if capacity <= 0:
         raise UserError("cluster", f"{model.name} on tp{par.tp} pp{par.pp}{f' ep{par.ep}' if par.ep > 1 else ''}: "
                                    f"weights ({weights / GiB:.1f} GiB) and the largest step's working set "

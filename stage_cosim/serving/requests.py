@@ -70,6 +70,7 @@ class RequestStream:
         require(self.lengths in LENGTH_DISTRIBUTIONS, "lengths",
                 f"must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, got {self.lengths!r}")
         require(0 <= self.spread <= 3, "length-spread", f"must be in [0, 3], got {self.spread!r}")
+        require(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be a non-negative integer, got {self.seed!r}")
 
     def generate(self) -> Requests:
         rng = np.random.default_rng(self.seed)

@@ -116,7 +116,8 @@ class Step:
     # every other kernel. (Truthy exactly for the FLOPs the published formulas count.)
     matmul: str = ""
     # A grouped GEMM: this many equal GEMMs in one kernel (one per local expert), each as
-    # efficient as its own shape allows.
+    # efficient as its own shape allows. A fused attention kernel: the rows of work its thread
+    # blocks split (:func:`attention_rows`), which decide how many SMs it keeps busy.
     groups: sp.Expr = sp.Integer(1)
     prologue: bool = False     # gathers the block's weights (ZeRO-3): may run a block ahead
     first_microbatch: bool = False   # runs in the first micro-batch's forward only (FP8 weight cache)
@@ -124,8 +125,9 @@ class Step:
     # which send/recv pair of the pass this is (a send and the receive it feeds share it)
     peer: int = 0
     pair: int = -1
-    # fused attention kernels: the share of the layer's keys (the sequence, or its window) that
-    # each query sees in this kernel (1/ring for a step of the ring); 0 for other steps
+    # fused attention kernels: the length of each thread block's loop as a share of the layer's
+    # keys (the sequence, or its window): the keys each query sees in this kernel (a step of the
+    # ring: a chunk, or half of one); 0 for other steps
     key_share: float = 0.0
 
 
@@ -165,6 +167,7 @@ class ShardedBlock:
 
 def _degree(axis: str) -> sp.Symbol:
     return degree_symbol(axis)
+
 
 
 def compute_placement(w: Tensor) -> Placements:
@@ -463,6 +466,8 @@ class _Pass:
         idx = self._compute(op, phase, local_inputs, out_pls, flops, model_flops, deps)
         if op.kind == "einsum" and "e" in "".join(op.einsum_operands()[0]) and op.mesh != "dense":
             self.steps[idx].groups = local("e")     # the experts this rank holds
+        if op.kind in ATTENTION_KINDS and (rows := attention_rows(op, local)) is not None:
+            self.steps[idx].groups = rows
         last = (idx,)
         if op.amax_group:
             # current scaling of a tensor gathered over a group: one max all-reduce of its amax
@@ -657,10 +662,9 @@ class _Pass:
         ready = swap([query, *keyed] if forward else [0], ready, in_bytes, "in")
         everything = sorted({d for r in ready for d in r})
         kv_ready = sorted({d for i in keyed for d in ready[i]})
-        # each step's share of the rank's attention work
-        shares = [sp.Integer(1) / ring] * ring
-        if not pol.cp_load_balance and ring > 1:
-            shares = [sp.Integer(1) / ring] + [sp.Integer(2) / ring] * (ring - 1)
+        # each step's work and kernel shape; the graph is the last cp rank's (see ring_steps)
+        steps = ring_steps(ring - 1, ring, pol.cp_load_balance, forward)
+        rows = attention_rows(op, local, keys=local("s"))   # a step's keys held: a chunk, as its queries
         kernels: list[int] = []
         recvs: list[int] = []
         accums: list[int] = []
@@ -681,8 +685,10 @@ class _Pass:
                                         peer=-direction * stride, pair=pair))
             deps = everything if j == 0 else [recvs[j - 1], kernels[-1]]
             kernels.append(self._step(f"{op.name}.step{j}" if ring > 1 else op.name, "compute", phase, deps,
-                                      category=op.kind, flops=flops * shares[j], model_flops=model_flops / ring,
-                                      mem=mem, matmul=op.precision or "bf16", key_share=1.0 / ring))
+                                      category=op.kind, flops=flops * steps[j].work, model_flops=model_flops / ring,
+                                      mem=mem, matmul=op.precision or "bf16", key_share=steps[j].loop))
+            if rows is not None:
+                self.steps[kernels[-1]].groups = rows * steps[j].rows
             if ring > 1 and not forward:
                 # dQ += this step's dQ; dK/dV += this step's (in the buffer that travels)
                 n = sp.Add(*(local_numel(op.inputs[i], self.placements[local_inputs[i]]) for i in [query, *keyed]))
@@ -742,6 +748,58 @@ class _Pass:
                 out_pl.append(p)
             self.placements[out] = tuple(out_pl)
             self.producers[out] = tuple(sorted(set(deps)))
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of the ring on one cp rank, relative to that rank's load-balanced share:
+    ``work``, the share of a rank's attention work it does (under load balancing every rank
+    does 1 in all); ``loop``, the length of its thread blocks' loop as a share of the
+    sequence; ``rows``, the rows of work they split, as a share of the rank's query rows."""
+
+    work: sp.Rational
+    loop: float
+    rows: sp.Rational
+
+
+def ring_steps(rank: int, ring: int, load_balance: bool = True, forward: bool = True) -> list[RingStep]:
+    """The steps of the ring of ``ring`` ranks on the ``rank``-th of them. At step j it holds
+    the keys and values of rank ``rank - j`` (mod ring).
+
+    Load-balanced, a rank holds chunks i and 2*ring-1-i of the sequence's 2*ring (2c tokens).
+    Step 0 is the diagonal: its 2c queries against its own 2c keys, causal. Every later step is
+    half a block: from an earlier rank, all 2c queries against the visitor's first chunk; from
+    a later one, the rank's second chunk of queries against all 2c of its keys. Each is 1/ring of
+    the rank's work. Forward, a thread block loops over keys and the rows are queries; backward
+    (FlashAttention splits the keys over thread blocks) the reverse.
+
+    Contiguous chunks (no load balancing, c tokens each): the diagonal block, then a whole block
+    of queries against each earlier rank's keys (twice the diagonal's unmasked half), nothing
+    against later ones (masked): rank i does (2i + 1)/ring of the balanced share, the last rank
+    2 - 1/ring of it."""
+    one = sp.Integer(1)
+    out = [RingStep(one / ring, 1.0 / ring, one)]
+    for j in range(1, ring):
+        earlier = j <= rank            # the visitor's tokens come before the rank's (own chunk)
+        if not load_balance:
+            out.append(RingStep(2 * one / ring if earlier else sp.Integer(0), 1.0 / ring, one))
+        elif earlier == forward:       # forward from an earlier rank / backward from a later one
+            out.append(RingStep(one / ring, 0.5 / ring, one))
+        else:
+            out.append(RingStep(one / ring, 1.0 / ring, one / 2))
+    return out
+
+
+def attention_rows(op: Op, local, keys: sp.Expr | None = None) -> sp.Expr | None:  # noqa: ANN001
+    """The rows of work a fused attention kernel splits over thread blocks: its query rows
+    (sequences x queries x query heads) forward; its key rows backward (``keys``, or the key
+    sequence, per sequence and query head), where FlashAttention gives each thread block a tile
+    of keys and loops over the queries. None for a kernel over a KV cache (an inference
+    engine's, which splits the keys too when the queries are few). ``local``: label -> size."""
+    if any(t.kind == "kv_cache" for t in op.inputs):
+        return None
+    n = local("s") if op.kind == "attention" else (keys if keys is not None else local("t"))
+    return local("b") * n * local("g") * local("q")
 
 
 def _residual_label(policy: ShardingPolicy) -> str | None:

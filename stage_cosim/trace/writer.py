@@ -55,8 +55,10 @@ def static_attrs(n: Node) -> list[pb.AttributeProto]:
         return [A(name="is_cpu_op", bool_val=False), A(name="num_ops", uint64_val=max(1, n.flops)),
                 A(name="tensor_size", uint64_val=max(1, n.mem_bytes)),
                 A(name="op_kind", string_val=op_kind(n.category, n.matmul))] + (
-                    # fused attention: the keys each query sees in this kernel (ring steps: a chunk)
-                    [A(name="attention_keys", uint64_val=n.keys)] if n.keys else [])
+                    # fused attention: the keys each query sees in this kernel (ring steps: a chunk
+                    # or half of one), and the rows of work its thread blocks split
+                    [A(name="attention_keys", uint64_val=n.keys)] if n.keys else []) + (
+                    [A(name="attention_rows", uint64_val=n.groups)] if n.keys and n.groups > 1 else [])
     if n.type == COLL:
         return [A(name="is_cpu_op", bool_val=False),
                 A(name="comm_type", uint64_val=COLLECTIVE_CODES[n.coll.value]),
@@ -100,18 +102,57 @@ def chakra_holes(w: Workload, rank: int, holes: set[Hole]) -> dict[Hole, bytes]:
     return out
 
 
+class Stamper:
+    """A role's template, ready to stamp ranks from.
+
+    A node with a hole is its length prefix, its static body and the rank's fill (a group id, a
+    peer) after it. The prefix depends only on the fill's length, so for each combination of
+    fill lengths (a handful: peers and group ids of one, two or three digits) the file is a
+    fixed list of static chunks with the fills between them, made once; a rank is that list with
+    its fills put in place by one slice assignment and joined. No Python work per node or per
+    hole: ring attention's traces have a send and a receive in every step of every layer."""
+
+    def __init__(self, template: Template, header: bytes) -> None:
+        self.header = header
+        self.runs: list[bytes] = []        # static bytes before each hole's node
+        self.bodies: list[bytes] = []      # each hole's node, without its fill
+        self.holes: list[Hole] = []
+        run: list[bytes] = []
+        for item in template:
+            if isinstance(item, bytes):
+                run.append(item)
+            else:
+                self.runs.append(b"".join(run))
+                self.bodies.append(item[0])
+                self.holes.append(item[1])
+                run = []
+        self.tail = b"".join(run)
+        self.keys = sorted(set(self.holes), key=repr)    # the distinct holes, in a fixed order
+        self._chunks: dict[tuple[int, ...], list[bytes | None]] = {}
+
+    def _chunks_for(self, lengths: dict[Hole, int]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for k, (run, body, hole) in enumerate(zip(self.runs, self.bodies, self.holes)):
+            out.append((self.header if k == 0 else b"") + run + _VarintBytes(len(body) + lengths[hole]) + body)
+            out.append(None)
+        out.append(self.tail if self.holes else self.header + self.tail)
+        return out
+
+    def stamp(self, fills: dict[Hole, bytes]) -> bytes:
+        """One rank's file, given the rank's fill of each hole."""
+        signature = tuple(len(fills[k]) for k in self.keys)
+        chunks = self._chunks.get(signature)
+        if chunks is None:
+            chunks = self._chunks[signature] = self._chunks_for({k: len(fills[k]) for k in self.keys})
+        parts = chunks.copy()
+        parts[1::2] = map(fills.__getitem__, self.holes)
+        return b"".join(parts)  # type: ignore[arg-type]
+
+
 def stamp_chakra(template: Template, fills: dict[Hole, bytes], header: bytes) -> bytes:
-    parts = [header]
-    for item in template:
-        if isinstance(item, bytes):
-            parts.append(item)
-        else:
-            body, hole = item
-            extra = fills[hole]
-            parts.append(_VarintBytes(len(body) + len(extra)))
-            parts.append(body)
-            parts.append(extra)
-    return b"".join(parts)
+    """One rank's file from its role's template (see :class:`Stamper`, which write_traces
+    keeps per role)."""
+    return Stamper(template, header).stamp(fills)
 
 
 # -- JSON (the same graphs, readable) ------------------------------------------------------------
@@ -193,11 +234,13 @@ def write_traces(w: Workload, directory: Path, fmt: str = "chakra",
     if fmt == "chakra":
         header = metadata_bytes()
         templates = [chakra_template(role, durations(role) if durations else None) for role in w.roles]
-        holes = [{item[1] for item in t if not isinstance(item, bytes)} for t in templates]
+        stampers = [Stamper(t, header) for t in templates]
+        holes = [set(st.keys) for st in stampers]
+        del templates
     for rank in range(w.world_size):
         if fmt == "chakra":
             stage = w.role_of(rank)
-            data = stamp_chakra(templates[stage], chakra_holes(w, rank, holes[stage]), header)
+            data = stampers[stage].stamp(chakra_holes(w, rank, holes[stage]))
         else:
             data = rank_json(w, rank, durations(w.role(w.role_of(rank))) if durations else None)
         fd = os.open(directory / f"{prefix}.{rank}.{ext}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -205,9 +205,9 @@ def nemo2407_fp8_h100() -> list[TrainingRun]:
 def palm_model_flops(model: ModelConfig, batch: int, seq: int) -> float:
     """Model FLOPs of one iteration as PaLM counts them (Chowdhery et al. 2022, Appendix B),
     the MFU Llama 3's paper reports: 6 N + 12 L H Q T per token, N the parameters that
-    multiply (every weight but the input embedding table), L H Q T layers, heads, head size and
-    sequence (the full T x T score matrix, as our model FLOPs count it)."""
-    n = model.param_count() - model.vocab * model.hidden
+    multiply (every weight but an untied input embedding table, a lookup), L H Q T layers, heads,
+    head size and sequence (the full T x T score matrix, as our model FLOPs count it)."""
+    n = model.param_count() - (0 if model.tied_embeddings else model.vocab * model.hidden)
     attention = 12 * model.layers * model.heads * model.head_dim * seq
     return batch * seq * (6 * n + attention)
 
