@@ -5,11 +5,15 @@
 * TensorRT-LLM's offline throughput benchmark (trtllm-bench: every request queued at once,
   fixed input and output lengths, FP8 checkpoints, FP8 KV cache, max batch 2048, 8192 tokens per
   step, KV cache at 95 % of memory) on H100-SXM: ``serve-sim`` with the same settings, output
-  tokens per second against the published figure.
+  tokens per second against the published figure. NVIDIA ModelOpt's FP8 checkpoints carry
+  static activation scales (``--fp8-activation-scale static``, the default).
 * DeepSeek's online service on H800 (decode units of EP144/DP144, prefill units of EP32/DP32):
   the decode step of a rank at the service's average KV length and the batch its published
   per-user speed and per-node throughput imply, and a prefill step with the service's cache-hit
-  share; per-GPU throughput against the published per-node figures over 8.
+  share; per-GPU throughput against the published per-node figures over 8. DeepSeek's units
+  split each batch into two micro-batches that overlap one's all-to-alls with the other's
+  compute (``two_batch_overlap``), and DeepSeek-V3's FP8 checkpoint scales activations
+  dynamically (its ``activation_scheme``).
 
 Prints measured against predicted per row, and the mean and worst absolute error.
 """
@@ -35,6 +39,9 @@ DEEPSEEK_TPOT_S = 1 / 21           # "average output speed 20-22 tokens per seco
 DEEPSEEK_CACHE_HIT = 0.563         # share of input tokens served from the on-disk KV cache
 DEEPSEEK_PROMPT = 4096             # assumed prompt length (not published)
 DEEPSEEK_PREFILL_TOKENS = 16384    # assumed new tokens per rank per prefill step (not published)
+# How DeepSeek's units run (the published overview): dual-batch overlap; FP8 GEMMs whose
+# activations are scaled as they come (DeepSeek-V3's checkpoint: activation_scheme dynamic).
+DEEPSEEK_RUN = dict(two_batch_overlap=True, weight_dtype="fp8", fp8_activation_scale="dynamic")
 
 
 def rows() -> list[dict[str, str]]:
@@ -63,7 +70,7 @@ def deepseek_decode(row: dict[str, str]) -> float:
     g = DEEPSEEK_DECODE_GPUS
     r = api.simulate(dict(model="deepseek-v3", cluster=f"dgx-h800:{g}", phase="decode", batch=batch * g,
                           context_len=int(row["input_len"]), dp=g, ep=g, attention_dp=True,
-                          weight_dtype="fp8", kv_cache_dtype=row["kv_cache_dtype"]))
+                          kv_cache_dtype=row["kv_cache_dtype"], **DEEPSEEK_RUN))
     return batch / r["step_time_s"]
 
 
@@ -81,7 +88,7 @@ def deepseek_prefill(row: dict[str, str]) -> float:
     new = DEEPSEEK_PROMPT - cached
     per_rank = max(1, DEEPSEEK_PREFILL_TOKENS // new)
     timer = StepTimer(model, ParallelConfig(dp=g, ep=g), InferenceConfig("prefill", attention_dp=True,
-                      weight_dtype="fp8", kv_cache_dtype=row["kv_cache_dtype"]), resolve_cluster(f"dgx-h800:{g}"), 0)
+                      kv_cache_dtype=row["kv_cache_dtype"], **DEEPSEEK_RUN), resolve_cluster(f"dgx-h800:{g}"), 0)
     step = timer.simulate(BatchShape.uniform(per_rank, new, cached, frozenset(model.layer_windows())))
     return per_rank * DEEPSEEK_PROMPT / step
 

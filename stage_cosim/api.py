@@ -7,8 +7,9 @@ A request is a mapping with the same names as the command-line flags and config 
     layers, hidden, ffn, heads, kv_heads, head_dim, vocab, max_seq, attention: overrides
     dp, tp, pp, vp, sp, micro_batch, global_batch, seq_len, zero, recompute, schedule,
     pp_layers, axis_order, tp_comm_overlap, overlap_param_gather: the parallel configuration
-    phase, batch, input_len, context_len, kv_cache_dtype, weight_dtype, attention_dp: an
-                    inference step (phase prefill or decode) instead of a training step
+    phase, batch, input_len, context_len, kv_cache_dtype, weight_dtype, fp8_activation_scale,
+    attention_dp, two_batch_overlap: an inference step (phase prefill or decode) instead of a
+                    training step
     cluster:        "preset[:GPUS]", a YAML path, or a full description (mapping)
     network_model:  "calibrated" | "astra"
 
@@ -33,7 +34,8 @@ from stage_cosim.parallel.config import FP8_OPTIONS
 MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", *MODEL_SWITCHES)
 PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
 # An inference step (phase prefill or decode); ``micro_batch`` is shared with the parallel keys.
-INFERENCE_KEYS = ("phase", "batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "attention_dp")
+INFERENCE_KEYS = ("phase", "batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype",
+                  "fp8_activation_scale", "attention_dp", "two_batch_overlap")
 REQUEST_KEYS = {"model", "model_config", "cluster", "network_model", "backend", *MODEL_OVERRIDES, *PARALLEL_KEYS,
                 *INFERENCE_KEYS}
 
@@ -148,7 +150,7 @@ SERVE_KEYS = {"rate", "num_requests", "output_len", "lengths", "length_spread", 
               "max_num_seqs", "chunk_tokens", "kv_block_size", "hbm_utilization", "step_overhead",
               "step_resolution", "prefill_gpus", "decode_gpus", "routing", "slo_ttft", "slo_tpot", "rates"}
 # the inference fields a serving run takes (the phase and batch are the engine's)
-SERVE_INFERENCE_KEYS = ("kv_cache_dtype", "weight_dtype", "attention_dp")
+SERVE_INFERENCE_KEYS = ("kv_cache_dtype", "weight_dtype", "fp8_activation_scale", "attention_dp", "two_batch_overlap")
 
 
 def serving_of(req: Mapping[str, Any]):  # noqa: ANN201 (ServingConfig, SLO)

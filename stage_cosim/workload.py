@@ -68,6 +68,11 @@ class Workload:
             raise UserError("cluster", f"the workload's FP8 kernels are {says(self.precision)}, but {gpu.name} "
                                        f"runs {says(want)}: synthesize it for this cluster's GPU")
 
+    @property
+    def two_batch(self) -> bool:
+        """An inference step whose passes each run two micro-batches at once (two-batch overlap)."""
+        return self._role_args.get("overlapped") is not None
+
     def role(self, stage: int) -> RoleGraph:
         if stage not in self._roles:
             with gc_paused():
@@ -333,7 +338,8 @@ def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchSh
     :meth:`InferenceConfig.parallel` makes it), each layer reading its KV cache, the weights
     in ``inference.weight_dtype``. Latent attention runs absorbed where every sequence has one
     new token (a decode step), expanded from the cached latents otherwise."""
-    precision = inference_precision(inference.weight_dtype if inference is not None else "bf16")
+    precision = (inference_precision(inference.weight_dtype, activation_scale=inference.fp8_activation_scale)
+                 if inference is not None else inference_precision("bf16"))
     policy = ShardingPolicy(precision=precision,
                             moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
                             cp_ring=parallel.cp_ring, cp_a2a=parallel.cp_a2a,
@@ -344,7 +350,8 @@ def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchSh
 
     bound: dict[int | None, dict] = {}
 
-    def costs(block: CompiledBlock, window: int | None = None, *, attends: bool = False) -> BlockCosts:
+    def costs(block: CompiledBlock, shape: BatchShape, window: int | None = None, *, attends: bool = False
+              ) -> BlockCosts:
         if window not in bound:
             bound[window] = step_symbol_values(model, parallel, window)
         values = dict(bound[window])
@@ -353,16 +360,26 @@ def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchSh
         return block.evaluate(values)
 
     kinds = list(zip(model.moe_layers(), model.layer_windows()))
-    layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, w, attends=True)
-                   for moe, w in set(kinds)}
-    blocks = ModelBlocks((compiled.embedding, costs(compiled.embedding)),
-                         tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)]) for moe, w in kinds),
-                         (compiled.head, costs(compiled.head)))
+
+    def model_blocks(shape: BatchShape) -> ModelBlocks:
+        layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, shape, w, attends=True)
+                       for moe, w in set(kinds)}
+        return ModelBlocks((compiled.embedding, costs(compiled.embedding, shape)),
+                           tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)])
+                                 for moe, w in kinds),
+                           (compiled.head, costs(compiled.head, shape)))
+
+    # two-batch overlap: the micro-batch runs as two whose passes share the rank (a micro-batch of
+    # one sequence cannot be split and runs whole)
+    overlap = inference is not None and inference.two_batch_overlap and shape.sequences >= 2
+    halves = shape.halves() if overlap else (shape,)
+    blocks = model_blocks(halves[0])
     orders = parallel.mesh_orders()
     meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE], parallel.mesh_splits())}
     if model.is_moe:
         meshes[EXPERT] = DeviceMesh.build({a: degrees[a] for a in MESHES[EXPERT]}, orders[EXPERT])
     role_args = dict(pp=parallel.pp, vp=1, schedule=parallel.schedule, num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks, zero=0,
-                     tied_embeddings=model.shares_embedding, degrees=degrees, inference=True)
-    return Workload(model, parallel, meshes, role_args, precision, inference, shape)
+                     tied_embeddings=model.shares_embedding, degrees=degrees, inference=True,
+                     overlapped=model_blocks(halves[1]) if overlap else None)
+    return Workload(model, parallel, meshes, role_args, precision, inference, halves[0])

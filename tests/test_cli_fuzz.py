@@ -22,7 +22,7 @@ import yaml
 from stage_cosim.cli import main
 
 SEED = int(os.environ.get("STAGE_COSIM_FUZZ_SEED", "13"))
-CASES = int(os.environ.get("STAGE_COSIM_FUZZ_CASES", "10"))     # per command and kind of mutation
+CASES = int(os.environ.get("STAGE_COSIM_FUZZ_CASES", "20"))     # per command and kind of mutation
 CASE_TIMEOUT_S = 120
 
 ERROR_LINE = re.compile(r"error: [A-Za-z0-9_.\-\[\]]+: \S[^\n]*\n")
@@ -191,22 +191,33 @@ SPEC = {"model_config": {"model_type": "llama", "num_hidden_layers": 2, "hidden_
         "variables": {"gpu.hbm_GBps": {"min": 2000, "max": 4000}}, "cost": {"base": 1000, "gpu.hbm_GBps": 1},
         "points": 2, "candidates": 2, "inner_budget": 3, "reuse_top": 2}
 SPEC_VALUES = (0, -1, 2.5, float("nan"), float("inf"), "abc", "", None, [1, 2], {"a": 1}, True, 10**12)
+# Settings the work grows with linearly (layers built, micro-batches replayed, searches run):
+# there a huge value is a long run, not a wrong one, so they get a large but quick one.
+LINEAR = {"num_hidden_layers", "global_batch", "points", "candidates", "inner_budget", "reuse_top", "seq_len",
+          "num_gpus", "budget"}
+
+
+def _value(rng: random.Random, key: str) -> object:
+    v = rng.choice(SPEC_VALUES)
+    return 64 if v == 10**12 and key.rsplit(".", 1)[-1] in LINEAR else v
 
 
 def test_random_explore_specs(run, tmp_path) -> None:
     rng = random.Random(f"{SEED}-explore")
     spec = tmp_path / "spec.yaml"
-    keys = sorted(SPEC) + ["mode", "budget", "seed", "dtype", "objective", "variables.gpu.hbm_GBps.min",
-                           "variables.scale_up.bandwidth_GBps", "cost.gpu.hbm_GBps", "model_config.num_hidden_layers",
-                           "model_config.hidden_size", "model_config.model_type"]
+    # where a value goes: a path of keys (a variable's name holds a dot)
+    keys = [(k,) for k in sorted(SPEC)] + [("mode",), ("budget",), ("seed",), ("dtype",), ("objective",),
+                                            ("variables", "gpu.hbm_GBps", "min"), ("variables", "gpu.hbm_GBps"),
+                                            ("variables", "scale_up.bandwidth_GBps"), ("cost", "gpu.hbm_GBps"),
+                                            ("model_config", "num_hidden_layers"), ("model_config", "hidden_size"),
+                                            ("model_config", "model_type"), ("serving",), ("fp8_recipe",)]
     for _ in range(max(2, CASES // 2)):
         doc = json.loads(json.dumps(SPEC))
+        *path, last = rng.choice(keys)
         where = doc
-        *path, last = rng.choice(keys).split(".", 2) if rng.random() < 0.5 else [rng.choice(keys)]
         for part in path:
-            where = where.setdefault(part, {}) if isinstance(where.get(part, {}), dict) else {}
-        if isinstance(where, dict):
-            where[last] = rng.choice(SPEC_VALUES)
+            where = where[part] if isinstance(where.get(part), dict) else where.setdefault(part, {})
+        where[last] = _value(rng, last)
         spec.write_text(yaml.safe_dump(doc))
         run(["explore", spec, "--quiet", "--json"])
     for name, path in _files(tmp_path).items():
@@ -270,12 +281,12 @@ def test_random_model_and_cluster_files(run, tmp_path) -> None:
     for _ in range(CASES):
         m = dict(model)
         key = rng.choice(sorted(m) + ["rope_scaling", "tie_word_embeddings", "hidden_act", "num_local_experts"])
-        m[key] = rng.choice(SPEC_VALUES)
+        m[key] = _value(rng, key)
         cfg.write_text(json.dumps(m))
         c = json.loads(json.dumps(cluster))
         part = rng.choice(["gpu", "scale_up", "scale_out", None])
         field = rng.choice(["bandwidth_GBps", "latency_ns", "gpus_per_domain", "hbm_GBps", "bf16_tflops", "topology"])
-        value = rng.choice(SPEC_VALUES)
+        value = _value(rng, field)
         if part is None:
             c[rng.choice(["num_gpus", "gpu", "name", "scale_up"])] = value
         elif rng.random() < 0.2:
@@ -288,8 +299,36 @@ def test_random_model_and_cluster_files(run, tmp_path) -> None:
     run(["simulate", *TRAIN, "--cluster", "dgx-h100:0"])
 
 
-def test_click_usage_errors_are_one_line(run) -> None:
-    for args in (["simulate", "--tp", "1e3"], ["simulate", "--tp"], ["simulate", "--frobnicate"], ["frobnicate"],
-                 ["explore"], ["synth", *TINY], ["simulate", "extra-argument"], ["optimize", "--objective", "fast"],
-                 ["astra-sim", "replay"]):
-        assert run(args) == 2
+@pytest.mark.parametrize("args, line", [
+    (["simulate", "--tp", "1e3"], "error: tp: '1e3' is not a valid integer\n"),
+    (["simulate", "--tp"], "error: tp: needs a value\n"),
+    (["simulate", "--network-model", "fast"], "error: network-model: 'fast' is not one of 'calibrated', 'astra'\n"),
+    (["synth", *TINY], "error: out: is required\n"),
+    (["explore"], "error: spec: is required\n"),
+    (["simulate", "--frobnicate"], None), (["frobnicate"], None), (["simulate", "extra-argument"], None),
+    (["astra-sim", "replay"], None),
+])
+def test_click_usage_errors_are_one_line(run, capsys, args, line) -> None:
+    """click's own usage errors in the form of every other: ``error: <parameter>: <rule>``."""
+    import stage_cosim.cli as cli
+
+    assert run(args) == 2
+    if line is not None:
+        cli.main(args)
+        assert capsys.readouterr().err == line
+
+
+OPTIMIZE = ["optimize", *TINY, "--cluster", "dgx-h100:8", "--global-batch", "8", "--seq-len", "128", "--budget", "2"]
+
+
+@pytest.mark.parametrize("args, param", [
+    (["--top", "0"], "top"), (["--top", "-3"], "top"), (["--price", "nan"], "price"), (["--price", "-1"], "price"),
+    (["--objective", "cost", "--price", "inf"], "price"), (["--seed", "-3"], "seed"), (["--headroom", "nan"], "headroom"),
+])
+def test_optimize_refuses_meaningless_settings(run, capsys, args, param) -> None:
+    """Settings that would print a header with no rows, or "$nan per million tokens"."""
+    import stage_cosim.cli as cli
+
+    assert run([*OPTIMIZE, *args]) == 2
+    cli.main([*OPTIMIZE, *args])
+    assert capsys.readouterr().err.startswith(f"error: {param}: ")

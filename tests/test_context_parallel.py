@@ -410,10 +410,36 @@ def test_ring_steps_add_up_to_the_causal_closed_form() -> None:
 
 # -- traces ----------------------------------------------------------------------------------------
 
+def test_ring_trace_files_are_the_nodes_stamped_one_by_one(tmp_path) -> None:
+    """The writer stamps a rank's file from its stage's template in a few joins; each file is
+    what completing the template's nodes one at a time gives: a node with a hole is its length
+    prefix, its body and the rank's fill (ranks 0-63: peers and groups of one and two digits)."""
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    from stage_cosim.trace.chakra import metadata_bytes
+    from stage_cosim.trace.writer import chakra_holes, chakra_template, write_traces
+
+    w = workload(tp=2, cp=8, dp=2, pp=2, global_batch=2)
+    write_traces(w, tmp_path)
+    templates = [chakra_template(role) for role in w.roles]
+    for rank in range(w.world_size):
+        template = templates[w.role_of(rank)]
+        fills = chakra_holes(w, rank, {item[1] for item in template if not isinstance(item, bytes)})
+        parts = [metadata_bytes()]
+        for item in template:
+            if isinstance(item, bytes):
+                parts.append(item)
+            else:
+                body, extra = item[0], fills[item[1]]
+                parts += [_VarintBytes(len(body) + len(extra)), body, extra]
+        assert (tmp_path / f"workload.{rank}.et").read_bytes() == b"".join(parts), rank
+
+
 @pytest.mark.parametrize("par,symmetric", [
     (dict(tp=2, cp=4, dp=2, pp=2, global_batch=4), True),     # the ring inside a node
     (dict(tp=8, cp=4, global_batch=1), True),                 # the ring across nodes, every hop alike
     (dict(tp=4, cp=4, dp=2, global_batch=2), False),          # half its hops in a node, half across
+    (dict(tp=2, cp=4, pp=2, global_batch=4, cp_load_balance=False, zero=3), True),
 ])
 def test_ring_traces_replay_one_rank_per_stage(par, symmetric, tmp_path, run_cli) -> None:
     """Read back, a ring trace set is simulated one rank per stage where that is exact (ranks
@@ -424,13 +450,14 @@ def test_ring_traces_replay_one_rank_per_stage(par, symmetric, tmp_path, run_cli
 
     parallel = ParallelConfig(seq_len=S, micro_batch=B, **par)
     w = workload(**par)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in par.items()]
+    flags = [f"--{k.replace('_', '-')}={v}" if v is not False else f"--no-{k.replace('_', '-')}"
+             for k, v in par.items()]
     code, _, _ = run_cli("synth", "--model", "llama3-8b", "--layers", "2", "--seq-len", str(S), *flags,
                          "--out", str(tmp_path / "t"), "--quiet")
     assert code == 0
     tmp_path = tmp_path / "t"
     cluster = resolve_cluster("dgx-h100", parallel.world_size)
-    direct = simulate(w, cluster)[0].step_time_s
+    direct = simulate(w, cluster, exact=True)[0].step_time_s     # the node-level replay
     one, _, programs = simulate_traces(tmp_path, cluster)
     every, _, _ = simulate_traces(tmp_path, cluster, symmetric=False)
     assert one.config["symmetric"] is symmetric

@@ -89,7 +89,8 @@ def test_moe_families_read_key_by_key() -> None:
     assert (q15.num_experts, q15.moe_router_topk, q15.expert_ffn, q15.moe_shared_expert_intermediate_size) == \
         (60, 4, 1408, 5632)
     assert q15.moe_shared_expert_gate and q15.add_qkv_bias and all(q15.moe_layers())
-    for name, q_lora, experts, shared in (("DeepSeek-V2", 1536, 160, 2 * 1536), ("DeepSeek-V2-Lite", None, 64, 2 * 1408)):
+    for name, q_lora, experts, shared in (("DeepSeek-V2", 1536, 160, 2 * 1536),
+                                          ("DeepSeek-V2-Lite", None, 64, 2 * 1408)):
         v2 = _read(_cfg(name))                  # V2-Lite projects queries directly (no q_lora_rank)
         assert v2.multi_latent_attention and v2.q_lora_rank == q_lora and v2.mtp_num_layers == 0
         assert (v2.num_experts, v2.moe_router_topk, v2.moe_shared_expert_intermediate_size) == (experts, 6, shared)

@@ -121,7 +121,13 @@ def test_decode_flops_closed_form(llama_small) -> None:
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 2)])
 def test_gqa_kv_cache_bytes_per_token(llama_small, tp, pp, dtype, nbytes) -> None:
     """GQA: every layer caches a key and a value of head_dim for each of its kv heads; tensor
-    parallelism splits the heads, the pipeline the layers."""
+    parallelism splits the heads, the pipeline the layers.
+
+    The cache write is one kernel with the RoPE of the queries and keys (TensorRT-LLM's attention
+    preprocessing): per request it reads this step's query, key and value in bf16, (heads/tp +
+    2 kv_heads/tp) * head_dim * 2 bytes, and writes the rotated query back in bf16, heads/tp *
+    head_dim * 2, and the key and value into the cache in its precision, 2 kv_heads/tp * head_dim
+    * nbytes: B * (2 (kv_heads/tp) d (2 + nbytes) + (heads/tp) d (2 + 2))."""
     m = llama_small
     B, C = 4, 640
     w = synthesize(m, ParallelConfig(tp=tp, pp=pp),
@@ -130,16 +136,19 @@ def test_gqa_kv_cache_bytes_per_token(llama_small, tp, pp, dtype, nbytes) -> Non
     for s in range(pp):
         assert w.memory(s).kv_cache == B * C * per_token
         assert w.kv_cache_bytes_per_token(s) == per_token
-    # the cache write is this step's one token per request, in the cache's precision
+    # the cache write is this step's one token per request, in the cache's precision, with RoPE
     writes = [n for n in w.role(0).nodes if n.name.endswith("kv_cache_write")]
     assert len(writes) == m.layers // pp
-    assert writes[0].mem_bytes == B * 2 * (m.kv_heads // tp) * m.head_dim * (2 + nbytes)
+    assert writes[0].mem_bytes == B * (2 * (m.kv_heads // tp) * m.head_dim * (2 + nbytes)
+                                       + (m.heads // tp) * m.head_dim * (2 + 2))
+    assert not any("rope" in n.name for n in w.role(0).nodes)
 
 
 def test_decode_collectives(llama_small) -> None:
     """Per layer the two tensor-parallel all-reduces of the B x h activation (the embedding's
-    once), the logits all-gathered for sampling, the activation sent down the pipeline; no
-    gradient, no optimizer."""
+    once), the logits all-gathered for sampling; down the pipeline go the residual stream and
+    its normalized copy (the next layer's input norm is fused into the last add of the layer
+    before, as serving engines run it), 2 * B x h bf16; no gradient, no optimizer."""
     m, B, tp = llama_small, 6, 2
     par = ParallelConfig(tp=tp, pp=2)
     w = synthesize(m, par, inference=InferenceConfig("decode", batch=B, context_len=100, micro_batch=3))
@@ -150,8 +159,8 @@ def test_decode_collectives(llama_small) -> None:
     V = par.padded_vocab(m.vocab)
     colls = Counter((n.coll.short, n.comm_bytes) for n in last.nodes if n.type == COLL)
     assert colls == Counter({("AR", act): 2 * (m.layers // 2) * 2, ("AG", 3 * V // tp * 2): 2})
-    assert [n.comm_bytes for n in first.nodes if n.type == SEND] == [act, act]
-    assert [n.comm_bytes for n in last.nodes if n.type == RECV] == [act, act]
+    assert [n.comm_bytes for n in first.nodes if n.type == SEND] == [2 * act, 2 * act]
+    assert [n.comm_bytes for n in last.nodes if n.type == RECV] == [2 * act, 2 * act]
     assert not any(n.phase in ("bwd", "step") for r in (first, last) for n in r.nodes)
 
 
@@ -415,7 +424,12 @@ def test_decode_weights_as_stored(llama_small, weight_dtype, per_param, dp, tp, 
     parameter in bf16, 1 in fp8, 1/2 + 2/128 in int4 (a 4-bit weight and an fp16 scale per
     group of 128); the norms, the embedding and the output layer stay bf16. A decode step reads
     each weight once and the KV cache once: bytes_read = GEMM params * per_param + the rest in
-    bf16 + the KV cache, over every rank; and per rank 2 bytes(1) - bytes(2) is its weights."""
+    bf16 + the KV cache, over every rank; and per rank 2 bytes(1) - bytes(2) is its weights.
+
+    The first stage holds the embedding, its layers and the first layer's input norm (the
+    embedding runs it; each layer holds its MLP norm and the next layer's input norm, which its
+    last residual add is fused with — the final norm for the model's last layer): 2 * layers + 1
+    norms of h. FP8's activation scales are the checkpoint's (static): no amax to write or read."""
     m = llama_small
     par = ParallelConfig(dp=dp, tp=tp, pp=pp)
     V = par.padded_vocab(m.vocab)
@@ -427,27 +441,27 @@ def test_decode_weights_as_stored(llama_small, weight_dtype, per_param, dp, tp, 
     s = step_summary(w, resolve_cluster("dgx-h100", par.world_size), 1.0)
     assert s["bytes_read"] == pytest.approx((gemms * per_param + bf16) * dp * w.parallel.num_microbatches + kv, rel=1e-12)
     assert s["weight_dtype"] == weight_dtype
-    # the first stage: the embedding and its layers (and with pp = 1 the final norm and output layer)
+    # the first stage: the embedding and its layers (and with pp = 1 the output layer)
     layers = m.layers // pp
-    first = layers * _layer_params(m) // tp * per_param + 2 * (V * m.hidden // tp + 2 * layers * m.hidden)
-    assert w.memory(0).weights == pytest.approx(first + (2 * (V * m.hidden // tp + m.hidden) if pp == 1 else 0), abs=1)
+    first = layers * _layer_params(m) // tp * per_param + 2 * (V * m.hidden // tp + (2 * layers + 1) * m.hidden)
+    assert w.memory(0).weights == pytest.approx(first + (2 * V * m.hidden // tp if pp == 1 else 0), abs=1)
 
     def step(batch_per_replica: int) -> int:
         return _bytes_per_rank(_decode(m, par, dp * batch_per_replica, 512, weight_dtype, batch_per_replica))
 
-    # (fp8: each GEMM's per-tensor scale, written by its amax kernel and read by its cast)
-    scales = 4 * m.layers * 2 * 4 if weight_dtype == "fp8" else 0
-    read = gemms // tp * per_param + 2 * (V * m.hidden // tp + (2 * m.layers + 1) * m.hidden) + scales
+    read = gemms // tp * per_param + 2 * (V * m.hidden // tp + (2 * m.layers + 1) * m.hidden)
     assert 2 * step(1) - step(2) == pytest.approx(read, abs=pp)
 
 
 def test_fp8_weights_run_fp8_gemms_with_dynamic_activation_scales(llama_small) -> None:
-    """W8A8: every GEMM of a layer runs in FP8 reading the FP8 weight as stored (no cast of its
-    own, no transposed copy: there is no backward) and its input quantized per tensor as it
-    comes, an amax pass and a cast (memory-bound kernels of their own); embedding, logits and
-    attention stay BF16; FP8 GEMMs run at the FP8 peak and the result reports MFU against it."""
+    """W8A8 with dynamic scales: every GEMM of a layer runs in FP8 reading the FP8 weight as
+    stored (no cast of its own, no transposed copy: there is no backward) and its input quantized
+    per tensor as it comes, an amax pass and a cast (memory-bound kernels of their own);
+    embedding, logits and attention stay BF16; FP8 GEMMs run at the FP8 peak and the result
+    reports MFU against it."""
     m = llama_small
-    w = _decode(m, ParallelConfig(tp=2), 8, 1000, "fp8")
+    w = synthesize(m, ParallelConfig(tp=2), inference=InferenceConfig("decode", batch=8, context_len=1000,
+                                                                       weight_dtype="fp8", fp8_activation_scale="dynamic"))
     nodes = [n for n in w.role(0).nodes if n.type == COMP]
     layer0 = [n for n in nodes if n.block == "layer0"]
     gemms = [n for n in layer0 if n.category == "einsum"]
@@ -467,6 +481,76 @@ def test_fp8_weights_run_fp8_gemms_with_dynamic_activation_scales(llama_small) -
     r = simulate(w, cluster)[0]
     assert r.mfu_fp8 == pytest.approx(r.mfu * cluster.gpu.bf16_tflops / cluster.gpu.fp8_tflops)
     assert r.precision["dtype"] == "fp8" and r.precision["recipe"] == "tensorwise"
+    assert r.precision["activation_scale"] == "dynamic"
+
+
+def test_fp8_static_scales_fuse_the_casts(llama_small) -> None:
+    """W8A8 with the checkpoint's static scales (the default): no amax kernel anywhere; the
+    fused residual add + RMSNorm writes FC1's input in FP8 (vLLM's
+    fused_add_rms_norm_static_fp8_quant) and SiLU-and-mul writes FC2's (silu_and_mul_quant);
+    the QKV input (the norm of the layer before, which hands on bf16) and the attention output
+    get a cast of their own, with no amax. Bytes per request, h hidden, f = ffn / tp:
+
+    * fused add + norm: reads the residual and the all-reduced output, 2 + 2 bytes per element,
+      and its weight (2 h); writes the residual (2) and the fp8 input (1): 7 h + 2 h;
+    * SiLU-and-mul: reads gate and up, 2 * 2 f; writes f in fp8: 5 f;
+    * a cast: reads bf16, writes fp8: 3 bytes per element (the static scale's 4 bytes are not
+      counted)."""
+    m = llama_small
+    B, tp = 8, 2
+    w = _decode(m, ParallelConfig(tp=tp), B, 1000, "fp8")
+    layer0 = [n for n in w.role(0).nodes if n.type == COMP and n.block == "layer0"]
+    kinds = [n.category for n in layer0]
+    assert "amax" not in {n.category for n in w.role(0).nodes}
+    assert all(n.matmul == "fp8" for n in layer0 if n.category == "einsum")
+    casts = [n.name.split(".", 1)[1] for n in layer0 if n.category == "quantize"]
+    assert casts == ["input_norm.quantize", "attention.quantize"]
+    h, f = m.hidden, m.ffn // tp
+    by = {n.name.split(".", 1)[1]: n.mem_bytes for n in layer0}
+    assert by["attention_residual+mlp_norm"] == B * 7 * h + 2 * h
+    assert by["swiglu"] == B * 5 * f
+    assert by["input_norm.quantize"] == B * 3 * h
+    assert by["attention.quantize"] == B * 3 * (m.heads // tp) * m.head_dim
+    assert kinds.count("einsum") == 4
+    # dynamic scales cost more kernels and bytes: an amax and a cast per GEMM input
+    dynamic = synthesize(m, ParallelConfig(tp=tp), inference=InferenceConfig(
+        "decode", batch=B, context_len=1000, weight_dtype="fp8", fp8_activation_scale="dynamic"))
+    d0 = [n for n in dynamic.role(0).nodes if n.type == COMP and n.block == "layer0"]
+    assert len(d0) - len(layer0) == 4 + 2 and sum(n.mem_bytes for n in d0) > sum(n.mem_bytes for n in layer0)
+
+
+def test_decode_layer_bytes_closed_form(llama_small) -> None:
+    """Every kernel of a decode layer, as serving engines fuse them, summed: per request (one
+    new token), with H = heads/tp query heads, G = kv_heads/tp, d head_dim, h hidden, f = ffn/tp,
+    bf16 (2 bytes) throughout:
+
+    * QKV GEMM: reads the normalized input 2h, writes 2 (H + 2G) d;
+    * cache write with RoPE: reads q, k, v, 2 (H + 2G) d; writes q back, 2 H d, and k, v, 4 G d;
+    * attention: reads q, 2 H d, and the C cached tokens, 4 G d C; writes its output 2 H d and
+      the log-sum-exp, 4 H (fp32 per head);
+    * output projection: reads 2 H d, writes 2h (then all-reduced);
+    * residual add + RMSNorm: reads 2h + 2h, writes 2h + 2h;
+    * FC1: reads 2h, writes 2 * 2f; SiLU-and-mul: reads 4f, writes 2f; FC2: reads 2f, writes 2h;
+    * residual add + the next layer's input norm: reads 2h + 2h, writes 2h + 2h;
+
+    plus, once per step, the weights: the four GEMMs' and two norm weights of h, 2 bytes each.
+    So bytes(B, C) = weights + B * a + B * C * 4 G d, with a the sum above."""
+    m = llama_small
+    for tp in (1, 2):
+        H, G, d, h, f = m.heads // tp, m.kv_heads // tp, m.head_dim, m.hidden, m.ffn // tp
+        a = (2 * h + 2 * (H + 2 * G) * d
+             + 2 * (H + 2 * G) * d + 2 * H * d + 4 * G * d
+             + 2 * H * d + 2 * H * d + 4 * H
+             + 2 * H * d + 2 * h
+             + 8 * h
+             + 2 * h + 4 * f + 4 * f + 2 * f + 2 * f + 2 * h
+             + 8 * h)
+        weights = 2 * (_layer_params(m) // tp + 2 * h)
+        for B, C in ((1, 100), (3, 1000)):
+            w = synthesize(m, ParallelConfig(tp=tp),
+                           inference=InferenceConfig("decode", batch=B, context_len=C, micro_batch=B))
+            layer = sum(n.mem_bytes for n in w.role(0).nodes if n.type == COMP and n.block == "layer0")
+            assert layer == weights + B * a + B * C * 4 * G * d, (tp, B, C)
 
 
 def test_int4_dequantizes_in_the_gemm(llama_small) -> None:
@@ -569,3 +653,178 @@ def test_cp_prefill_errors(run_cli) -> None:
                              "--input-len", "32768", "--cluster", "dgx-h100:4")
     assert code == 0, err
     assert "cp4(p2p)" in out
+
+
+# -- two-batch overlap --------------------------------------------------------------------------------------
+
+def _synthetic_moe():
+    """A small MoE whose expert GEMMs and attention each outlast an all-to-all across two nodes
+    (16 experts of 8192, top-2, hidden 2048)."""
+    from stage_cosim.model.config import ModelConfig
+
+    return ModelConfig.build("syn-moe", "llama", layers=4, hidden=2048, ffn=4096, heads=16, kv_heads=4, vocab=4096,
+                             max_seq=8192, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=8192)
+
+
+def _stages(w, cluster):
+    """(compute time of each stage, time of each collective) of a pass that runs them one after
+    another: the kernels between two collectives are a stage. From the GPU model's kernel
+    times and the network model's collective times (the inputs of the closed form)."""
+    from stage_cosim.adapters.roofline.compute import ComputeModel
+    from stage_cosim.adapters.roofline.network import CalibratedNetwork
+
+    cm, net = ComputeModel(cluster.gpu), CalibratedNetwork(cluster)
+    stages, colls = [0.0], []
+    for n in w.role(0).nodes:
+        if n.type == COMP:
+            stages[-1] += cm.node_duration_s(n)
+        else:
+            colls.append(net.duration(n.coll.value, n.comm_bytes, w.group_members(0, n.group)))
+            stages.append(0.0)
+    return stages, colls
+
+
+def test_two_batch_overlap_closed_form() -> None:
+    """Two micro-batches A and B of one shape, each a chain of compute stages S_0 … S_K split by
+    K all-to-alls of time a (the dispatch and combine of each MoE layer). Overlapped, the stages
+    take turns on the compute stream, A_0 B_0 A_1 B_1 …, and each all-to-all runs while the other
+    micro-batch computes: A's k-th starts when A_k ends and is hidden behind B_k if a <= |B_k|;
+    B's k-th starts when B_k ends and is hidden behind A_(k+1) if a <= |A_(k+1)|. With every
+    stage but the last at least a long, the compute stream never waits until B's last stage,
+    which waits for B's last all-to-all (started as A_K began): with W = sum |S_k|,
+
+        T_overlap = 2 W + max(0, a - |S_K|)
+
+    Run whole (no overlap), one micro-batch of twice the requests waits for every all-to-all:
+    T = W_full + K a_full. Prefill of 2 prompts of 2048 tokens per rank, 16 ranks over two DGX
+    H100 nodes (ep 16, attention data parallelism)."""
+    from stage_cosim.adapters.roofline.simulate import simulate
+
+    m = _synthetic_moe()
+    cluster = resolve_cluster("dgx-h100:16")
+    par = ParallelConfig(dp=16, ep=16)
+
+    def step(per_rank: int, overlap: bool):
+        return synthesize(m, par, inference=InferenceConfig("prefill", batch=16 * per_rank, input_len=2048,
+                                                            attention_dp=True, two_batch_overlap=overlap))
+
+    stages, colls = _stages(step(1, False), cluster)
+    a = colls[0]
+    assert len(colls) == 2 * m.layers and all(c == pytest.approx(a, rel=1e-12) for c in colls)
+    assert min(stages[:-1]) >= a > stages[-1]                 # the regime of the closed form
+    w = step(2, True)
+    assert w.two_batch
+    expected = 2 * sum(stages) + max(0.0, a - stages[-1])
+    assert simulate(w, cluster)[0].step_time_s == pytest.approx(expected, rel=1e-9)
+    assert simulate(w, cluster, exact=True)[0].step_time_s == pytest.approx(expected, rel=1e-9)
+    full_stages, full_colls = _stages(step(2, False), cluster)
+    whole = simulate(step(2, False), cluster)[0].step_time_s
+    assert whole == pytest.approx(sum(full_stages) + sum(full_colls), rel=1e-9)
+    assert expected < whole
+
+
+@pytest.mark.parametrize("phase,pp,micro_batch,tp", [("decode", 1, None, 1), ("prefill", 1, None, 1),
+                                                       ("decode", 2, 4, 1), ("prefill", 2, 2, 2)])
+def test_two_batch_overlap_fast_path_is_exact(phase, pp, micro_batch, tp) -> None:
+    """The fast path replays a pass of both micro-batches as one template: the same step time as
+    the node-level replay of every pass, with one pass and with several down a pipeline."""
+    from stage_cosim.adapters.roofline.simulate import simulate
+
+    m = _tiny_moe()
+    kw = dict(context_len=700) if phase == "decode" else dict(input_len=256)
+    w = synthesize(m, ParallelConfig(dp=4, tp=tp, pp=pp, ep=4, expert_tp=1),
+                   inference=InferenceConfig(phase, batch=4 * 8, micro_batch=micro_batch, attention_dp=True,
+                                             two_batch_overlap=True, **kw))
+    assert w.two_batch and w.parallel.num_microbatches == 8 // (micro_batch or 8)
+    cluster = resolve_cluster(f"dgx-h100:{w.world_size}")
+    assert simulate(w, cluster)[0].step_time_s == pytest.approx(simulate(w, cluster, exact=True)[0].step_time_s,
+                                                                rel=1e-12)
+
+
+def test_two_batch_overlap_splits_the_requests() -> None:
+    """Each micro-batch's requests run as two of half the requests: twice the kernels, each
+    request's KV cache once, the model FLOPs unchanged, every weight read by both (bytes_read);
+    a micro-batch of one request cannot be split and runs whole."""
+    m = _tiny_moe()
+    par = ParallelConfig(dp=4, ep=4)
+
+    def step(batch: int, overlap: bool):
+        return synthesize(m, par, inference=InferenceConfig("decode", batch=batch, context_len=700, attention_dp=True,
+                                                            two_batch_overlap=overlap))
+
+    one, two = step(4 * 6, False), step(4 * 6, True)
+    assert two.memory(0).kv_cache == one.memory(0).kv_cache
+    assert two.total_model_flops() == one.total_model_flops()
+    comp = lambda w: [n for n in w.role(0).nodes if n.type == COMP]  # noqa: E731
+    assert len(comp(two)) == 2 * len(comp(one))
+    assert {n.name.rsplit(".", 1)[1] for n in comp(two)} == {"half0", "half1"}
+    cluster = resolve_cluster("dgx-h100:4")
+    s1, s2 = step_summary(one, cluster, 1.0), step_summary(two, cluster, 1.0)
+    weights = sum(one.memory(s).weights for s in range(1)) * 4
+    assert s2["bytes_read"] - s1["bytes_read"] == weights
+    assert not step(4, True).two_batch                         # one request per rank
+
+
+def test_two_batch_overlap_errors(run_cli, llama_small) -> None:
+    """Refused where nothing communicates (tp = ep = expert-tp = 1) and with cp; the flag and
+    dynamic FP8 scales need an inference step (and fp8 weights)."""
+    with pytest.raises(UserError) as exc:
+        synthesize(llama_small, ParallelConfig(dp=2),
+                   inference=InferenceConfig("decode", batch=4, two_batch_overlap=True))
+    assert exc.value.parameter == "two-batch-overlap" and "communicate nothing" in exc.value.rule
+    with pytest.raises(UserError) as exc:
+        synthesize(llama_small, ParallelConfig(tp=2, cp=2),
+                   inference=InferenceConfig("prefill", batch=4, input_len=1024, two_batch_overlap=True))
+    assert exc.value.parameter == "two-batch-overlap"
+    with pytest.raises(UserError) as exc:
+        InferenceConfig("decode", fp8_activation_scale="dynamic")
+    assert exc.value.parameter == "fp8-activation-scale"
+    for args, message in [
+        (("--phase", "decode", "--batch", "4", "--two-batch-overlap"),
+         "error: two-batch-overlap: overlaps one micro-batch's communication with the other's compute"),
+        (("--two-batch-overlap",), "error: two-batch-overlap: is an inference option"),
+        (("--phase", "decode", "--fp8-activation-scale", "dynamic"),
+         "error: fp8-activation-scale: scales the activations of FP8 GEMMs: it needs --weight-dtype fp8"),
+    ]:
+        code, _, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", *args)
+        assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_two_batch_overlap(run_cli) -> None:
+    import json
+
+    code, out, err = run_cli("simulate", "--model", "mixtral-8x7b", "--layers", "2", "--phase", "prefill", "--batch",
+                             "16", "--input-len", "512", "--dp", "8", "--ep", "8", "--attention-dp",
+                             "--two-batch-overlap", "--weight-dtype", "fp8", "--fp8-activation-scale", "dynamic",
+                             "--json", "--cluster", "dgx-h100:8")
+    assert code == 0, err
+    inf = json.loads(out)["inference"]
+    assert inf["two_batch_overlap"] is True and inf["fp8_activation_scale"] == "dynamic"
+
+
+def test_serving_timer_with_two_batch_overlap_falls_back_to_simulating() -> None:
+    """Overlapped steps are not a sum of kernel times: the serving timer's split fails its check
+    against the simulator and it simulates every (snapped) step instead, each the step time
+    ``simulate`` gives for that shape."""
+    from fractions import Fraction
+
+    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.inference.config import BatchShape
+    from stage_cosim.serving.steptime import StepTimer
+    from stage_cosim.workload import synthesize_step
+
+    m = _tiny_moe()
+    par = ParallelConfig(dp=4, ep=4)
+    inf = InferenceConfig("decode", attention_dp=True, two_batch_overlap=True)
+    cluster = resolve_cluster("dgx-h100:4")
+    timer = StepTimer(m, par, inf, cluster)
+    shape = BatchShape.uniform(6, 1, 299, frozenset(m.layer_windows()))
+    t = timer(shape)
+    assert timer.stats.mode == "snapped" and "off the simulator" in timer.stats.reason
+    # (each total snapped to the timer's grid)
+    g = timer.grid.snap
+    snapped = BatchShape(6, 6, tuple((w, g(kv)) for w, kv in shape.kv_tokens),
+                         tuple((w, Fraction(g(float(p)))) for w, p in shape.pairs))
+    w = synthesize_step(m, timer.parallel_for(1), snapped, "bf16", inf)
+    assert w.two_batch
+    assert t == pytest.approx(simulate(w, cluster)[0].step_time_s, rel=1e-12)

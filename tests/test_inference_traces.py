@@ -14,11 +14,12 @@ from stage_cosim.adapters.roofline.astra import simulate_run_dir
 from stage_cosim.adapters.roofline.simulate import simulate, simulate_traces
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.inference import InferenceConfig
-from stage_cosim.model import get_preset
+from stage_cosim.model import ModelConfig, get_preset
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.trace.validate import load_trace_set, validate_trace_set
 from stage_cosim.trace.writer import write_traces
 from stage_cosim.workload import synthesize
+from tests.test_moe import TINY_MLA
 
 CASES = {
     "decode tp2 pp2 dp2": (dict(dp=2, tp=2, pp=2), InferenceConfig("decode", batch=8, context_len=2048)),
@@ -52,11 +53,27 @@ CASES = {
                                                      "deepseek-v3"),
     "prefill deepseek tp8 int4": (dict(tp=8), InferenceConfig("prefill", batch=2, input_len=2048, weight_dtype="int4"),
                                   "deepseek-v3"),
+    # two-batch overlap: two micro-batches per pass, their collectives in turn (the all-to-alls
+    # of attention data parallelism, tensor-parallel all-reduces, the pipeline between stages)
+    "decode mixtral attention-dp dp8 ep8 two-batch overlap": (
+        dict(dp=8, ep=8), InferenceConfig("decode", batch=64, context_len=2048, attention_dp=True,
+                                          two_batch_overlap=True), "mixtral-8x7b"),
+    "prefill mixtral attention-dp dp8 ep8 two-batch overlap": (
+        dict(dp=8, ep=8), InferenceConfig("prefill", batch=24, input_len=1024, attention_dp=True,
+                                          two_batch_overlap=True), "mixtral-8x7b"),
+    # (latent attention absorbed, a dense first layer, one expert per rank)
+    "decode tiny-mla attention-dp dp4 tp2 ep8 fp8 two-batch overlap": (
+        dict(dp=4, tp=2, ep=8, expert_tp=1), InferenceConfig("decode", batch=40, context_len=4096, attention_dp=True,
+                                                             weight_dtype="fp8", two_batch_overlap=True), TINY_MLA),
+    "decode tp2 pp2 dp2 two-batch overlap": (dict(dp=2, tp=2, pp=2),
+                                             InferenceConfig("decode", batch=12, context_len=2048,
+                                                             two_batch_overlap=True)),
 }
 
 
-def _workload(kw, inf, preset: str = "llama3-8b"):
-    model = get_preset(preset).with_overrides(layers=4 if preset == "deepseek-v3" else 8)
+def _workload(kw, inf, preset: "str | ModelConfig" = "llama3-8b"):
+    model = preset if isinstance(preset, ModelConfig) else \
+        get_preset(preset).with_overrides(layers=4 if preset == "deepseek-v3" else 8)
     return synthesize(model, ParallelConfig(**kw), inference=inf), resolve_cluster("dgx-h100:8")
 
 

@@ -89,7 +89,8 @@ def kernel_seconds(ts: TraceSet, compute: ComputeModel) -> list[list[float]]:
             kind = t.attrs[i].get("op_kind")
             secs[i] = compute.duration_of(ops, size, str(kind[1]) if kind is not None else
                                           op_kind_of(t.names[i], ops, size, compute),
-                                          groups=t.int_attr(i, "attention_rows", 1) or 1,
+                                          groups=(t.int_attr(i, "attention_rows", 0) or t.int_attr(i, "gemm_groups", 0)
+                                                  or 1),
                                           keys=t.int_attr(i, "attention_keys", 0) or 0)
         out.append(secs)
     return out
@@ -173,31 +174,27 @@ def send_kinds(manifest: dict):  # noqa: ANN201 (rank, peer -> kind)
     return kind
 
 
-def _symmetric_with_rings(cl, reps: dict[int, int], members_of, net: Network) -> bool:  # noqa: ANN001
-    """Whether one rank per class stands exactly for its class in this engine: the rule of
-    :func:`astra_replay.symmetric`, except that a representative may also send to and receive
-    from ranks of its own class (the ring of context parallelism round a stage's cp ranks, whose
-    ranks differ only in their peers). Its agent then pairs with itself — its receive from the
-    previous rank is its own send to the next — which is exact when every transfer of the class
-    crosses the network alike. So, with the network distance of a transfer taken over every
-    dimension its ends differ in (this engine prices a transfer by where both ends sit), the
-    representative's ring links must all be equal, and every rank's peers as far as its
-    representative's."""
+def _symmetric_here(cl, reps: dict[int, int], members_of, net: Network) -> bool:  # noqa: ANN001
+    """Whether one rank per class stands exactly for its class in this engine.
+
+    The rule of :func:`astra_replay.symmetric`, but a representative may also send to and
+    receive from ranks of its own class: the ring of context parallelism round a stage's cp
+    ranks, whose ranks differ only in their peers. Its agent then pairs with itself, its own
+    send to the next rank standing for the previous rank's send to it — exact here, where the
+    ring's sends have a stream of their own, when every rank's peers are as far as its
+    representative's over every network dimension their ends differ in (this engine prices a
+    transfer by where both ends sit). (ASTRA-sim's single communication slot makes a ring's
+    ranks differ: a send that becomes ready at the instant the slot frees goes before or after
+    another operation depending on the order of simultaneous events, which follows rank order;
+    its replay keeps one agent per rank there.)"""
     from stage_cosim.adapters.roofline.astra_replay import K_COLL, Classes
 
     def link(a: int, b: int) -> tuple[tuple[int, int], ...]:
         return tuple((d, net.dims[d].hops(x, y)) for d, (x, y) in enumerate(zip(net.coords[a], net.coords[b]))
                      if x != y)
 
-    def peer(kind: int, t: object) -> bool:
-        return kind != K_COLL and isinstance(t, int) and 0 <= t < cl.n_ranks
-
     def in_class(r: int, kind: int, t: object) -> bool:
-        return peer(kind, t) and cl.class_of[t] == cl.class_of[r]  # type: ignore[index]
-
-    for r in set(reps.values()):
-        if len({link(r, t) for kind, t in cl.targets(r) if in_class(r, kind, t)}) > 1:  # type: ignore[arg-type]
-            return False
+        return kind != K_COLL and isinstance(t, int) and 0 <= t < cl.n_ranks and cl.class_of[t] == cl.class_of[r]
 
     def targets(r: int):  # noqa: ANN202
         return [(kind, t) for kind, t in cl.targets(r) if not in_class(r, kind, t)]
@@ -206,7 +203,7 @@ def _symmetric_with_rings(cl, reps: dict[int, int], members_of, net: Network) ->
         return False
     for r in range(cl.n_ranks):
         rep = reps[cl.class_of[r]]
-        if rep != r and any(peer(kind, mine) and link(rep, theirs) != link(r, mine)  # type: ignore[arg-type]
+        if rep != r and any(kind != K_COLL and link(rep, theirs) != link(r, mine)  # type: ignore[arg-type]
                             for kind, theirs, mine in cl.pairs(r)):
             return False
     return True
@@ -226,7 +223,7 @@ def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds:
     agent_of = {r: r for r in range(n)}
     if symmetric and len(ts.classes) < n:
         cl, reps = trace_classes(ts, members_of)
-        if _symmetric_with_rings(cl, reps, members_of, Network(cluster.network_dims())):
+        if _symmetric_here(cl, reps, members_of, Network(cluster.network_dims())):
             order = sorted(reps)
             agents = [reps[c] for c in order]
             index = {c: a for a, c in enumerate(order)}

@@ -11,7 +11,9 @@ from typing import Any, Callable
 import click
 
 from stage_cosim.errors import UserError
-from stage_cosim.inference.config import KV_CACHE_DTYPES, PHASES, TRAIN, WEIGHT_DTYPES, InferenceConfig
+from stage_cosim.inference.config import (
+    FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, PHASES, TRAIN, WEIGHT_DTYPES, InferenceConfig,
+)
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
@@ -180,11 +182,20 @@ inference_options = _compose(
     click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
                  help="Inference: the layers' GEMM weights: bf16 (default), fp8 (W8A8: FP8 GEMMs, activations "
                       "quantized per tensor) or int4 (W4A16: 4-bit weights, a scale per 128, BF16 GEMMs)."),
+    click.option("--fp8-activation-scale", "fp8_activation_scale", type=click.Choice(FP8_ACTIVATION_SCALES),
+                 default=None,
+                 help="Inference with fp8 weights: activation scales calibrated offline and stored with the "
+                      "checkpoint (static, default: the producing kernel writes FP8) or computed per tensor as it "
+                      "comes (dynamic: an amax pass and a cast)."),
     click.option("--attention-dp", "attention_dp", is_flag=True, default=None,
                  help="Inference with experts: attention data parallelism (each dp rank its own requests, the "
                       "experts sharded over the ranks of every dp replica; expert-tp*ep may span dp)."),
+    click.option("--two-batch-overlap", "two_batch_overlap", is_flag=True, default=None,
+                 help="Inference: each micro-batch as two run at once on the rank, one's communication (the "
+                      "experts' all-to-alls) behind the other's compute."),
 )
-INFERENCE_FLAGS = ("batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "attention_dp")
+INFERENCE_FLAGS = ("batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "fp8_activation_scale",
+                   "attention_dp", "two_batch_overlap")
 
 
 def resolve_inference_options(kw: dict[str, Any]) -> InferenceConfig | None:

@@ -12,7 +12,7 @@ import click
 from stage_cosim.cli.options import model_options
 from stage_cosim.errors import UserError
 from stage_cosim.files import FIGURE_SUFFIXES, check_output
-from stage_cosim.inference.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
+from stage_cosim.inference.config import FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, WEIGHT_DTYPES
 from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, TOKEN_DISPATCHERS
 from stage_cosim.serving.config import ROUTING
 from stage_cosim.serving.requests import LENGTH_DISTRIBUTIONS
@@ -118,6 +118,11 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
 @click.option("--weight-dtype", "weight_dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
               help="Weights: bf16, fp8 (W8A8 GEMMs) or int4 (weight-only).")
 @click.option("--kv-cache-dtype", "kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None)
+@click.option("--fp8-activation-scale", "fp8_activation_scale", type=click.Choice(FP8_ACTIVATION_SCALES), default=None,
+              help="FP8 weights: activation scales stored with the checkpoint (static, default) or computed per "
+                   "tensor as it comes (dynamic).")
+@click.option("--two-batch-overlap", "two_batch_overlap", is_flag=True, default=None,
+              help="Each step's batch as two micro-batches at once: one's communication behind the other's compute.")
 @click.option("--rate", type=float, default=None, help="Poisson arrivals, requests per second.")
 @click.option("--num-requests", "num_requests", type=int, default=None, help="Requests to generate (default 1000).")
 @click.option("--input-len", "input_len", type=int, default=None, help="Mean prompt tokens (default 1024).")

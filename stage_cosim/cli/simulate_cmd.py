@@ -23,7 +23,7 @@ GiB = 1 << 30
 
 # An inference step's weights (--weight-dtype), as the precision line says them.
 WEIGHTS = {"bf16": "bf16 weights and GEMMs",
-           "fp8": "fp8 weights (W8A8: FP8 GEMMs, activations quantized per tensor as they come)",
+           "fp8": "fp8 weights (W8A8: FP8 GEMMs, {fp8_activation_scale} per-tensor activation scales)",
            "int4": "int4 weights (W4A16: 4 bits and a scale per 128 weights, dequantized in BF16 GEMMs)"}
 
 
@@ -154,7 +154,7 @@ def _count(n: float) -> str:
 
 
 def _money(x: float) -> str:
-    return f"${x:,.0f}" if x >= 100 else f"${x:,.4g}"
+    return f"${x:,.0f}" if x >= 100 else f"${x:,.4g}" if x >= 0.01 else f"${x:.6f}"
 
 
 def print_training_run(run: dict) -> None:
@@ -192,7 +192,7 @@ def print_summary(r: SimResult, run: dict | None = None) -> None:
     if r.mfu_fp8 is not None:
         fmt = "MXFP8" if r.precision.get("recipe") == "mxfp8" else "FP8"
         click.echo(f"{'MFU (' + fmt + ' peak)':<17}{100 * r.mfu_fp8:.1f} %")
-    click.echo(f"precision        {WEIGHTS[inf['weight_dtype']] if inf else describe_precision(r.precision)}")
+    click.echo(f"precision        {WEIGHTS[inf['weight_dtype']].format(**inf) if inf else describe_precision(r.precision)}")
     if inf:
         click.echo(f"HBM traffic      {inf['bytes_read'] / 1e9:,.2f} GB read (weights per micro-batch, KV cache), "
                    f"MBU {100 * inf['mbu']:.1f} %")
@@ -208,6 +208,7 @@ def print_summary(r: SimResult, run: dict | None = None) -> None:
                                    f" micro-batch {par['micro_batch']} x {par['num_microbatches']}")
         cp = f" cp{par['cp']}({par['cp_comm']})" if par.get("cp", 1) > 1 else ""
         training += " attention-dp" if inf and inf.get("attention_dp") else ""
+        training += " two-batch-overlap" if inf and inf.get("two_batch_overlap") else ""
         click.echo(f"configuration    dp{par['dp']} tp{par['tp']}{cp} pp{par['pp']}{training}"
                    f" on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']} ({cfg['network_model']} network)")
         if (cfg.get("model") or {}).get("num_experts"):

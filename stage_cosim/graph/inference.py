@@ -13,10 +13,32 @@ training forward is derived here from the forward graph itself, whatever built i
   up-projection then running over the cached tokens; a decode step runs latent attention in
   its absorbed form instead (:func:`~stage_cosim.graph.transformer.build_layer`), whose
   attention reads the latent and the rotary key directly;
-* **dropout** is off (evaluation mode);
+* **dropout** is off (evaluation mode), and norms keep no statistics for a backward;
 * **the head** keeps each sequence's last token, computes its logits and samples the next
   token from them (the vocabulary-parallel logits are gathered first, a placement change like
   any other): no loss, no labels.
+
+The kernels are those inference engines run, where they fuse what Megatron's training forward
+runs apart (:func:`fused_forms`):
+
+* **residual add + RMSNorm** are one kernel that reads the residual stream and the sublayer's
+  output and writes the new residual stream and its normalized copy (vLLM's
+  ``fused_add_rms_norm`` in csrc/layernorm_kernels.cu; TensorRT-LLM's and SGLang's alike).
+  The block boundary moves with it, as serving engines run it: a layer hands on the residual
+  stream *and* the next layer's normalized input (its last kernel is the add with the next
+  layer's input norm — the model's final norm after the last layer), the embedding normalizes
+  the first layer's input (a plain RMSNorm: there is nothing to add yet), and the head starts
+  from the final norm's output. Between pipeline stages both tensors travel, as vLLM's
+  intermediate tensors (hidden states and residual) do. LayerNorm models are left unfused
+  (the engines' fused kernels are RMSNorm's);
+* **RoPE and the KV-cache write** are one kernel: it reads this step's queries, keys and
+  values, rotates the queries and keys, writes the queries back and the keys and values into
+  the cache (TensorRT-LLM's attention preprocessing, ``applyBiasRopeUpdateKVCache`` in
+  kernels/unfusedAttentionKernels; vLLM runs ``rotary_embedding`` and then
+  ``reshape_and_cache_flash``, csrc/cache_kernels.cu, as two). A latent cache (multi-latent
+  attention) is replicated over tp while the queries are split by head, so there only the
+  cached rotary key is rotated in the write (``concat_and_cache_mla`` writes the latent and
+  the rotary key in one kernel); the queries' RoPE stays a kernel of its own.
 
 The attention core is causal; its executed work is bound to numbers by the step's shape
 (:mod:`stage_cosim.inference.config`): ``w`` keys per query on average, which counts exactly
@@ -28,6 +50,8 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+import sympy as sp
+
 from stage_cosim.graph.dims import LABEL_SIZE
 from stage_cosim.graph.ir import Block, BlockBuilder, Op, Tensor
 from stage_cosim.graph.transformer import ModelGraph, _norm, build_blocks, build_layer
@@ -35,6 +59,8 @@ from stage_cosim.model.config import ArchSwitches
 
 # Work per logit of sampling (softmax, top-k/top-p filtering, the draw), memory-bound anyway.
 SAMPLE_FLOPS_PER_LOGIT = 5
+# The rotary embeddings of the queries and keys, as transformer.py names them.
+ROPE_OPS = ("rope_q", "rope_k")
 
 
 def _key_value_inputs(op: Op) -> list[Tensor]:
@@ -103,11 +129,11 @@ def with_kv_cache(layer: Block, kv_cache_dtype: str) -> Block:
     caches = {id(t): Tensor(f"{t.name}_cache", t.labels.replace("s", "t"), kv_cache_dtype, "kv_cache",
                             tp_shard="g" if "g" in t.labels else None) for t in points}
     slots = [Tensor(f"{t.name}.cached", t.labels, kv_cache_dtype, "activation") for t in points]
-    write = Op("kv_cache_write", "pointwise", list(points), slots, flops_per_element=0)
+    write, rotary = _cache_write(layer, points, slots, producer, consumers)
     over: dict[int, Tensor] = dict(caches)      # a forward tensor -> its version over the cached tokens
     ops: list[Op] = []
     for op in layer.ops:
-        if op in expand:
+        if op in expand or op in rotary:
             continue
         kv = _key_value_inputs(op)
         if kv:
@@ -122,15 +148,138 @@ def with_kv_cache(layer: Block, kv_cache_dtype: str) -> Block:
                  caches=list(caches.values()))
 
 
-def inference_head(arch: ArchSwitches, embedding: Block) -> Block:
-    """The last token of every sequence: final norm, logits, sampling."""
+def _cache_write(layer: Block, points: list[Tensor], slots: list[Tensor], producer: dict[int, Op],
+                 consumers: dict[int, list[Op]]) -> tuple[Op, list[Op]]:
+    """The kernel that appends this step's keys and values to the cache, and the RoPE kernels
+    it absorbs: a cached tensor rotated just before (its RoPE's input read by nothing else) is
+    read unrotated and rotated in the write; where the cache is split by head like the queries,
+    the queries' RoPE joins too, the write handing the rotated queries to the attention
+    (TensorRT-LLM's attention preprocessing; see the module docstring)."""
+    inputs, outputs = list(points), list(slots)
+    rotary: list[Op] = []
+    flops: sp.Expr = sp.Integer(0)
+
+    def rope_of(t: Tensor) -> Op | None:
+        op = producer.get(id(t))
+        if op is None or op.kind != "pointwise" or op.name not in ROPE_OPS or len(op.inputs) != 1:
+            return None
+        return op if consumers.get(id(op.inputs[0])) == [op] else None
+
+    for i, t in enumerate(points):
+        r = rope_of(t)
+        if r is not None:
+            inputs[i] = r.inputs[0]
+            rotary.append(r)
+            flops += r.flops_per_element * t.numel()
+    if rotary and all("g" in t.labels for t in points):
+        attention = next(op for op in layer.ops if op.kind == "attention" or op.attention_core)
+        r = rope_of(attention.inputs[0])
+        if r is not None:
+            inputs.append(r.inputs[0])
+            outputs.append(r.outputs[0])
+            rotary.append(r)
+            flops += r.flops_per_element * r.outputs[0].numel()
+    # (the work of the rotations, per element of the first slot, as an op's FLOPs are counted)
+    write = Op("kv_cache_write", "pointwise", inputs, outputs, flops_per_element=sp.simplify(flops / slots[0].numel()))
+    return write, rotary
+
+
+def _is_rms_norm(op: Op) -> bool:
+    """An RMSNorm over the hidden size (one weight, no bias): what the engines' fused norm
+    kernels compute."""
+    return op.kind == "norm" and op.unsharded == "h" and sum(t.kind == "weight" for t in op.inputs) == 1
+
+
+def _is_residual_add(op: Op) -> bool:
+    """A residual connection: the sum of two activations in the residual stream (not a bias)."""
+    return (op.kind == "pointwise" and op.passthrough and op.residual and len(op.inputs) == 2
+            and all(t.kind == "activation" for t in op.inputs))
+
+
+def _without_statistics(op: Op) -> Op:
+    """A norm as an inference step runs it: no statistics kept for a backward."""
+    return replace(op, outputs=op.outputs[:1], saves=[]) if op.kind == "norm" else op
+
+
+def _fused_add_norm(add: Op, norm: Op, out: Tensor) -> Op:
+    """One kernel for ``add`` and the RMSNorm of its sum: it reads the residual stream and the
+    sublayer's output (and the norm's weight) and writes the new residual stream and ``out``,
+    its normalized copy (vLLM's fused_add_rms_norm)."""
+    weights = [t for t in norm.inputs if t.kind == "weight"]
+    return Op(f"{add.name}+{norm.name}", "norm", [*add.inputs, *weights], [add.outputs[0], out],
+              flops_per_element=add.flops_per_element + norm.flops_per_element, residual=True, unsharded="h")
+
+
+def _fused_layer(layer: Block, shift: bool) -> Block:
+    """``layer`` with each residual add and the RMSNorm of its sum as one kernel; ``shift``: the
+    layer's input norm moves to the end of the layer before (the block takes the residual
+    stream and its normalized copy, and hands on the same pair, its last add fused with the
+    next layer's input norm, whose weight the block holds in its place)."""
+    ops = [_without_statistics(op) for op in layer.ops]
+    consumers: dict[int, list[Op]] = {}
+    for op in ops:
+        for t in op.inputs:
+            consumers.setdefault(id(t), []).append(op)
+    producer = {id(t): op for op in ops for t in op.outputs}
+    out: list[Op] = []
+    fused: set[int] = set()
+    for op in ops:
+        if id(op) in fused:
+            continue
+        if _is_residual_add(op):
+            norm = next((c for c in consumers.get(id(op.outputs[0]), []) if _is_rms_norm(c)), None)
+            if norm is not None:
+                out.append(_fused_add_norm(op, norm, norm.outputs[0]))
+                fused.add(id(norm))
+                continue
+        out.append(op)
+    if not shift:
+        return Block(layer.name, layer.kind, out, layer.inputs, layer.outputs, layer.weights, caches=layer.caches)
+    x, (o,) = layer.inputs[0], layer.outputs
+    first = next(c for c in consumers[id(x)] if _is_rms_norm(c))
+    last = producer[id(o)]
+    y_next = Tensor("next_input_norm", o.labels, o.dtype, "activation", residual=True)
+    out = [_fused_add_norm(last, replace(first, name="next_input_norm"), y_next) if op is last else op
+           for op in out if op is not first]
+    return Block(layer.name, layer.kind, out, [x, first.outputs[0]], [o, y_next], layer.weights,
+                 caches=layer.caches)
+
+
+def _shiftable(layer: Block) -> bool:
+    """The layer's input is read by one RMSNorm (and the residual add), and its output is a
+    residual add: the input norm can move to the end of the layer before."""
+    x, outs = layer.inputs[0], layer.outputs
+    readers = [op for op in layer.ops if x in op.inputs]
+    norms = [op for op in readers if op.kind == "norm"]
+    last = next((op for op in layer.ops if outs and outs[0] in op.outputs), None)
+    return (len(outs) == 1 and len(norms) == 1 and _is_rms_norm(norms[0])
+            and last is not None and _is_residual_add(last))
+
+
+def _normalized_embedding(embedding: Block, layer: Block) -> Block:
+    """The embedding followed by the first layer's input norm (a plain RMSNorm, weight and
+    all): it hands on the residual stream and its normalized copy."""
+    x = embedding.outputs[0]
+    norm = next(op for op in layer.ops if op.kind == "norm" and layer.inputs[0] in op.inputs)
+    w = Tensor(norm.inputs[1].name, norm.inputs[1].labels, norm.inputs[1].dtype, "weight")
+    y = Tensor(norm.outputs[0].name, x.labels, x.dtype, "activation", residual=True)
+    op = replace(norm, inputs=[x, w], outputs=[y], saves=[])
+    return Block(embedding.name, embedding.kind, [*embedding.ops, op], embedding.inputs, [x, y],
+                 [*embedding.weights, w])
+
+
+def inference_head(arch: ArchSwitches, embedding: Block, normalized: bool = False) -> Block:
+    """The last token of every sequence: final norm, logits, sampling (``normalized``: the
+    block before wrote the final norm's output, fused with its last residual add)."""
     b = BlockBuilder("head", "head")
-    x = b.input("x", "bsh")
+    x = b.input("final_norm" if normalized else "x", "bsh")
     last = b.input("last_positions", "b", "i64", residual=False)
     # a gather of one row per sequence (the positions where each sequence's new tokens end)
     y = Tensor("last_token", "bh", b.dtype, "activation")
     b.ops.append(Op("last_token", "lookup", [x, last], [y], spec="s"))
-    y = _norm(b, "final_norm", y, arch, residual=False)
+    if not normalized:
+        y = _norm(b, "final_norm", y, arch, residual=False)
+        b.ops[-1] = _without_statistics(b.ops[-1])
     if arch.tied_embeddings:
         w = b.shared_weight(embedding.weights[0])
     else:
@@ -160,5 +309,18 @@ def _inference_blocks(arch: ArchSwitches, kv_cache_dtype: str, absorb: bool) -> 
     layer, moe = g.layer, g.moe_layer
     if absorb:
         layer, moe = build_layer(a, absorb=True), build_layer(a, moe=True, absorb=True) if a.moe else None
+    layer = with_kv_cache(layer, kv_cache_dtype)
     moe = with_kv_cache(moe, kv_cache_dtype) if moe is not None else None
-    return ModelGraph(g.embedding, with_kv_cache(layer, kv_cache_dtype), inference_head(a, g.embedding), moe)
+    return fused_forms(ModelGraph(g.embedding, layer, None, moe), a)
+
+
+def fused_forms(g: ModelGraph, arch: ArchSwitches) -> ModelGraph:
+    """The blocks in the form inference engines run them (see the module docstring): residual
+    adds fused with the RMSNorm of their sum, the boundary between blocks moved to the layers'
+    input norms where every layer kind allows it; the sampling head after them."""
+    kinds = [b for b in (g.layer, g.moe_layer) if b is not None]
+    shift = all(_shiftable(b) for b in kinds)
+    layer = _fused_layer(g.layer, shift)
+    moe = _fused_layer(g.moe_layer, shift) if g.moe_layer is not None else None
+    embedding = _normalized_embedding(g.embedding, g.layer) if shift else g.embedding
+    return ModelGraph(embedding, layer, inference_head(arch, g.embedding, normalized=shift), moe)

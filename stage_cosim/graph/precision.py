@@ -35,8 +35,12 @@ A :class:`Precision` says which GEMMs compute in FP8 and how their operands are 
   gathers move FP8, and per-tensor scaling on Hopper keeps only the transposed copy.
 
 An inference step uses the same rewrite with a forward-only policy (:func:`inference_precision`):
-FP8 weights and GEMMs with per-tensor dynamic activation scaling (W8A8), or weights stored in a
-packed 4-bit format that BF16 GEMMs dequantize as they load them (W4A16).
+FP8 weights and GEMMs (W8A8), or weights stored in a packed 4-bit format that BF16 GEMMs
+dequantize as they load them (W4A16). W8A8 scales each GEMM input per tensor, with a scale
+calibrated offline and stored in the checkpoint (``static``: what FP8 serving checkpoints ship),
+so the kernel that produces the input writes it in FP8 — an RMSNorm (plain or fused with the
+residual add) and SiLU-and-mul — and only other inputs get a cast of their own, with no amax;
+or (``dynamic``) with a scale computed from the tensor as it comes: an amax pass, then a cast.
 
 Delayed scaling's per-step pieces that belong to a whole pass (one amax all-reduce over the
 tensor- and data-parallel group at the end of each forward and backward pass, the history
@@ -79,8 +83,13 @@ class Precision:
     # GEMMs computing in BF16 and dequantizing the weights as they load them ("": none).
     weights: str = ""
     # A forward pass alone (an inference step, as serving engines run it): no column-wise
-    # copies or transposes (there is no backward) and no casts fused into norms.
+    # copies or transposes (there is no backward); casts fused into the producing kernels only
+    # with static activation scales.
     forward_only: bool = False
+    # An inference step's FP8 activation scales (vLLM's activation_scheme): "static", one
+    # calibrated scale per GEMM input stored with the checkpoint, or "dynamic", computed per
+    # tensor as it comes ("": training, where the recipe says).
+    activation_scale: str = ""
 
     @property
     def fp8(self) -> bool:
@@ -112,7 +121,13 @@ class Precision:
 
     @property
     def current_scaling(self) -> bool:
-        return self.recipe == "tensorwise"
+        return self.recipe == "tensorwise" and self.activation_scale != "static"
+
+    @property
+    def static_scales(self) -> bool:
+        """FP8 activations scaled by scales calibrated offline: no amax at run time, and the
+        quantization fused into the kernel that produces the GEMM input where engines fuse it."""
+        return self.fp8 and self.activation_scale == "static"
 
     @property
     def activation_dtype(self) -> str:
@@ -142,7 +157,7 @@ class Precision:
         return "transpose" if self.transposes else "same"
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k not in ("weights", "forward_only") or v}
+        d = {k: v for k, v in asdict(self).items() if k not in ("weights", "forward_only", "activation_scale") or v}
         if not self.fp8:
             return {k: d[k] for k in ("dtype", "weights", "forward_only") if k in d}
         return d
@@ -154,13 +169,18 @@ BF16 = Precision()
 INT4_WEIGHTS = "int4_g128"
 
 
-def inference_precision(weight_dtype: str, gpu: Any = None) -> Precision:
+def inference_precision(weight_dtype: str, gpu: Any = None, activation_scale: str = "static") -> Precision:
     """How an inference step with ``weight_dtype`` (bf16 | fp8 | int4) weights computes, as
     serving engines run such checkpoints (checked against ``gpu``, if given):
 
     * ``fp8`` (W8A8): the layers' GEMMs in FP8 at the FP8 peak, their weights stored in FP8
-      (one byte per parameter, a per-tensor scale), each input activation quantized per tensor
-      as it comes (Transformer Engine's current scaling: an amax pass, then the cast);
+      (one byte per parameter, a per-tensor scale), each input activation quantized per tensor:
+      ``activation_scale`` "static", with the checkpoint's calibrated scale, by the kernel that
+      produces it where engines fuse that (an RMSNorm writes FP8, as vLLM's
+      ``rms_norm_static_fp8_quant`` and ``fused_add_rms_norm_static_fp8_quant`` do, and so
+      does SiLU-and-mul, vLLM's ``silu_and_mul_quant``), by a cast of its own otherwise;
+      "dynamic", as it comes (an amax pass, then the cast: Transformer Engine's current
+      scaling, vLLM's dynamic per-tensor quantization);
     * ``int4`` (W4A16): weights stored as 4 bits plus an fp16 scale per group of 128, the GEMMs
       in BF16 dequantizing them on the fly (no kernel of its own).
 
@@ -174,7 +194,10 @@ def inference_precision(weight_dtype: str, gpu: Any = None) -> Precision:
     if gpu is not None:
         require(gpu.fp8_tflops is not None, "weight-dtype",
                 f"fp8 needs FP8 tensor cores; {gpu.name} has none (its gpu.fp8_tflops is not set)")
-    return Precision("fp8", "tensorwise", "e4m3", transposes=False, param_gather=True, forward_only=True)
+    require(activation_scale in ("static", "dynamic"), "fp8-activation-scale",
+            f"must be static or dynamic, got {activation_scale!r}")
+    return Precision("fp8", "tensorwise", "e4m3", transposes=False, param_gather=True, forward_only=True,
+                     activation_scale=activation_scale)
 
 
 def resolve_precision(parallel: Any, gpu: Any) -> Precision:
@@ -202,6 +225,17 @@ def resolve_precision(parallel: Any, gpu: Any) -> Precision:
 # GEMMs with a weight matrix that Megatron does not run through Transformer Engine: the MoE
 # router (its own linear, in the router's precision).
 NOT_TE_LINEAR = ("router",)
+# Activations whose kernels write an FP8 GEMM input themselves under static scaling (vLLM's
+# silu_and_mul_quant; the FP8 MoE kernels' fused SiLU-and-mul quantization): SwiGLU's.
+QUANTIZING_ACTIVATIONS = ("swiglu",)
+
+
+def _writes_fp8_input(op: Op) -> bool:
+    """A kernel that serving engines let write its output in FP8 with a static scale: an
+    RMSNorm over the hidden size (plain, or fused with the residual add) or SiLU-and-mul."""
+    if op.kind == "norm":
+        return op.unsharded == "h" and sum(t.kind == "weight" for t in op.inputs) == 1
+    return op.kind == "pointwise" and op.name.rsplit(".", 1)[-1] in QUANTIZING_ACTIVATIONS
 
 
 def _linear_weight(op: Op) -> int | None:
@@ -279,7 +313,18 @@ class _Rewrite:
                     self.stored[id(op.inputs[0])] = replace(op.inputs[0], dtype=p.stored_weight_dtype)
                     self.stored.update({id(t): replace(t, dtype=p.stored_weight_dtype) for t in op.outputs})
         self.fused: dict[int, _Gemm] = {}          # producer op -> the GEMM whose quantized input it writes
-        # (a forward pass as serving engines run it casts in kernels of its own)
+        # A forward pass as serving engines run it: with static scales the kernel producing a
+        # tensor that only FP8 GEMMs read writes it in FP8 (where the engines' kernels do); every
+        # other input is cast once, however many GEMMs read it (one quantized copy per tensor).
+        self.writes_fp8: set[int] = set()          # tensors their producer writes in FP8
+        self.shared: dict[int, Tensor] = {}        # a tensor -> its quantized copy (forward only)
+        if p.forward_only and p.static_scales:
+            for g in self.gemms.values():
+                x = g.op.inputs[g.xi]
+                prod = self.producer.get(id(x))
+                readers = self.consumers.get(id(x), [])
+                if prod is not None and _writes_fp8_input(prod) and all(id(r) in self.gemms for r in readers):
+                    self.writes_fp8.add(id(x))
         for g in self.gemms.values() if not p.forward_only else ():
             x = g.op.inputs[g.xi]
             prod = self.producer.get(id(x))
@@ -367,7 +412,9 @@ class _Rewrite:
 
     def forward(self) -> None:
         for op in self.block.ops:
-            if id(op) in self.dispatch:
+            if any(id(t) in self.writes_fp8 for t in op.outputs):
+                self.writing_fp8(op)
+            elif id(op) in self.dispatch:
                 self.dispatched(op, self.dispatch[id(op)])
             elif id(op) in self.fused:
                 self.fused_producer(op, self.fused[id(op)])
@@ -377,6 +424,15 @@ class _Rewrite:
                 self.attention(op)
             else:
                 self.fwd.append(self.copy(op))
+
+    def writing_fp8(self, op: Op) -> None:
+        """A kernel that writes (some of) its outputs in FP8 with their static scales, for the
+        FP8 GEMMs that read them (one byte per element instead of two, no cast of their own)."""
+        outs = list(op.outputs)
+        for i, t in enumerate(outs):
+            if id(t) in self.writes_fp8:
+                outs[i] = self.shared[id(t)] = self.quantized(t, "fp8", self.p.activation_dtype)
+        self.fwd.append(self.copy(op, outputs=outs))
 
     def fused_producer(self, op: Op, g: _Gemm) -> None:
         """A norm (LayerNormLinear) or activation (LayerNormMLP) that writes the GEMM's
@@ -438,6 +494,11 @@ class _Rewrite:
             columnwise = wcol != "same" and not self.zero3
             g.wq, c = self.quantize(self.fwd, w, columnwise, dtype=p.weight_dtype, kind="weight", cached=cached)
             g.wc = c if c is not None else (g.wq if wcol == "same" else None)
+        if g.xq is None and p.forward_only:
+            x = op.inputs[g.xi]
+            if id(x) not in self.shared:
+                self.shared[id(x)] = self.quantize(self.fwd, x, False, dtype=p.activation_dtype)[0]
+            g.xq = g.xc = self.shared[id(x)]
         if g.xq is None:
             x = op.inputs[g.xi]
             col = p.activation_columnwise()

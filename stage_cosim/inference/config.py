@@ -29,6 +29,11 @@ KV_CACHE_DTYPES = ("bf16", "fp8")
 # :func:`~stage_cosim.graph.precision.inference_precision`): BF16; FP8 weights and activations
 # (W8A8, FP8 GEMMs); 4-bit weights with a scale per group of 128, BF16 GEMMs (W4A16).
 WEIGHT_DTYPES = ("bf16", "fp8", "int4")
+# How FP8 weights' GEMMs scale their input activations, in the vocabulary of vLLM's FP8 checkpoints
+# (``activation_scheme``): a per-tensor scale calibrated offline and stored with the checkpoint
+# (what NVIDIA ModelOpt's FP8 checkpoints ship), so the kernel that produces a GEMM's input may
+# write it in FP8; or one computed from each tensor as it comes (an amax pass, then the cast).
+FP8_ACTIVATION_SCALES = ("static", "dynamic")
 # Training options that mean nothing in an inference step, with the value that leaves them off.
 TRAINING_ONLY = {"vp": 1, "sp": False, "zero": 0, "recompute": "none", "dtype": "bf16"}
 
@@ -89,6 +94,26 @@ class BatchShape:
         pairs = tuple((w, sequences * new * attention_span(new, past, w)) for w in sorted(windows, key=_order))
         return cls(sequences, sequences * new, kv, pairs)
 
+    def halves(self) -> tuple["BatchShape", "BatchShape"]:
+        """The shape split into two micro-batches (two-batch overlap): ceil(b/2) and floor(b/2)
+        sequences, each with the share of the new tokens, cached tokens and pairs its sequences
+        hold (exact for a uniform shape; for a mix, the totals are split in proportion)."""
+        require(self.sequences >= 2, "two-batch-overlap",
+                f"splits a micro-batch's requests in two; needs at least 2, got {self.sequences}")
+        a = -(-self.sequences // 2)
+
+        def part(total: int, floor: int) -> int:
+            return max(floor, min(total - floor, round(total * a / self.sequences)))
+
+        tokens = part(self.tokens, a)
+        kv = [(w, part(n, 0)) for w, n in self.kv_tokens]
+        pairs = [(w, p * a / self.sequences) for w, p in self.pairs]
+        first = BatchShape(a, tokens, tuple(kv), tuple(pairs))
+        second = BatchShape(self.sequences - a, self.tokens - tokens,
+                            tuple((w, n - m) for (w, n), (_, m) in zip(self.kv_tokens, kv)),
+                            tuple((w, p - q) for (w, p), (_, q) in zip(self.pairs, pairs)))
+        return first, second
+
     def symbols(self, window: int | None) -> tuple[float, float, float, float]:
         """(sequences b, new tokens per sequence s, cached tokens per sequence t, keys per
         query w) for a layer with ``window``: the graph's symbols, whose products are exactly
@@ -127,6 +152,12 @@ class InferenceConfig:
     # model instances, each holding every expert (expert_tp * ep divides tp).
     attention_dp: bool = False
     weight_dtype: str = "bf16"          # the layers' GEMM weights (WEIGHT_DTYPES)
+    # FP8 weights: how their GEMMs' input activations are scaled (FP8_ACTIVATION_SCALES)
+    fp8_activation_scale: str = "static"
+    # DeepSeek's dual-batch overlap (SGLang's --enable-two-batch-overlap): each micro-batch's
+    # requests run as two micro-batches whose forwards share the rank concurrently, so that one's
+    # communication (the experts' all-to-alls) hides behind the other's compute.
+    two_batch_overlap: bool = False
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, "phase", f"must be one of {', '.join((TRAIN,) + PHASES)}, got {self.phase!r}")
@@ -139,6 +170,12 @@ class InferenceConfig:
         require(self.weight_dtype in WEIGHT_DTYPES, "weight-dtype",
                 f"must be one of {', '.join(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         require(isinstance(self.attention_dp, bool), "attention-dp", f"must be true or false, got {self.attention_dp!r}")
+        require(self.fp8_activation_scale in FP8_ACTIVATION_SCALES, "fp8-activation-scale",
+                f"must be one of {', '.join(FP8_ACTIVATION_SCALES)}, got {self.fp8_activation_scale!r}")
+        require(self.fp8_activation_scale == "static" or self.weight_dtype == "fp8", "fp8-activation-scale",
+                f"scales the activations of FP8 GEMMs: it needs --weight-dtype fp8, got {self.weight_dtype}")
+        require(isinstance(self.two_batch_overlap, bool), "two-batch-overlap",
+                f"must be true or false, got {self.two_batch_overlap!r}")
 
     @property
     def new_tokens(self) -> int:
@@ -179,8 +216,22 @@ class InferenceConfig:
         mb = self.micro_batch or (per // parallel.pp if per % parallel.pp == 0 else per)
         require(per % mb == 0, "micro-batch",
                 f"must divide the {per} requests of each data-parallel replica, got {mb}")
+        if self.two_batch_overlap:
+            self._check_two_batch_overlap(parallel)
         return replace(parallel, micro_batch=mb, global_batch=self.batch, seq_len=self.new_tokens, schedule="gpipe",
                        vp=1, pp_layers=parallel.pp_layers)
+
+    @staticmethod
+    def _check_two_batch_overlap(parallel: "ParallelConfig") -> None:  # noqa: F821
+        """Two-batch overlap hides one micro-batch's collectives behind the other's compute: it
+        needs layers that communicate. (A micro-batch of one request cannot be split: it runs
+        whole, as SGLang runs it.)"""
+        require(parallel.tp > 1 or parallel.ep > 1 or parallel.expert_tp > 1, "two-batch-overlap",
+                "overlaps one micro-batch's communication with the other's compute; with tp = ep = expert-tp = 1 "
+                "the layers communicate nothing")
+        require(parallel.cp == 1, "two-batch-overlap",
+                f"is not modelled with context parallelism (its ring would interleave two passes), "
+                f"got cp = {parallel.cp}")
 
     def _check_experts(self, parallel: "ParallelConfig", model: "ModelConfig | None") -> None:  # noqa: F821
         """Independent replicas keep the expert mesh inside one replica's tensor-parallel ranks;

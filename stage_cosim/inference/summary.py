@@ -12,7 +12,8 @@ def step_summary(w, cluster, step_s: float) -> dict[str, Any]:  # noqa: ANN001 (
       step's time per output token);
     * ``bytes_read``: what the step must read from HBM, summed over the GPUs, as memory
       bandwidth utilization counts it: the model's weights (all of them, the embedding table
-      included) once per micro-batch and each request's KV cache once; ``mbu`` is that over
+      included) once per micro-batch (with two-batch overlap, once per each of its two) and
+      each request's KV cache once; ``mbu`` is that over
       the step's time at the GPUs' peak HBM bandwidth (how a decode step is judged);
     * ``kv_cache_bytes_per_token_per_gpu``: what one token of one request occupies in the
       cache of the fullest GPU (the unit a paged KV cache is sized in).
@@ -20,7 +21,7 @@ def step_summary(w, cluster, step_s: float) -> dict[str, Any]:  # noqa: ANN001 (
     inf, par = w.inference, w.parallel
     ranks = w.world_size // par.pp
     mems = [w.memory(s) for s in range(par.pp)]
-    weights = sum(m.weights for m in mems) * ranks * par.num_microbatches
+    weights = sum(m.weights for m in mems) * ranks * par.num_microbatches * (2 if w.two_batch else 1)
     kv = sum(m.kv_cache for m in mems) * ranks
     hbm = cluster.gpu.hbm_GBps * 1e9 * cluster.num_gpus
     per_token = max(w.kv_cache_bytes_per_token(s) for s in range(par.pp))

@@ -661,6 +661,75 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     return _PassTemplate.of_rows(rows, exits, sinks, blocks, last_prologue, pairs)
 
 
+def _two_batch(first: _PassTemplate, second: _PassTemplate) -> _PassTemplate:
+    """One pass of two micro-batches that share the rank (two-batch overlap, as DeepSeek's
+    inference system and SGLang run it): the rows of both, each micro-batch's nodes waiting for
+    their own predecessors and, like any pass, for the pass's input and the pass before, their
+    kernels on the one compute stream and their collectives on the communication streams.
+
+    The two take turns: each micro-batch's compute is cut into *stages* at its communication
+    (stage k: the kernels that wait, at most, for its k-th collective), and the stages run
+    first's 0, second's 0, first's 1, second's 1, …, so that while one micro-batch computes a
+    stage, the other's collective (an all-to-all of the experts) is in flight. Their
+    collectives are issued in the same alternating order (first's k-th, second's k-th, first's
+    (k+1)-th, …), each after the one before: every rank issues the same sequence on its groups
+    whatever the timing, so a simulator that runs one communication at a time per rank
+    (ASTRA-sim) cannot deadlock on it."""
+    ra, rb = first.rows, second.rows
+    n = len(ra)
+
+    def shifted(r: tuple, half: int, shift: int, tags: int) -> tuple:
+        name, typ, deps, *rest = r
+        deps = tuple(d + shift if d >= 0 else d for d in deps)
+        row = (f"{name}.half{half}", typ, deps, *rest)
+        if typ in (SEND, RECV):
+            row = (*row[:15], row[15] + tags, *row[16:])
+        return row
+
+    rows = [shifted(r, 0, 0, 0) for r in ra] + [shifted(r, 1, n, first.pairs) for r in rb]
+    extra: dict[int, set[int]] = {}
+
+    def stages(lo: int, hi: int) -> tuple[list[int], list[list[int]]]:
+        """(the communication rows, the compute rows of each stage) of the rows lo … hi - 1."""
+        comm = [j for j in range(lo, hi) if rows[j][1] != COMP]
+        order = {j: k for k, j in enumerate(comm)}
+        level: dict[int, int] = {}
+        out: list[list[int]] = [[] for _ in range(len(comm) + 1)]
+        for j in range(lo, hi):
+            deps = [d for d in rows[j][2] if d >= 0]
+            if rows[j][1] == COMP:
+                level[j] = max((order[d] + 1 if d in order else level.get(d, 0) for d in deps), default=0)
+                out[level[j]].append(j)
+        return comm, out
+
+    comm_a, stages_a = stages(0, n)
+    comm_b, stages_b = stages(n, len(rows))
+    # the stages in turn: each waits for the last kernel of the stage before it (every kernel
+    # of a stage ends before its last one starts: they share one stream, issued in id order)
+    turns = [st for pair in zip(stages_a, stages_b) for st in pair]
+    turns += stages_a[len(stages_b):] + stages_b[len(stages_a):]
+    prev: int | None = None
+    for st in (st for st in turns if st):
+        if prev is not None:
+            inside = set(st)
+            for j in st:
+                if not any(d in inside for d in rows[j][2]):
+                    extra.setdefault(j, set()).add(prev)
+        prev = max(st)
+    # the collectives in turn, each after the one before
+    k = min(len(comm_a), len(comm_b))
+    issued = [j for pair in zip(comm_a, comm_b) for j in pair] + comm_a[k:] + comm_b[k:]
+    for before, j in zip(issued, issued[1:]):
+        extra.setdefault(j, set()).add(before)
+    for j, more in extra.items():
+        r = rows[j]
+        rows[j] = (r[0], r[1], tuple(sorted(set(r[2]) | more)), *r[3:])
+    blocks = first.blocks + [(label, lo + n, hi + n) for label, lo, hi in second.blocks]
+    return _PassTemplate.of_rows(rows, first.exits + [e + n for e in second.exits],
+                                 first.sinks + [i + n for i in second.sinks], blocks, first.last_prologue,
+                                 first.pairs + second.pairs)
+
+
 def _has_amax_reduction(insts: list[_Instance], phase: str) -> bool:  # noqa: ARG001 (both phases alike)
     """Whether :func:`_amax_reduction` adds rows to a pass over ``insts``."""
     precision = insts[0].compiled.sharded.policy.precision if insts else None
@@ -769,22 +838,36 @@ def _order(schedule: str, pp: int, stage: int, num_microbatches: int, vp: int, i
 def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                  layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                  degrees: dict[str, int], overlap_param_gather: bool = False,
-                 tp_comm_overlap: bool = False, inference: bool = False) -> StageMemory:
+                 tp_comm_overlap: bool = False, inference: bool = False,
+                 overlapped: ModelBlocks | None = None) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = _order(schedule, pp, stage, num_microbatches, vp, inference)
     instances = [inst for c in range(vp) for inst in chunks[c]]
     if inference:
-        return _inference_memory(instances, num_microbatches, tied_embeddings)
+        return _inference_memory(instances, num_microbatches, tied_embeddings,
+                                 _overlapped_instances(stage, pp, vp, layers_per_vstage, overlapped))
     return _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
+
+
+def _overlapped_instances(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ...],
+                          overlapped: ModelBlocks | None) -> list[_Instance]:
+    """The blocks of the second micro-batch of each two-batch-overlapped pass (none without)."""
+    if overlapped is None:
+        return []
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped)
+    return [inst for c in range(vp) for inst in chunks[c]]
 
 
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                degrees: dict[str, int], overlap_param_gather: bool = False,
-               tp_comm_overlap: bool = False, inference: bool = False) -> RoleGraph:
+               tp_comm_overlap: bool = False, inference: bool = False,
+               overlapped: ModelBlocks | None = None) -> RoleGraph:
     """The graph of one pipeline stage: its passes in schedule order, then (training) the
-    step-end reductions and the optimizer. An inference step is its forward passes alone."""
+    step-end reductions and the optimizer. An inference step is its forward passes alone;
+    with ``overlapped`` (two-batch overlap) each of its passes is two micro-batches at once,
+    ``blocks`` bound to the first's shape and ``overlapped`` to the second's."""
     nv = pp * vp
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = _order(schedule, pp, stage, num_microbatches, vp, inference)
@@ -796,12 +879,19 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     for c in range(vp):
         if any(st.first_microbatch for inst in chunks[c] for st in inst.compiled.sharded.fwd):
             templates[(c, FIRST_FWD)] = _pass_template(chunks[c], "fwd", degrees, tp_comm_overlap, first=True)
+    second = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped) if overlapped is not None else None
+    if second is not None:
+        templates = {(c, ph): _two_batch(t, _pass_template(second[c], "fwd", degrees, tp_comm_overlap,
+                                                           first=ph == FIRST_FWD))
+                     for (c, ph), t in templates.items()}
     b = _Builder(degrees)
     last_bwd_nodes: dict[str, list[int]] = {}   # block instance -> its nodes in the last backward
     prev_sinks: list[int] = []
     chain: list[int] = []
     # every layer hands on the same activation (b, s, h): the first layer's says how large
     act_bytes = _ceil((blocks.layers[0][1] if blocks.layers else blocks.embedding[1]).boundary_bytes)
+    if overlapped is not None:      # (both micro-batches of an overlapped pass go on together)
+        act_bytes += _ceil((overlapped.layers[0][1] if overlapped.layers else overlapped.embedding[1]).boundary_bytes)
     gathered = zero in (1, 2) and overlap_param_gather
     # With the distributed optimizer's overlapped parameter gather, the updated parameters of
     # the previous step are all-gathered block by block ahead of each block's first forward.
@@ -855,7 +945,8 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     instances = [inst for c in range(vp) for inst in chunks[c]]
     step_end_start = len(b.nodes)
     if inference:
-        memory = _inference_memory(instances, num_microbatches, tied_embeddings)
+        memory = _inference_memory(instances, num_microbatches, tied_embeddings,
+                                   [inst for c in range(vp) for inst in second[c]] if second is not None else [])
     else:
         _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings,
                   degrees=degrees, gather_after_update=not gathered, flush=prev_sinks + sends)
@@ -1037,10 +1128,12 @@ def _memory(instances: list[_Instance], order: list[Pass], chunks: dict[int, lis
         fp8_weight_cache=_ceil(cache), fp8_amax_history=_ceil(history))
 
 
-def _inference_memory(instances: list[_Instance], num_microbatches: int, tied: bool) -> StageMemory:
+def _inference_memory(instances: list[_Instance], num_microbatches: int, tied: bool,
+                      overlapped: list[_Instance] | None = None) -> StageMemory:
     """Memory of a rank in an inference step: the weights (no gradients, no optimizer, no
     activations held for a backward), the KV cache of every micro-batch's requests, and the
-    largest forward working set of one block."""
+    largest forward working set of one block (with two-batch overlap, ``overlapped`` are the
+    second micro-batch's blocks: its cache too, and both working sets at once)."""
     layer = other = 0.0
     for inst, j in _unique_weights(instances, tied):
         ws = inst.compiled.sharded.weight_syncs[j]
@@ -1049,9 +1142,10 @@ def _inference_memory(instances: list[_Instance], num_microbatches: int, tied: b
             layer += nbytes
         else:
             other += nbytes
-    kv = sum(i.costs.cache_bytes for i in instances) * num_microbatches
+    kv = sum(i.costs.cache_bytes for i in [*instances, *(overlapped or ())]) * num_microbatches
     # (with the attention exchange's buffers: context parallelism's ring or gathered keys)
-    workspace = max((i.costs.workspace_bytes + i.costs.exchange_bytes for i in instances), default=0.0)
+    workspace = sum(max((i.costs.workspace_bytes + i.costs.exchange_bytes for i in insts), default=0.0)
+                    for insts in (instances, overlapped) if insts)
     return StageMemory(weights=_ceil(layer + other), gradients=0, optimizer=0, activations=0,
                        workspace=_ceil(workspace), states_layers=_ceil(layer), states_embedding_head=_ceil(other),
                        kv_cache=_ceil(kv))

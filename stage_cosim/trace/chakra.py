@@ -121,10 +121,12 @@ def read_comm_groups(path: Path) -> dict[str, list[int]]:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceFormatError(f"{path}: unreadable communicator-group file ({exc.__class__.__name__})") from None
-    if not isinstance(raw, dict) or not all(isinstance(v, list) and all(isinstance(r, int) and not isinstance(r, bool)
-                                                                        for r in v) for v in raw.values()):
+    if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
         raise TraceFormatError(f"{path}: expected an object of group id -> list of ranks")
-    return {str(k): list(v) for k, v in raw.items()}
+    try:
+        return {str(k): [int(r) for r in v] for k, v in raw.items()}
+    except (TypeError, ValueError):
+        raise TraceFormatError(f"{path}: a group's ranks must be integers") from None
 
 
 def read_trace_dir(directory: Path, groups_file: Path | None = None

@@ -58,7 +58,9 @@ def static_attrs(n: Node) -> list[pb.AttributeProto]:
                     # fused attention: the keys each query sees in this kernel (ring steps: a chunk
                     # or half of one), and the rows of work its thread blocks split
                     [A(name="attention_keys", uint64_val=n.keys)] if n.keys else []) + (
-                    [A(name="attention_rows", uint64_val=n.groups)] if n.keys and n.groups > 1 else [])
+                    [A(name="attention_rows", uint64_val=n.groups)] if n.keys and n.groups > 1 else []) + (
+                    # a grouped GEMM: its equal GEMMs (one per local expert), each timed at its own shape
+                    [A(name="gemm_groups", uint64_val=n.groups)] if not n.keys and n.groups > 1 else [])
     if n.type == COLL:
         return [A(name="is_cpu_op", bool_val=False),
                 A(name="comm_type", uint64_val=COLLECTIVE_CODES[n.coll.value]),

@@ -26,7 +26,7 @@ CANCELLING: JobState
 CANCELLED: JobState
 
 class Design(_message.Message):
-    __slots__ = ("model", "model_config", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention", "causal_flops", "cross_entropy", "dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", "dtype", "tp_comm_overlap", "overlap_param_gather", "grad_reduce_dtype", "ep", "expert_tp", "moe_token_dispatcher", "moe_capacity_factor", "moe_pad_to_capacity", "moe_imbalance", "moe_shared_expert_overlap", "phase", "batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "attention_dp", "cluster", "cluster_description", "network_model", "backend", "fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch", "fp8_amax_history_len", "te_layernorm_mlp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance")
+    __slots__ = ("model", "model_config", "layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", "attention", "causal_flops", "cross_entropy", "dp", "tp", "pp", "vp", "sp", "micro_batch", "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", "dtype", "tp_comm_overlap", "overlap_param_gather", "grad_reduce_dtype", "ep", "expert_tp", "moe_token_dispatcher", "moe_capacity_factor", "moe_pad_to_capacity", "moe_imbalance", "moe_shared_expert_overlap", "phase", "batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "attention_dp", "fp8_activation_scale", "two_batch_overlap", "cluster", "cluster_description", "network_model", "backend", "fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch", "fp8_amax_history_len", "te_layernorm_mlp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class Design(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_DP_FIELD_NUMBER: _ClassVar[int]
+    FP8_ACTIVATION_SCALE_FIELD_NUMBER: _ClassVar[int]
+    TWO_BATCH_OVERLAP_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     NETWORK_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,8 @@ class Design(_message.Message):
     kv_cache_dtype: str
     weight_dtype: str
     attention_dp: bool
+    fp8_activation_scale: str
+    two_batch_overlap: bool
     cluster: str
     cluster_description: str
     network_model: str
@@ -145,7 +149,7 @@ class Design(_message.Message):
     cp_comm: str
     cp_a2a_size: int
     cp_load_balance: bool
-    def __init__(self, model: _Optional[str] = ..., model_config: _Optional[str] = ..., layers: _Optional[int] = ..., hidden: _Optional[int] = ..., ffn: _Optional[int] = ..., heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab: _Optional[int] = ..., max_seq: _Optional[int] = ..., attention: _Optional[str] = ..., causal_flops: _Optional[bool] = ..., cross_entropy: _Optional[str] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., vp: _Optional[int] = ..., sp: _Optional[bool] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[str] = ..., schedule: _Optional[str] = ..., pp_layers: _Optional[_Iterable[int]] = ..., axis_order: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., tp_comm_overlap: _Optional[bool] = ..., overlap_param_gather: _Optional[bool] = ..., grad_reduce_dtype: _Optional[str] = ..., ep: _Optional[int] = ..., expert_tp: _Optional[int] = ..., moe_token_dispatcher: _Optional[str] = ..., moe_capacity_factor: _Optional[float] = ..., moe_pad_to_capacity: _Optional[bool] = ..., moe_imbalance: _Optional[float] = ..., moe_shared_expert_overlap: _Optional[bool] = ..., phase: _Optional[str] = ..., batch: _Optional[int] = ..., input_len: _Optional[int] = ..., context_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., attention_dp: _Optional[bool] = ..., cluster: _Optional[str] = ..., cluster_description: _Optional[str] = ..., network_model: _Optional[str] = ..., backend: _Optional[str] = ..., fp8_recipe: _Optional[str] = ..., fp8_format: _Optional[str] = ..., fp8_attention: _Optional[bool] = ..., fp8_param_gather: _Optional[bool] = ..., fp8_dispatch: _Optional[bool] = ..., fp8_amax_history_len: _Optional[int] = ..., te_layernorm_mlp: _Optional[bool] = ..., cp: _Optional[int] = ..., cp_comm: _Optional[str] = ..., cp_a2a_size: _Optional[int] = ..., cp_load_balance: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., model_config: _Optional[str] = ..., layers: _Optional[int] = ..., hidden: _Optional[int] = ..., ffn: _Optional[int] = ..., heads: _Optional[int] = ..., kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., vocab: _Optional[int] = ..., max_seq: _Optional[int] = ..., attention: _Optional[str] = ..., causal_flops: _Optional[bool] = ..., cross_entropy: _Optional[str] = ..., dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., vp: _Optional[int] = ..., sp: _Optional[bool] = ..., micro_batch: _Optional[int] = ..., global_batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., zero: _Optional[int] = ..., recompute: _Optional[str] = ..., schedule: _Optional[str] = ..., pp_layers: _Optional[_Iterable[int]] = ..., axis_order: _Optional[_Iterable[str]] = ..., dtype: _Optional[str] = ..., tp_comm_overlap: _Optional[bool] = ..., overlap_param_gather: _Optional[bool] = ..., grad_reduce_dtype: _Optional[str] = ..., ep: _Optional[int] = ..., expert_tp: _Optional[int] = ..., moe_token_dispatcher: _Optional[str] = ..., moe_capacity_factor: _Optional[float] = ..., moe_pad_to_capacity: _Optional[bool] = ..., moe_imbalance: _Optional[float] = ..., moe_shared_expert_overlap: _Optional[bool] = ..., phase: _Optional[str] = ..., batch: _Optional[int] = ..., input_len: _Optional[int] = ..., context_len: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., weight_dtype: _Optional[str] = ..., attention_dp: _Optional[bool] = ..., fp8_activation_scale: _Optional[str] = ..., two_batch_overlap: _Optional[bool] = ..., cluster: _Optional[str] = ..., cluster_description: _Optional[str] = ..., network_model: _Optional[str] = ..., backend: _Optional[str] = ..., fp8_recipe: _Optional[str] = ..., fp8_format: _Optional[str] = ..., fp8_attention: _Optional[bool] = ..., fp8_param_gather: _Optional[bool] = ..., fp8_dispatch: _Optional[bool] = ..., fp8_amax_history_len: _Optional[int] = ..., te_layernorm_mlp: _Optional[bool] = ..., cp: _Optional[int] = ..., cp_comm: _Optional[str] = ..., cp_a2a_size: _Optional[int] = ..., cp_load_balance: _Optional[bool] = ...) -> None: ...
 
 class SimulateJob(_message.Message):
     __slots__ = ("design", "traces_upload", "full", "timeline")
