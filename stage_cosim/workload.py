@@ -314,7 +314,7 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
                      zero=parallel.zero, tied_embeddings=model.shares_embedding,
                      degrees=degrees | dict(meshes[DENSE].size), overlap_param_gather=parallel.overlap_param_gather,
-                     tp_comm_overlap=parallel.tp_comm_overlap)
+                     tp_comm_overlap=parallel.tp_comm_overlap, block_cache={})
     return Workload(model, parallel, meshes, role_args, precision)
 
 
@@ -381,5 +381,5 @@ def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchSh
     role_args = dict(pp=parallel.pp, vp=1, schedule=parallel.schedule, num_microbatches=parallel.num_microbatches,
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks, zero=0,
                      tied_embeddings=model.shares_embedding, degrees=degrees, inference=True,
-                     overlapped=model_blocks(halves[1]) if overlap else None)
+                     overlapped=model_blocks(halves[1]) if overlap else None, block_cache={})
     return Workload(model, parallel, meshes, role_args, precision, inference, halves[0])

@@ -310,14 +310,15 @@ def _segment_run(t, k: int, standalone, block_runs: dict[tuple, _PassRun], place
     else:
         exits = tuple(e - lo for e in t.exits if lo <= e < hi)
         sinks = tuple(i - lo for i in t.sinks if lo <= i < hi)
+    first_row, block = src             # the generated block of this kind (ids from first_row)
     p2p = block_runs.get(("p2p", kind))
     if p2p is None:
-        p2p = block_runs[("p2p", kind)] = any(r[1] in (SEND, RECV) for r in t.block_rows(src)[:hi - lo])
+        p2p = block_runs[("p2p", kind)] = any(r[1] in (SEND, RECV) for r in block)
     key = (kind, exits, sinks, stage if p2p else placed_as)
     run = block_runs.get(key)
     if run is None:
-        # the generated block of this kind, its ids made relative (outside ones dropped)
-        rows = [(*r[:2], tuple(d - src for d in r[2] if d >= src), *r[3:]) for r in t.block_rows(src)[:hi - lo]]
+        # its ids made relative (outside ones dropped)
+        rows = [(*r[:2], tuple(d - first_row for d in r[2] if d >= first_row), *r[3:]) for r in block]
         run = block_runs[key] = standalone(rows, list(exits), list(sinks))
     return run
 

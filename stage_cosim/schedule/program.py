@@ -301,7 +301,7 @@ class _PassTemplate:
 
     def __init__(self, pieces: list[tuple], num_rows: int, exits: list[int], sinks: list[int],
                  blocks: list[tuple[str, int, int]], last_prologue: int | None, pairs: int = 0,
-                 segments: tuple[tuple[tuple, int, int, tuple[int, ...], int], ...] | None = None,
+                 segments: tuple[tuple[tuple, int, int, tuple[int, ...], tuple[int, list]], ...] | None = None,
                  last_compute: int | None = None) -> None:
         # ("rows", start, rows): generated rows; ("copy", start, _BlockCopy, label, index, entry,
         # pair_base): a copy of an earlier block (see _copy_block)
@@ -339,17 +339,18 @@ class _PassTemplate:
         return self._rows
 
     def generated_rows(self) -> list[tuple]:
-        """The rows generated (not copies): every kind of row of the pass is among them."""
+        """The rows generated, here or for another pass (not their copies): every kind of row of
+        the pass is among them."""
         if self._rows is not None:
             return self._rows
-        return [r for piece in self.pieces if piece[0] == "rows" for r in piece[2]]
-
-    def block_rows(self, start: int) -> list[tuple]:
-        """The generated rows of the block that starts at ``start`` (ids within the pass)."""
+        out: list[tuple] = []
+        seen: set[int] = set()
         for piece in self.pieces:
-            if piece[0] == "rows" and piece[1] <= start < piece[1] + len(piece[2]):
-                return piece[2][start - piece[1]:]
-        return self.rows[start:]
+            rows = piece[2] if piece[0] == "rows" else piece[2].rows
+            if id(rows) not in seen:
+                seen.add(id(rows))
+                out += rows
+        return out
 
     @cached_property
     def compute_totals(self) -> tuple[int, int, int]:
@@ -358,15 +359,15 @@ class _PassTemplate:
             return _flop_totals(self._rows)
         generated = {piece[1]: _flop_totals(piece[2]) for piece in self.pieces if piece[0] == "rows"}
         # a copied block's FLOPs are its original's (the generated rows starting at m.start)
-        copied: dict[int, tuple[int, int, int]] = {}
+        copied: dict[int, tuple[int, int, int]] = {}       # by block copied
         for piece in self.pieces:
             if piece[0] == "copy":
                 m = piece[2]
-                if m.start not in copied:
-                    copied[m.start] = _flop_totals(self.block_rows(m.start)[:m.end - m.start])
+                if id(m) not in copied:
+                    copied[id(m)] = _flop_totals(m.rows)
         out = [0, 0, 0]
         for piece in self.pieces:
-            t = generated[piece[1]] if piece[0] == "rows" else copied[piece[2].start]
+            t = generated[piece[1]] if piece[0] == "rows" else copied[id(piece[2])]
             for i in range(3):
                 out[i] += t[i]
         return out[0], out[1], out[2]
@@ -476,6 +477,7 @@ class _BlockCopy:
     first_compute: int | None
     last_compute: int | None
     sinks: list[int]               # its compute rows no row of the block reads
+    rows: list[tuple] = field(default_factory=list)   # the generated rows (ids from ``start``)
 
 
 def _rebinder(m: _BlockCopy, start: int, bi: int, entry: list[int]):  # noqa: ANN202
@@ -512,7 +514,7 @@ def _copy_block(rows: list[tuple], m: _BlockCopy, label: str, bi: int, entry: li
     rebind = _rebinder(m, len(rows), bi, entry)
     cut = len(m.label)
     tag_shift = pair_base - m.pair_base
-    for r in rows[m.start:m.end]:
+    for r in m.rows:
         name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, _, groups, peer, tag, keys = r
         rows.append((label + name[cut:], typ, tuple(sorted(rebind(d) for d in deps)), flops, mflops, mem, matmul, coll,
                      cbytes, group, cat, phase, label, groups, peer, tag + tag_shift if typ in (SEND, RECV) else tag,
@@ -520,7 +522,8 @@ def _copy_block(rows: list[tuple], m: _BlockCopy, label: str, bi: int, entry: li
 
 
 def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
-                   tp_overlap: bool = False, first: bool = False) -> _PassTemplate:
+                   tp_overlap: bool = False, first: bool = False,
+                   shared: dict[tuple, _BlockCopy] | None = None) -> _PassTemplate:
     """The nodes of one pass over ``insts``; ``first``: the first forward of the step, which also
     casts the FP8 weights that the later micro-batches reuse.
 
@@ -529,11 +532,12 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     are read. Where every block depends only on the exits of the one before (no parameter
     prefetch chains, no FP8 amax reduction across the pass, no tensor-parallel overlap
     rewrite), the template records its blocks as ``segments``, so that a simulator may time
-    each kind of block once."""
+    each kind of block once. ``shared`` carries generated blocks from template to template (the
+    passes and stages of one workload: a layer kind is generated once for all of them)."""
     pieces: list[tuple] = []
     n = 0                         # rows of the pass so far
     blocks: list[tuple[str, int, int]] = []
-    segments: list[tuple[tuple, int, int, tuple[int, ...], int]] | None = []
+    segments: list[tuple[tuple, int, int, tuple[int, ...], tuple[int, list]]] | None = []
     prev_exit: list[int] = [_ENTRY]
     last_prologue: int | None = None
     prev_first_compute: int | None = None     # the previous block's first kernel
@@ -548,7 +552,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         start = n
         entry = tuple(prev_exit)
         kind = (id(inst.compiled), id(inst.costs))
-        m = copies.get(kind) if bi > 0 else None
+        m = (copies.get(kind) or (shared or {}).get((*kind, phase, first, tp_overlap))) if bi > 0 else None
         if m is not None and len(m.entry) == len(entry):
             pieces.append(("copy", start, m, inst.label, bi, list(prev_exit), pair_base))
             prev_exit, first_compute, pairs = _copy_plan(m, start, bi, prev_exit, pair_base)
@@ -560,7 +564,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
             blocks.append((inst.label, start, n))
             lasts.append(m.last_compute + start - m.start if m.last_compute is not None else None)
             if segments is not None:
-                segments.append(((*kind, phase, first), start, n, entry, m.start))
+                segments.append(((*kind, phase, first), start, n, entry, (m.start, m.rows)))
             continue
         sc = inst.costs.fwd if phase == "fwd" else inst.costs.bwd
         exits = sharded.fwd_exit if phase == "fwd" else sharded.bwd_exit
@@ -635,10 +639,12 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         if prologue:
             segments = None       # the parameter prefetch chains blocks together
         elif segments is not None:
-            segments.append(((*kind, phase, first), start, n, entry, start))
+            segments.append(((*kind, phase, first), start, n, entry, (start, block)))
         if bi > 0 and not prologue:
-            copies.setdefault(kind, _BlockCopy(start, n, inst.label, bi, entry, block_pair_base, pairs,
-                                               list(prev_exit), first_compute, block_last, sinks_here))
+            made = copies.setdefault(kind, _BlockCopy(start, n, inst.label, bi, entry, block_pair_base, pairs,
+                                                      list(prev_exit), first_compute, block_last, sinks_here, block))
+            if shared is not None:
+                shared.setdefault((*kind, phase, first, tp_overlap), made)
     exits = [e for e in prev_exit if e >= 0]
     if segments is not None and not tp_overlap and not _has_amax_reduction(insts, phase):
         # A row is read only inside its block or, if it is an exit, by the next block.
@@ -839,7 +845,7 @@ def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatche
                  layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                  degrees: dict[str, int], overlap_param_gather: bool = False,
                  tp_comm_overlap: bool = False, inference: bool = False,
-                 overlapped: ModelBlocks | None = None) -> StageMemory:
+                 overlapped: ModelBlocks | None = None, block_cache: dict | None = None) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = _order(schedule, pp, stage, num_microbatches, vp, inference)
@@ -863,22 +869,24 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
                layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                degrees: dict[str, int], overlap_param_gather: bool = False,
                tp_comm_overlap: bool = False, inference: bool = False,
-               overlapped: ModelBlocks | None = None) -> RoleGraph:
+               overlapped: ModelBlocks | None = None, block_cache: dict | None = None) -> RoleGraph:
     """The graph of one pipeline stage: its passes in schedule order, then (training) the
     step-end reductions and the optimizer. An inference step is its forward passes alone;
     with ``overlapped`` (two-batch overlap) each of its passes is two micro-batches at once,
-    ``blocks`` bound to the first's shape and ``overlapped`` to the second's."""
+    ``blocks`` bound to the first's shape and ``overlapped`` to the second's. ``block_cache``:
+    blocks generated for the workload's other stages, copied here instead of generated again."""
     nv = pp * vp
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
     order = _order(schedule, pp, stage, num_microbatches, vp, inference)
     phases = ("fwd",) if inference else ("fwd", "bwd")
     templates = {(c, ph): _pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
-                                         tp_comm_overlap)
+                                         tp_comm_overlap, shared=block_cache)
                  for c in range(vp) for ph in phases}
     # the first forward of each chunk also casts the FP8 weights the other micro-batches reuse
     for c in range(vp):
         if any(st.first_microbatch for inst in chunks[c] for st in inst.compiled.sharded.fwd):
-            templates[(c, FIRST_FWD)] = _pass_template(chunks[c], "fwd", degrees, tp_comm_overlap, first=True)
+            templates[(c, FIRST_FWD)] = _pass_template(chunks[c], "fwd", degrees, tp_comm_overlap, first=True,
+                                                       shared=block_cache)
     second = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped) if overlapped is not None else None
     if second is not None:
         templates = {(c, ph): _two_batch(t, _pass_template(second[c], "fwd", degrees, tp_comm_overlap,
