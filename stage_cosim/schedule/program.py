@@ -544,7 +544,7 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
     last_compute: int | None = None
     lasts: list[int | None] = []              # each block's last kernel so far
     pair_base = pairs = 0                     # send/recv pairs of the blocks before / so far
-    copies: dict[tuple[int, int], _BlockCopy] = {}
+    copies: dict[tuple[int, int, int], _BlockCopy] = {}
     local_sinks: list[int] = []               # compute rows no row of their own block reads
     for bi, inst in enumerate(insts):
         sharded = inst.compiled.sharded
@@ -552,8 +552,10 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         start = n
         entry = tuple(prev_exit)
         kind = (id(inst.compiled), id(inst.costs))
-        m = (copies.get(kind) or (shared or {}).get((*kind, phase, first, tp_overlap))) if bi > 0 else None
-        if m is not None and len(m.entry) == len(entry):
+        # (a block copies one entered the same way: as many exits of the block before)
+        found = (*kind, len(entry))
+        m = (copies.get(found) or (shared or {}).get((*found, phase, first, tp_overlap))) if bi > 0 else None
+        if m is not None:
             pieces.append(("copy", start, m, inst.label, bi, list(prev_exit), pair_base))
             prev_exit, first_compute, pairs = _copy_plan(m, start, bi, prev_exit, pair_base)
             prev_first_compute = first_compute if first_compute is not None else prev_first_compute
@@ -641,10 +643,11 @@ def _pass_template(insts: list[_Instance], phase: str, degrees: dict[str, int],
         elif segments is not None:
             segments.append(((*kind, phase, first), start, n, entry, (start, block)))
         if bi > 0 and not prologue:
-            made = copies.setdefault(kind, _BlockCopy(start, n, inst.label, bi, entry, block_pair_base, pairs,
-                                                      list(prev_exit), first_compute, block_last, sinks_here, block))
+            made = copies.setdefault((*kind, len(entry)), _BlockCopy(
+                start, n, inst.label, bi, entry, block_pair_base, pairs, list(prev_exit), first_compute, block_last,
+                sinks_here, block))
             if shared is not None:
-                shared.setdefault((*kind, phase, first, tp_overlap), made)
+                shared.setdefault((*kind, len(entry), phase, first, tp_overlap), made)
     exits = [e for e in prev_exit if e >= 0]
     if segments is not None and not tp_overlap and not _has_amax_reduction(insts, phase):
         # A row is read only inside its block or, if it is an exit, by the next block.
