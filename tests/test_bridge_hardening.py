@@ -789,3 +789,22 @@ def test_bad_bytes_names_pages_and_empty_fields_are_invalid_argument(server_with
         assert code == "INVALID_ARGUMENT" and text.startswith("axis_order: is empty")
         code, text = submit_raw(c, "optimize", SMALL, {"objective": ""})
         assert code == "INVALID_ARGUMENT" and text.startswith("objective: is empty")
+
+
+def test_worker_module_path_has_no_working_directory(tmp_path, monkeypatch) -> None:
+    """A worker runs in the jobs directory, then in each job's: neither may be on its module path
+    (an unset PYTHONPATH once became an empty entry, which Python reads as the working directory,
+    so a worker listed the jobs directory on every missed import)."""
+    import subprocess
+
+    from stage_cosim.bridge.process import worker_environment
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    env = worker_environment()
+    assert "" not in env["PYTHONPATH"].split(os.pathsep)
+    (tmp_path / "shadow_probe_module.py").write_text("")
+    args = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c",
+            "import importlib.util, os, sys; print(importlib.util.find_spec('shadow_probe_module') is None, "
+            "os.getcwd() in [os.path.abspath(p) for p in sys.path])"]
+    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "False"]

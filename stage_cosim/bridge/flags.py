@@ -78,6 +78,17 @@ def parallel_request(kw: dict[str, Any]) -> dict[str, Any]:
     return req
 
 
+def param_default(param: Any) -> Any:
+    """A click parameter's default as the command would see it.
+
+    Newer click keeps an unset-sentinel in ``param.default`` for flags, so ask the parameter itself.
+    """
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    return param.get_default(ctx) if ctx is not None else param.default
+
+
 def passthrough(kw: dict[str, Any], used: set[str], params: list[Any]) -> dict[str, Any]:
     """Flags not handled by name: design fields travel; any other flag that is set is refused.
 
@@ -90,7 +101,7 @@ def passthrough(kw: dict[str, Any], used: set[str], params: list[Any]) -> dict[s
     for param in params:
         key = param.name
         value = kw.get(key)
-        if key in used or value is None or value == param.default:
+        if key in used or value is None or value == param_default(param):
             continue
         if key in DESIGN_FIELDS:
             out[key] = value

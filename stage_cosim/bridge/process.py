@@ -75,6 +75,19 @@ def address_space(pid: int) -> int | None:
         return None
 
 
+def worker_environment() -> dict[str, str]:
+    """The environment a worker starts with: the server's, with the module path the server sees
+    (as multiprocessing's spawn does) and no entry that means "the working directory"."""
+    env = dict(os.environ)
+    paths = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
+    # an empty PYTHONPATH entry reads as the working directory: it would put the jobs directory
+    # (and then each job's own) on the module path
+    inherited = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + inherited))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 class WorkerProcess:
     def __init__(self, proc: asyncio.subprocess.Process, memory_bytes: int = 0) -> None:
         self.proc = proc
@@ -94,11 +107,7 @@ class WorkerProcess:
         directory (whose files a request must not reach) and, from Python 3.11 on, with ``-P``: no
         directory is put in front of the module path.
         """
-        env = dict(os.environ)
-        # like multiprocessing's spawn: the child sees the modules the server sees
-        paths = [os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths + env.get("PYTHONPATH", "").split(os.pathsep)))
-        env["PYTHONUNBUFFERED"] = "1"
+        env = worker_environment()
         isolate = ["-P"] if sys.version_info >= (3, 11) else []
         args = [sys.executable, *isolate, "-m", "stage_cosim.bridge.worker", "--parent", str(os.getpid())]
         args += ["--memory-bytes", str(memory_bytes)] if memory_bytes else []

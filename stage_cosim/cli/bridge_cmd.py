@@ -349,7 +349,7 @@ def remote_optimize(**kw: Any) -> None:
     the output flags (--json, --plot, --quiet) act here; progress shows the best so far.
     """
     from stage_cosim.bridge.client import localize
-    from stage_cosim.bridge.flags import MODEL_FLAGS, check_locally, model_request
+    from stage_cosim.bridge.flags import MODEL_FLAGS, check_locally, model_request, param_default
     from stage_cosim.bridge.resolve import SERVER_SETTINGS
 
     check_locally(kw, parallel=False)
@@ -357,7 +357,7 @@ def remote_optimize(**kw: Any) -> None:
     req = {**model_request(kw), "cluster": kw["cluster"]}
     for param in optimize_cmd.optimize.params:
         if _flag_key(param) in SERVER_SETTINGS:           # the server's processes are its operator's
-            if kw.get(param.name) != param.default:
+            if kw.get(param.name) != param_default(param):
                 raise UserError(max(param.opts, key=len).lstrip("-"), "is set by the server's operator "
                                 f"(serve {SERVER_SETTINGS[_flag_key(param)]}), not by a remote command")
         elif param.name not in local and kw.get(param.name) is not None:
