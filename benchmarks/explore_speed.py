@@ -24,7 +24,11 @@ def main() -> None:
     b = doc["baseline"]
     print(f"{path.name}: {len(spec.variables)} variables, {doc['candidates_evaluated']} hardware candidates, "
           f"{len(doc['frontier'])} frontier points in {dt:.1f} s")
-    print(f"baseline ${b['cost_per_gpu']:,.0f}/GPU: {b['step_time_s']:.3f} s/step")
+    p = b["best"]["point"]
+    layout = " ".join(f"{k}={v}" for k, v in sorted(p.items()))
+    proof = ("its proven optimum" if b["proven_optimal"] else
+             f"not proven optimal, {b['unexplored']:,} feasible configurations not simulated")
+    print(f"baseline ${b['cost_per_gpu']:,.0f}/GPU: {b['step_time_s']:.3f} s/step ({layout}; {proof})")
     for c in doc["frontier"]:
         values = ", ".join(f"{k.split('.')[-1]}={v:.0f}" for k, v in c["values"].items())
         print(f"  ${c['cost_per_gpu']:>9,.0f}  {c['step_time_s']:.3f} s  {values}")

@@ -74,6 +74,10 @@ class ExploreSpec:
     budget: float | None = None          # $ per GPU (budget mode)
     points: int = 6                      # budget levels traced on the frontier
     inner_budget: int = 60               # simulations of a full inner search
+    # simulations of the baseline's own search; None: what 'stage-cosim optimize' does without
+    # --budget (exhaustive where the space is small, else its default budget), so the baseline is
+    # the answer optimize gives on the same hardware
+    baseline_budget: int | None = None
     reuse_top: int = 12                  # baseline configurations re-tried on each candidate
     candidates: int = 60                 # hardware candidates per scipy run
     seed: int = 0
@@ -100,7 +104,7 @@ def _num(doc: dict, key: str, where: str) -> float:
 
 PRECISION_KEYS = ("dtype", *FP8_OPTIONS)
 SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode",
-                       "budget", "points", "inner_budget", "reuse_top", "candidates", "seed", "objective", "serving",
+                       "budget", "points", "inner_budget", "baseline_budget", "reuse_top", "candidates", "seed", "objective", "serving",
                        *PRECISION_KEYS})
 # Objectives: a training step's time; serving: the decode throughput of the best serving layout
 # (as seconds per output token per GPU), or its goodput under SLOs (as GPU-seconds per request)
@@ -191,7 +195,7 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
             raise UserError("budget", f"must be a positive number of $ per GPU, got {b!r}")
     ints = {}
-    for k in ("global_batch", "seq_len", "points", "inner_budget", "reuse_top", "candidates", "seed"):
+    for k in ("global_batch", "seq_len", "points", "inner_budget", "baseline_budget", "reuse_top", "candidates", "seed"):
         if k in doc:
             val = doc[k]
             if isinstance(val, bool) or not isinstance(val, int) or (val <= 0 and k != "seed"):
@@ -447,11 +451,11 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
     ex = Explorer(spec, progress, should_stop)
     base = baseline_values(spec)
     interrupted = False
-    # the baseline: a full inner search, polished by the same local search that confirms the
+    # the baseline: its own search (as optimize runs it), polished by the same local search that confirms the
     # frontier (so the baseline and the frontier are searched alike); its top configurations
     # seed every other candidate
     cluster = apply(spec.baseline, base)
-    result = ex.search(cluster, ex._settings())
+    result = ex.search(cluster, replace(ex._settings(), budget=spec.baseline_budget))
     if not result.ranked:
         raise UserError("baseline", "no parallelization of the model fits the baseline cluster"
                         if spec.objective == "step-time" else f"no serving layout of the model works on the baseline "

@@ -22,7 +22,7 @@ import numpy as np
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.search.evaluate import Evaluation, Objective, evaluate
+from stage_cosim.search.evaluate import MEMORY_REASON, Evaluation, Objective, evaluate
 from stage_cosim.search.runner import Runner, make_runner
 from stage_cosim.search.space import SearchSpace, canonical, check
 
@@ -281,9 +281,16 @@ def _differential_evolution(search: _Search, budget: int) -> None:
                            callback=stop, tol=0, atol=0, init="sobol")
 
 
+# The settings that trade time for memory. A move that does not fit in memory is tried again
+# with each other setting of these: one step alone cannot cross a memory wall that the search
+# must cross with two (a larger micro-batch fits only with the optimizer state sharded further).
+MEMORY_DIMENSIONS = ("zero", "recompute")
+
+
 def _local_search(search: _Search, budget: int) -> None:
-    """Steepest descent over single-dimension moves, from the best point and then from the next
-    best ones not yet polished, until the budget is spent or every point is a polished one."""
+    """Steepest descent over single-dimension moves (and, where a move does not fit in memory,
+    that move paired with a change of a memory setting), from the best point and then from the
+    next best ones not yet polished, until the budget is spent or every point is a polished one."""
     search.budget = budget
     dims = search.space.dimensions
     polished: set[tuple] = set()
@@ -299,6 +306,13 @@ def _local_search(search: _Search, budget: int) -> None:
                           for d in dims for c in d.choices if c != current.point[d.name]]
             fresh = [p for p in neighbours if _key(p) not in search.cache and search.structure(p)[0] is not None]
             evaluated = search.evaluate_many(fresh)
+            too_big = [e.point for e in map(search.cache.get, map(_key, neighbours))
+                       if e is not None and e.reason == MEMORY_REASON]
+            paired = {_key(q): q for p in too_big for d in dims if d.name in MEMORY_DIMENSIONS
+                      for q in [search.canonical({**p, d.name: c}) for c in d.choices if c != p[d.name]]}
+            fresh = [q for k, q in paired.items() if k not in search.cache and search.structure(q)[0] is not None]
+            evaluated += search.evaluate_many(fresh)
+            neighbours += list(paired.values())
             better = [e for e in evaluated if e is not None and e.feasible and e.score < current.score]
             known = [search.cache[_key(p)] for p in neighbours if _key(p) in search.cache]
             better += [e for e in known if e.feasible and e.score < current.score]

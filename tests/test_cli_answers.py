@@ -117,19 +117,22 @@ TINY_MODEL = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 512,
               "max_position_embeddings": 1024}
 
 
-def _explore_spec(tmp_path: Path, inner_budget: int) -> Path:
+def _explore_spec(tmp_path: Path, baseline_budget: int | None) -> Path:
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "model_config": TINY_MODEL, "baseline": "dgx-h100:8", "global_batch": 1, "seq_len": 256,
-        "variables": {"gpu.hbm_GBps": {"min": 2000, "max": 6000}}, "cost": {"base": 1000, "gpu.hbm_GBps": 1},
-        "points": 2, "candidates": 4, "inner_budget": inner_budget, "reuse_top": 3}))
+    doc = {"model_config": TINY_MODEL, "baseline": "dgx-h100:8", "global_batch": 1, "seq_len": 256,
+           "variables": {"gpu.hbm_GBps": {"min": 2000, "max": 6000}}, "cost": {"base": 1000, "gpu.hbm_GBps": 1},
+           "points": 2, "candidates": 4, "inner_budget": 4, "reuse_top": 3}
+    if baseline_budget is not None:
+        doc["baseline_budget"] = baseline_budget
+    spec.write_text(yaml.safe_dump(doc))
     return spec
 
 
 def test_explore_says_whether_the_baseline_is_proven(run_cli, tmp_path) -> None:
-    """With an inner budget that covers the space, the baseline is the exhaustive optimum of
-    the baseline cluster (found here by an exhaustive search of its own) and says so; with a
-    smaller one it says it is not proven and how much it left."""
+    """By default the baseline is searched as optimize searches it: here (a small space) the
+    exhaustive optimum of the baseline cluster, found by an exhaustive search of its own, and the
+    report says so, however small the candidates' inner budget; with a baseline budget below the
+    space it says it is not proven and how much it left."""
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.model.hf import model_from_hf_dict
     from stage_cosim.search.optimize import OptimizeSettings, optimize
@@ -139,12 +142,12 @@ def test_explore_says_whether_the_baseline_is_proven(run_cli, tmp_path) -> None:
     truth = optimize(default_space(model_from_hf_dict(TINY_MODEL, "model_config"), cluster, 1, 256), cluster,
                      OptimizeSettings())
     assert truth.proven_optimal
-    code, out, err = run_cli("explore", str(_explore_spec(tmp_path, 50)), "--json", "--quiet")
+    code, out, err = run_cli("explore", str(_explore_spec(tmp_path, None)), "--json", "--quiet")
     assert code == 0, err
     base = json.loads(out)["baseline"]
     assert base["proven_optimal"] and base["unexplored"] == 0
     assert base["step_time_s"] == pytest.approx(truth.best.score, rel=1e-12)
-    code, text, _ = run_cli("explore", str(_explore_spec(tmp_path, 50)), "--quiet")
+    code, text, _ = run_cli("explore", str(_explore_spec(tmp_path, None)), "--quiet")
     assert "the baseline's proven optimum" in text
     code, out, err = run_cli("explore", str(_explore_spec(tmp_path, 2)), "--json", "--quiet")
     assert code == 0, err
@@ -152,6 +155,7 @@ def test_explore_says_whether_the_baseline_is_proven(run_cli, tmp_path) -> None:
     assert not base["proven_optimal"] and 0 < base["unexplored"] < truth.feasible
     code, text, _ = run_cli("explore", str(_explore_spec(tmp_path, 2)), "--quiet")
     assert f"not proven optimal: the best the inner searches found, {base['unexplored']:,} structurally" in text
+    assert "a larger baseline_budget explores more" in text
 
 
 # -- nothing lost, nothing raw --------------------------------------------------------------------

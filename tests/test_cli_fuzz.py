@@ -193,7 +193,7 @@ SPEC = {"model_config": {"model_type": "llama", "num_hidden_layers": 2, "hidden_
 SPEC_VALUES = (0, -1, 2.5, float("nan"), float("inf"), "abc", "", None, [1, 2], {"a": 1}, True, 10**12)
 # Settings the work grows with linearly (layers built, micro-batches replayed, searches run):
 # there a huge value is a long run, not a wrong one, so they get a large but quick one.
-LINEAR = {"num_hidden_layers", "global_batch", "points", "candidates", "inner_budget", "reuse_top", "seq_len",
+LINEAR = {"num_hidden_layers", "global_batch", "points", "candidates", "inner_budget", "baseline_budget", "reuse_top", "seq_len",
           "num_gpus", "budget"}
 
 

@@ -363,7 +363,7 @@ def test_explore_fp8_peak_is_a_variable() -> None:
 
     spec = dict(model="llama3-8b", baseline="dgx-h100:16", global_batch=32, seq_len=1024,
                 variables={"gpu.fp8_tflops": {"values": [1000, 1979, 4000]}}, cost={"base": 10000, "gpu.fp8_tflops": 1},
-                mode="budget", budget=20000, points=2, candidates=6, inner_budget=8, reuse_top=3)
+                mode="budget", budget=20000, points=2, candidates=6, inner_budget=8, baseline_budget=8, reuse_top=3)
     fp8 = api.explore(spec | {"dtype": "fp8"})
     bf16 = api.explore(spec)
     el8 = fp8["sensitivity"][0]

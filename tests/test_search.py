@@ -150,6 +150,7 @@ cost: {base: 10000, gpu.hbm_GBps: 2, scale_up.bandwidth_GBps: 5}
 points: 2
 candidates: 12
 inner_budget: 12
+baseline_budget: 12
 reuse_top: 4
 """
 
@@ -242,3 +243,44 @@ def test_optimize_report_names_the_expert_layout() -> None:
     assert describe_point({}, base | dict(ep=1, expert_tp=1)) == "dp4 tp2 pp2 ep1 expert_tp1 mb1 sp zero2"
     assert describe_point({}, base | dict(ep=1, expert_tp=2)) == "dp4 tp2 pp2 mb1 sp zero2"     # dense layout
     assert "ep" not in describe_point({}, base)                                                 # a dense model
+
+
+# A hand-made landscape over (micro_batch, zero, vp): step time, None where it does not fit in
+# memory. From the start (mb1, ZeRO-1, vp1) every single move is worse or does not fit; the
+# optimum (mb2, ZeRO-3, vp1) is two moves away, across the memory wall of (mb2, ZeRO-1). The ten
+# vp settings are a plateau of slightly worse points a descent would polish one by one first.
+def _wall_time(mb: int, zero: int, vp: int) -> float | None:
+    base = {(1, 1): 10.0, (2, 1): None, (1, 3): 11.0, (2, 3): 5.0}[(mb, zero)]
+    return None if base is None else base + 0.1 * (vp - 1)
+
+
+def _wall_job(point: dict) -> object:
+    from stage_cosim.search.evaluate import MEMORY_REASON, Evaluation
+
+    t = _wall_time(point["micro_batch"], point["zero"], point["vp"])
+    return Evaluation(point, None, t is not None, None if t is not None else MEMORY_REASON, t, None)
+
+
+def test_local_search_crosses_a_memory_wall() -> None:
+    """A move that does not fit in memory is tried with the memory settings changed beside it:
+    the first descent from (mb1, ZeRO-1) reaches (mb2, ZeRO-3) within a budget that single moves
+    spend on the plateau (they reach it only after polishing every vp setting: 30 simulations)."""
+    from stage_cosim.search.optimize import Problem
+    from stage_cosim.search.space import Dimension, SearchSpace
+
+    class Wall(Problem):
+        def canonical(self, point: dict) -> dict:
+            return dict(point)
+
+        def check(self, point: dict) -> tuple:
+            return point, None
+
+        def job(self, config: object, point: dict) -> tuple:
+            return (_wall_job, point)
+
+    space = SearchSpace(get_preset("llama3-8b"), 8, 8, 1024, (Dimension("micro_batch", (1, 2)),
+                        Dimension("zero", (1, 3)), Dimension("vp", tuple(range(1, 11)))))
+    cluster = resolve_cluster("dgx-h100:8")
+    settings = OptimizeSettings(seeds=({"micro_batch": 1, "zero": 1, "vp": 1},), budget=20, exhaustive_limit=0)
+    r = optimize(space, cluster, settings, problem=Wall(space, cluster, settings))
+    assert r.best.point == {"micro_batch": 2, "zero": 3, "vp": 1} and r.best.score == 5.0

@@ -98,7 +98,7 @@ def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
         click.echo(f"          the baseline's proven optimum (every feasible {what} simulated)")
     elif b.get("unexplored") is not None:
         click.echo(f"          not proven optimal: the best the inner searches found, {b['unexplored']:,} structurally "
-                   f"feasible {what}s not simulated (a larger inner_budget explores more)")
+                   f"feasible {what}s not simulated (a larger baseline_budget explores more)")
     rows = doc.get("frontier") or doc.get("best") or []
     label = METRIC_LABELS.get(m, m)
     title = f"Pareto frontier (cost against {label})" if s.mode == "pareto" else f"best within ${s.budget:,.0f}/GPU"
