@@ -21,7 +21,6 @@ import numpy as np
 
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
-from stage_cosim.parallel import ParallelConfig
 from stage_cosim.search.evaluate import MEMORY_REASON, Evaluation, Objective, evaluate
 from stage_cosim.search.runner import Runner, make_runner
 from stage_cosim.search.space import SearchSpace, canonical, check

@@ -6,12 +6,16 @@ clients; a killed server recovers, and its workers die with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Iterator
 
 import grpc
 import pytest
@@ -24,8 +28,9 @@ from test_bridge import SMALL, STANDIN_CHECK, STANDINS, TESTS, config
 SECRET = "7f3c-server-secret-9d1e"
 
 
-def submit_raw(client: Client, kind: str, design: dict, settings: dict | None = None) -> tuple[str, str]:
-    """Submit past the client's own checks and file reading; (status code name, message or job id)."""
+def submit_raw(client: Client, kind: str, design: dict, settings: dict | str | None = None) -> tuple[str, str]:
+    """Submit past the client's own checks and file reading; (status code name, message or job id).
+    ``settings`` is a JSON object, or the text of one (sent as it is, malformed or not)."""
     message = pb.SubmitJobRequest()
     body = getattr(message, kind)
     for key, value in design.items():
@@ -35,7 +40,7 @@ def submit_raw(client: Client, kind: str, design: dict, settings: dict | None = 
         else:
             setattr(body.design, key, value)
     if settings is not None:
-        body.settings_json = json.dumps(settings)
+        body.settings_json = settings if isinstance(settings, str) else json.dumps(settings)
     try:
         return "OK", client.stub.SubmitJob(message, timeout=60).id
     except grpc.RpcError as exc:
@@ -214,12 +219,31 @@ BILLION_LAUGHS = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"]
                            + [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")])
 
 
+@contextlib.contextmanager
+def health_poller(client: Client) -> Iterator[list[float]]:
+    """Health checks every 10 ms in a thread while the block runs; yields ``[slowest seconds]``."""
+    slowest = [0.0]
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            client.health()
+            slowest[0] = max(slowest[0], time.perf_counter() - t0)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        yield slowest
+    finally:
+        stop.set()
+        poller.join()
+
+
 def test_oversized_and_hostile_documents_are_refused_without_stalling_the_server() -> None:
     """Each is INVALID_ARGUMENT naming its field, with a short message; health checks keep
     answering while they are parsed (off the event loop, within the document limits)."""
-    import threading
-    import time
-
     cluster = "gpu: H100-SXM\nscale_up: {gpus_per_domain: 8, bandwidth_GBps: 450, latency_ns: 700}\n" \
               "scale_out: {bandwidth_GBps: 50, latency_ns: 2000}\n"
     big = cluster + "".join(f"pad{i}: [{', '.join(['1'] * 40)}]\n" for i in range(28_000))   # ~3.4 MB
@@ -237,36 +261,13 @@ def test_oversized_and_hostile_documents_are_refused_without_stalling_the_server
         ("simulate", {**SMALL, "recompute": "x" * 5000}, None, "recompute", "characters long"),
     ]
     assert len(BILLION_LAUGHS) < 600 and len(big) > 3_300_000
-    slowest = [0.0]
-    stop = threading.Event()
-    with start_in_thread(config()) as s, Client(s.address, retries=0) as c:
-        def poll() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                c.health()
-                slowest[0] = max(slowest[0], time.perf_counter() - t0)
-                time.sleep(0.01)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        try:
-            for kind, design, settings, field, rule in cases:
-                message = pb.SubmitJobRequest()
-                body = getattr(message, kind)
-                for key, value in design.items():
-                    setattr(body.design, key, value)
-                if settings is not None:
-                    body.settings_json = settings
-                with pytest.raises(grpc.RpcError) as err:
-                    c.stub.SubmitJob(message, timeout=30)
-                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details()[:200])
-                details = err.value.details()
-                assert details.startswith(f"{field}: ") and rule in details and len(details) <= 1000, details[:300]
-            assert c.server_info().jobs == 0
-            assert c.result(c.submit("simulate", SMALL).id) is not None        # the server still works
-        finally:
-            stop.set()
-            poller.join()
+    with start_in_thread(config()) as s, Client(s.address, retries=0) as c, health_poller(c) as slowest:
+        for kind, design, settings, field, rule in cases:
+            code, details = submit_raw(c, kind, design, settings)
+            assert code == "INVALID_ARGUMENT", (field, code, details[:200])
+            assert details.startswith(f"{field}: ") and rule in details and len(details) <= 1000, details[:300]
+        assert c.server_info().jobs == 0
+        assert c.result(c.submit("simulate", SMALL).id) is not None        # the server still works
     assert slowest[0] < 2.0, slowest          # generous: the figure is benchmarks/bridge_load.py's
 
 
@@ -286,39 +287,22 @@ def test_long_texts_aliased_thousands_of_times_are_refused_at_once() -> None:
     INVALID_ARGUMENT naming the field at once, health checks unaffected, no memory taken. The
     resolved request's size is counted without writing it, and stops at the limit."""
     import resource
-    import threading
-    import time
 
     from stage_cosim.bridge.documents import DocumentLimits, check_request_size
     from stage_cosim.errors import UserError
 
     docs = [long_text_aliased(n) for n in (1_000, 10_000, 40_000, 200_000)]
     assert len(docs[2]) < 41_000 and docs[2].count("*") < 30
-    slowest = [0.0]
-    stop = threading.Event()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with start_in_thread(config()) as s, Client(s.address, retries=0) as c:
-        def poll() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                c.health()
-                slowest[0] = max(slowest[0], time.perf_counter() - t0)
-                time.sleep(0.01)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        try:
-            for doc in docs:
-                t0 = time.perf_counter()
-                code, text = submit_raw(c, "simulate", {**SMALL, "cluster_description": doc})
-                took = time.perf_counter() - t0
-                assert code == "INVALID_ARGUMENT" and text.startswith(
-                    "cluster_description: expands to more than 262,144 bytes of text"), text[:200]
-                assert took < 2.0, took          # was 18 s for the 40 KB document, holding the GIL
-            assert c.server_info().jobs == 0
-        finally:
-            stop.set()
-            poller.join()
+    with start_in_thread(config()) as s, Client(s.address, retries=0) as c, health_poller(c) as slowest:
+        for doc in docs:
+            t0 = time.perf_counter()
+            code, text = submit_raw(c, "simulate", {**SMALL, "cluster_description": doc})
+            took = time.perf_counter() - t0
+            assert code == "INVALID_ARGUMENT" and text.startswith(
+                "cluster_description: expands to more than 262,144 bytes of text"), text[:200]
+            assert took < 2.0, took          # was 18 s for the 40 KB document, holding the GIL
+        assert c.server_info().jobs == 0
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert slowest[0] < 1.0 and grown_mib < 100, (slowest, grown_mib)     # was 13 s and 850 MB
     # the whole request, counted with an early stop: 100,000 references to one 1 MiB text
@@ -352,16 +336,8 @@ def test_numbers_and_values_json_cannot_hold_are_invalid_argument(server_with_st
     ]
     with Client(server_with_standins.address, retries=0) as c:
         for kind, design, settings, field, rule in cases:
-            message = pb.SubmitJobRequest()
-            body = getattr(message, kind)
-            for key, value in design.items():
-                setattr(body.design, key, value)
-            if settings is not None:
-                body.settings_json = settings
-            with pytest.raises(grpc.RpcError) as err:
-                c.stub.SubmitJob(message, timeout=30)
-            code, details = err.value.code(), err.value.details()
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, code, details[:200])
+            code, details = submit_raw(c, kind, design, settings)
+            assert code == "INVALID_ARGUMENT", (field, code, details[:200])
             assert details.startswith(f"{field}: ") and rule in details and len(details) < 400, details[:300]
 
 
