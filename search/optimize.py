@@ -304,17 +304,17 @@ def _local_search(search: _Search, budget: int) -> None:
             neighbours = [search.canonical({**current.point, d.name: c})
                           for d in dims for c in d.choices if c != current.point[d.name]]
             fresh = [p for p in neighbours if _key(p) not in search.cache and search.structure(p)[0] is not None]
-            evaluated = search.evaluate_many(fresh)
+            search.evaluate_many(fresh)
             too_big = [e.point for e in map(search.cache.get, map(_key, neighbours))
                        if e is not None and e.reason == MEMORY_REASON]
             paired = {_key(q): q for p in too_big for d in dims if d.name in MEMORY_DIMENSIONS
                       for q in [search.canonical({**p, d.name: c}) for c in d.choices if c != p[d.name]]}
             fresh = [q for k, q in paired.items() if k not in search.cache and search.structure(q)[0] is not None]
-            evaluated += search.evaluate_many(fresh)
+            search.evaluate_many(fresh)
             neighbours += list(paired.values())
-            better = [e for e in evaluated if e is not None and e.feasible and e.score < current.score]
+            # every neighbour simulated, now or before, is in the cache
             known = [search.cache[_key(p)] for p in neighbours if _key(p) in search.cache]
-            better += [e for e in known if e.feasible and e.score < current.score]
+            better = [e for e in known if e.feasible and e.score < current.score]
             if not better:
                 break
             current = min(better, key=lambda e: (e.score, _key(e.point)))
