@@ -63,7 +63,7 @@ def cluster_of(run: TrainingRun) -> str:
 @lru_cache(maxsize=None)
 def _workload(run: TrainingRun):
     w = synthesize(run.model, run.parallel(), resolve_cluster(cluster_of(run), run.gpus).gpu)
-    w.roles  # build every stage once; the fit re-simulates them many times
+    _ = w.roles  # build every stage once; the fit re-simulates them many times
     return w
 
 

@@ -15,6 +15,7 @@ from stage_cosim.errors import UserError, require
 from stage_cosim.files import local_files_allowed, read_yaml
 from stage_cosim.hardware.gpu import GPU, get_gpu
 from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
+from stage_cosim.limits import MAX_RANKS, MAX_RANKS_TEXT
 
 GIB_PER_GB = 1e9 / (1 << 30)   # ASTRA-sim's "GB/s" is 2^30 B/s; vendor figures are 10^9 B/s
 
@@ -50,6 +51,8 @@ class Cluster:
     def __post_init__(self) -> None:
         require(isinstance(self.num_gpus, int) and self.num_gpus > 0, "cluster.num_gpus",
                 f"must be a positive integer, got {self.num_gpus!r}")
+        require(self.num_gpus <= MAX_RANKS, "cluster.num_gpus",
+                f"{self.num_gpus:,} GPUs, more than the {MAX_RANKS_TEXT}")
         d = self.scale_up.gpus_per_domain
         require(isinstance(d, int) and d > 0, "cluster.scale_up.gpus_per_domain", f"must be a positive integer, got {d!r}")
         require(self.num_gpus <= d or self.num_gpus % d == 0, "cluster",
@@ -187,6 +190,8 @@ def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
             raise UserError("cluster", f"GPU count after ':' must be an integer, got {count!r}") from None
         if n <= 0:
             raise UserError("cluster", f"GPU count after ':' must be positive, got {count!r}")
+        if n > MAX_RANKS:
+            raise UserError("cluster", f"{n:,} GPUs, more than the {MAX_RANKS_TEXT}")
     return _build(dict(CLUSTER_PRESETS[name]), name,
                   n if n is not None else CLUSTER_PRESETS[name]["scale_up"]["gpus_per_domain"])
 

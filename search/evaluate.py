@@ -98,3 +98,22 @@ def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: d
         result, _, _ = simulate(w, cluster, network_model)
     d = result.to_dict()
     return Evaluation(point, par.to_dict(), True, None, objective.score(d), d)
+
+
+def gpus_for_training_state(model: ModelConfig, cluster: Cluster, headroom: float = DEFAULT_HEADROOM,
+                            fp8_param_gather: bool = False) -> tuple[int, str]:
+    """A lower bound on the GPUs any training configuration of ``model`` needs, and why: its
+    weights (bf16: 2 bytes a parameter, 1 kept in FP8), gradients (fp32: 4) and Adam state (fp32
+    master weights and two moments: 12), spread evenly over every GPU (ZeRO-3 over all of them),
+    must fit in each GPU's HBM less ``headroom``; activations and the runtime only add to it."""
+    import math
+
+    from stage_cosim.schedule.program import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+
+    per_param = (1 if fp8_param_gather else WEIGHT_BYTES) + GRAD_BYTES + OPTIMIZER_BYTES
+    usable = cluster.gpu.memory_bytes * (1 - headroom)
+    params = model.param_count()
+    need = math.ceil(params * per_param / usable)
+    return need, (f"memory: needs >= {need:,} GPUs (the weights, gradients and Adam state of {params / 1e9:,.1f} B "
+                  f"parameters, {per_param} bytes each, over {usable / (1 << 30):.1f} GiB usable per GPU, before "
+                  f"activations); the cluster has {cluster.num_gpus:,}")

@@ -288,6 +288,7 @@ class Explorer:
     cache: dict[tuple, Candidate] = field(default_factory=dict)
     seeds: list[dict[str, Any]] = field(default_factory=list)      # baseline's best points
     visited: list[tuple] = field(default_factory=list)              # the last full search's points
+    done: int = 0                                                   # candidate evaluations asked for
 
     def _settings(self) -> OptimizeSettings:
         return OptimizeSettings(objective=Objective("step-time"), seed=self.spec.seed, budget=self.spec.inner_budget,
@@ -340,18 +341,21 @@ class Explorer:
         return tuple(sorted((k, round(v, 6)) for k, v in values.items()))
 
     def quick(self, values: dict[str, float]) -> Candidate:
-        """Best of the baseline's top configurations, re-checked and re-simulated here."""
+        """Best of the baseline's top configurations, re-checked and re-simulated here. Every
+        call is one step of the progress (``done`` of ``total``: :func:`planned_evaluations`),
+        a candidate already evaluated included."""
         key = self._key(values)
-        if key in self.cache:
-            return self.cache[key]
-        if self.should_stop is not None and self.should_stop():
-            raise KeyboardInterrupt
-        best = _best_of(self, values, self.seeds)
-        cand = self.candidate(values, best)
-        self.cache[key] = cand
+        cand = self.cache.get(key)
+        if cand is None:
+            if self.should_stop is not None and self.should_stop():
+                raise KeyboardInterrupt
+            best = _best_of(self, values, self.seeds)
+            cand = self.candidate(values, best)
+            self.cache[key] = cand
+        self.done += 1
         if self.progress is not None:
-            self.progress({"candidates": len(self.cache), "values": values, "step_time_s": cand.step_time_s,
-                           "cost_per_gpu": cand.cost_per_gpu})
+            self.progress({"done": self.done, "total": planned_evaluations(self.spec), "candidates": len(self.cache),
+                           "values": values, "step_time_s": cand.step_time_s, "cost_per_gpu": cand.cost_per_gpu})
         return cand
 
 
@@ -404,10 +408,30 @@ def _minimize_step(ex: Explorer, max_cost: float | None, seed: int) -> None:
         over = 0.0 if max_cost is None else max(0.0, c.cost_per_gpu - max_cost) / max(max_cost, 1.0)
         return c.step_time_s * (1 + 100 * over) + (1e3 * over if over else 0.0)
 
-    popsize = max(4, spec.candidates // (4 * len(bounds)) or 4)
-    maxiter = max(1, spec.candidates // (popsize * len(bounds)) - 1)
+    popsize, maxiter = _de_sizes(spec)
     differential_evolution(f, bounds, integrality=integrality, seed=seed, popsize=popsize, maxiter=maxiter,
                            polish=False, updating="deferred", init="sobol", tol=0, atol=0)
+
+
+def _de_sizes(spec: ExploreSpec) -> tuple[int, int]:
+    """(popsize, maxiter) of each scipy run: about ``spec.candidates`` evaluations."""
+    n = len(spec.variables)
+    popsize = max(4, spec.candidates // (4 * n) or 4)
+    return popsize, max(1, spec.candidates // (popsize * n) - 1)
+
+
+def planned_evaluations(spec: ExploreSpec) -> int:
+    """The candidate evaluations an exploration asks for, at most (its progress total): each
+    scipy run evaluates its population at the start and once per generation (scipy's population:
+    max(5, popsize x the variables that vary) members, rounded up to a power of two for its Sobol
+    start; a run that converges stops early), one run per budget level, then the sensitivity's
+    two neighbours of the baseline per variable."""
+    popsize, maxiter = _de_sizes(spec)
+    varying = sum(1 for v in spec.variables if v.bounds()[0] != v.bounds()[1])
+    members = max(5, popsize * max(1, varying))
+    members = 1 << (members - 1).bit_length()
+    runs = 1 if spec.mode == "budget" else spec.points
+    return runs * members * (maxiter + 1) + 2 * len(spec.variables)
 
 
 def pareto_front(cands: list[Candidate]) -> list[Candidate]:

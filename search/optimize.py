@@ -61,7 +61,7 @@ class OptimizeResult:
 
     @property
     def ranked(self) -> list[Evaluation]:
-        return sorted((e for e in self.evaluated if e.feasible), key=lambda e: (e.score, _key(e.point)))
+        return rank(self.evaluated)
 
     @property
     def best(self) -> Evaluation | None:
@@ -98,6 +98,36 @@ class OptimizeResult:
 
 def _key(point: dict[str, Any]) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in point.items()))
+
+
+# Scores within this relative distance of each other are a tie. The simulator is deterministic,
+# so two configurations that do the same work in the same time differ only by the rounding of
+# sums taken in another order (some 1e-15 relative); 1e-9 is far above that and far below any
+# difference the model resolves (a nanosecond of a one-second step, less than one kernel launch).
+TIE = 1e-9
+
+
+def _peak_fraction(e: Evaluation) -> float:
+    """The share of HBM the configuration's busiest GPU holds (0 where the result has none)."""
+    r = e.result or {}
+    return r.get("peak_memory_bytes", 0) / r["memory_capacity_bytes"] if r.get("memory_capacity_bytes") else 0.0
+
+
+def rank(evaluations: Any) -> list[Evaluation]:
+    """The feasible evaluations, best first: by score, and among scores tied to within
+    :data:`TIE` (relative to the best of the tied run) by more memory headroom, i.e. the lower
+    peak fraction of HBM; then by the configuration, so the order never depends on arrival."""
+    ordered = sorted((e for e in evaluations if e.feasible), key=lambda e: (e.score, _key(e.point)))
+    out: list[Evaluation] = []
+    i = 0
+    while i < len(ordered):
+        lead = ordered[i].score
+        j = i + 1
+        while j < len(ordered) and abs(ordered[j].score - lead) <= TIE * max(abs(lead), abs(ordered[j].score)):
+            j += 1
+        out += sorted(ordered[i:j], key=lambda e: (_peak_fraction(e), e.score, _key(e.point)))
+        i = j
+    return out
 
 
 class Problem:
@@ -173,8 +203,8 @@ class _Search:
             raise KeyboardInterrupt
 
     def best(self) -> Evaluation | None:
-        feasible = [e for e in self.cache.values() if e.feasible]
-        return min(feasible, key=lambda e: (e.score, _key(e.point))) if feasible else None
+        ranked = rank(self.cache.values())
+        return ranked[0] if ranked else None
 
 
 def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | None = None, *,
@@ -294,7 +324,7 @@ def _local_search(search: _Search, budget: int) -> None:
     dims = search.space.dimensions
     polished: set[tuple] = set()
     while len(search.cache) < budget:
-        ranked = sorted((e for e in search.cache.values() if e.feasible), key=lambda e: (e.score, _key(e.point)))
+        ranked = rank(search.cache.values())
         start = next((e for e in ranked if _key(e.point) not in polished), None)
         if start is None:
             return
@@ -317,6 +347,6 @@ def _local_search(search: _Search, budget: int) -> None:
             better = [e for e in known if e.feasible and e.score < current.score]
             if not better:
                 break
-            current = min(better, key=lambda e: (e.score, _key(e.point)))
+            current = rank(better)[0]
         if len(search.cache) >= budget:
             return

@@ -18,6 +18,7 @@ highest rate a run of that many requests sustains.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -129,6 +130,17 @@ def layout(space: SearchSpace, point: dict[str, Any], cluster: Cluster, target: 
             "instance_gpus": instance}, None
 
 
+def rule_of(exc: UserError) -> str:
+    """The rule a layout broke without that layout's own figures, so that the layouts failing for
+    one reason are counted together ("cluster: weights and the largest step's working set per GPU
+    leave no KV cache in N of N GiB", not one line per layout)."""
+    subject, colon, rest = exc.rule.partition(": ")
+    rule = rest if colon and " on tp" in subject else exc.rule      # "<model> on tp2 pp1: ..." names the layout
+    rule = re.sub(r"\s*\([^)]*\)", "", rule)                          # "(141.2 GiB)"
+    rule = re.sub(r"\d+(?:[.,]\d+)*", "N", rule)
+    return f"{exc.parameter}: {rule}"
+
+
 def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
             target: ServeTarget, num_requests: int) -> Evaluation:
     """Simulate the layout's unit at increasing rates; its goodput per GPU (an Evaluation whose
@@ -143,7 +155,7 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
     try:
         dep = deploy(model, par, inference, unit, serving)
     except UserError as exc:
-        return Evaluation(point, config, False, f"{exc.parameter}: {exc.rule.split(':')[0]}", None, None)
+        return Evaluation(point, config, False, rule_of(exc), None, None)
     stream = replace(target.stream, num_requests=num_requests)
 
     def run(rate: float) -> dict[str, Any]:
@@ -268,7 +280,7 @@ def decode_rate(model: ModelConfig, cluster: Cluster, config: dict[str, Any], po
     try:
         w = synthesize(model, par, inference=inf)
     except UserError as exc:
-        return Evaluation(point, config, False, f"{exc.parameter}: {exc.rule.split(':')[0]}", None, None)
+        return Evaluation(point, config, False, rule_of(exc), None, None)
     unit = replace(cluster, num_gpus=gpus)
     if max(w.memory(s, unit).total for s in range(par.pp)) > unit.gpu.memory_bytes:
         return Evaluation(point, config, False, "the batch's KV cache does not fit in memory", None, None)

@@ -62,6 +62,9 @@ class SimResult:
     # An inference step (None for training): phase, batch, latency, bytes read, MBU, KV cache
     # (see stage_cosim.inference.summary).
     inference: dict[str, Any] | None = None
+    # The model's parameter counts, total and active, and what each counts
+    # (stage_cosim.model.params; None where the model is not known, as for foreign traces).
+    parameters: dict[str, Any] | None = None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:

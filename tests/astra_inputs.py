@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
 from stage_cosim.adapters.astra_sim.run import AstraSimError, run
@@ -64,12 +65,19 @@ def replay_args(d: Path) -> list[str]:
             f"--remote-memory-configuration={d / 'memory.json'}", f"--comm-group-configuration={d / 'comm_groups.json'}"]
 
 
-def run_binary(d: Path, ranks: int, timeout_s: float = 60.0) -> dict[int, tuple[int, int]] | str:
-    """The real simulator on a run directory: rank -> (finished, exposed communication), or the
-    kind of failure (signal, exit, deadlock, timeout)."""
+class RankEnd(NamedTuple):
+    """What the binary prints for one rank: ``sys[r] finished, F cycles, exposed communication E cycles``."""
+
+    finished: int
+    exposed_comm: int
+
+
+def run_binary(d: Path, ranks: int, timeout_s: float = 60.0) -> dict[int, RankEnd] | str:
+    """The real simulator on a run directory: rank -> its RankEnd, or the kind of failure
+    (signal, exit, deadlock, timeout)."""
     assert BINARY, "set ASTRA_SIM_BIN"
     try:
         out = run(BINARY, d, ranks, timeout_s).output
     except AstraSimError as exc:
         return exc.kind
-    return {r: (out.finished_ns[r], out.exposed_comm_ns[r]) for r in out.finished_ns}
+    return {r: RankEnd(out.finished_ns[r], out.exposed_comm_ns[r]) for r in out.finished_ns}

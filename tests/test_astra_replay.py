@@ -2,7 +2,7 @@
 deadlocks of ASTRA-sim's one-communication-operation-at-a-time rule.
 
 The figures marked "binary" were printed by ASTRA-sim's congestion-unaware analytical binary
-(the build of ``astra-sim-build.md``) on exactly the inputs the test writes; with
+(a Release build of its congestion-unaware analytical backend) on exactly the inputs the test writes; with
 ``ASTRA_SIM_BIN`` set, the tests run it again and compare live.
 """
 
@@ -82,8 +82,8 @@ def test_replay_agrees_with_the_binary_on_edge_inputs(run_cli, tmp_path, name) -
     assert code == 0 and stdout.startswith("ok:")
     if BINARY:
         real = run_binary(d, len(ranks))
-        assert isinstance(real, dict) and [real[r][0] for r in range(len(ranks))] == out["finished_cycles"]
-        assert [real[r][1] for r in range(len(ranks))] == out["exposed_communication_cycles"]
+        assert isinstance(real, dict) and [real[r].finished for r in range(len(ranks))] == out["finished_cycles"]
+        assert [real[r].exposed_comm for r in range(len(ranks))] == out["exposed_communication_cycles"]
 
 
 # -- inputs the binary aborts or hangs on: refused, by validate and by replay -------------------------
@@ -160,7 +160,7 @@ def test_refused_by_validate_and_replay(run_cli, tmp_path, name) -> None:
     if BINARY:
         real = run_binary(d, dims[0].npus, timeout_s=10)
         if isinstance(binary_does, list):       # it runs, silently wrong
-            assert isinstance(real, dict) and [real[r][0] for r in range(len(binary_does))] == binary_does
+            assert isinstance(real, dict) and [real[r].finished for r in range(len(binary_does))] == binary_does
         else:
             assert real == binary_does
 
@@ -286,7 +286,7 @@ def test_tied_embeddings_export_runs_to_the_end(run_cli, tmp_path, cfg) -> None:
         assert runsh.returncode == 0, runsh.stderr[-500:]
     code, out = _replay(run_cli, d)
     assert code == 0, out
-    ours = simulate(w, cluster, "astra")[0]
+    ours = simulate(w, cluster, "astra").result
     # the astra model is the replay of the export, to the nanosecond
     assert out["max_finished_cycles"] == round(ours.step_time_s * 1e9)
     for role in ours.roles:
@@ -294,7 +294,7 @@ def test_tied_embeddings_export_runs_to_the_end(run_cli, tmp_path, cfg) -> None:
     if BINARY:
         real = run_binary(d, w.world_size)
         assert isinstance(real, dict) and len(real) == w.world_size, real
-        assert [real[r][0] for r in range(w.world_size)] == out["finished_cycles"]
+        assert [real[r].finished for r in range(w.world_size)] == out["finished_cycles"]
 
 
 # -- the binary's double free on exit -------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_the_exit_double_free_is_a_warning(run_cli, tmp_path, name) -> None:
     out = json.loads(text)
     if BINARY:
         real = run_binary(d, len(ranks))       # a signal after every result is not a failure
-        assert isinstance(real, dict) and [real[r][0] for r in range(len(ranks))] == out["finished_cycles"]
+        assert isinstance(real, dict) and [real[r].finished for r in range(len(ranks))] == out["finished_cycles"]
 
 
 @needs_binary
@@ -478,7 +478,7 @@ def test_system_knobs_reach_the_astra_model(two_nodes, tmp_path, run_cli, knob) 
         settings = AstraSettings(implementation="ring")
         impls = {c: ("ring", "ring") for c in COLLECTIVES}
         impls["ALL_REDUCE"] = ("doubleBinaryTree", "doubleBinaryTree")
-    ours = simulate(w, cluster, "astra", astra_settings=settings, compute_mode=mode)[0]
+    ours = simulate(w, cluster, "astra", astra_settings=settings, compute_mode=mode).result
     d = tmp_path / "run"
     export(w, cluster, d, mode=mode, settings=settings)
     if knob == "doubleBinaryTree":
@@ -494,12 +494,12 @@ def test_system_knobs_reach_the_astra_model(two_nodes, tmp_path, run_cli, knob) 
     # the implementation lists say (they must have one entry to apply to a group), and
     # localBWAware and endpoint-delay change only collectives over all ranks (a group always pays
     # 10 ns): those knobs rightly change nothing here.
-    default = simulate(w, cluster, "astra")[0].step_time_s
+    default = simulate(w, cluster, "astra").result.step_time_s
     if knob in ("active-chunks 2", "dataset-splits 16", "roofline compute"):
         assert ours.step_time_s != default
     if BINARY:
         real = run_binary(d, w.world_size)
-        assert isinstance(real, dict) and [real[r][0] for r in range(w.world_size)] == out["finished_cycles"]
+        assert isinstance(real, dict) and [real[r].finished for r in range(w.world_size)] == out["finished_cycles"]
 
 
 # Every knob on a fixed hand-written input (no synthesis, no GPU calibration, so the figures stay
@@ -554,5 +554,5 @@ def test_system_knobs_against_the_binarys_figures(run_cli, tmp_path, knob) -> No
     assert (max(got), min(got), got[0], out["exposed_communication_cycles"][0]) == (last, first, rank0, exposed0)
     if BINARY:
         real = run_binary(d, 16)
-        assert isinstance(real, dict) and [real[r][0] for r in range(16)] == got
-        assert [real[r][1] for r in range(16)] == out["exposed_communication_cycles"]
+        assert isinstance(real, dict) and [real[r].finished for r in range(16)] == got
+        assert [real[r].exposed_comm for r in range(16)] == out["exposed_communication_cycles"]

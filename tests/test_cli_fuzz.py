@@ -202,6 +202,7 @@ def _value(rng: random.Random, key: str) -> object:
     return 64 if v == 10**12 and key.rsplit(".", 1)[-1] in LINEAR else v
 
 
+@pytest.mark.slow
 def test_random_explore_specs(run, tmp_path) -> None:
     rng = random.Random(f"{SEED}-explore")
     spec = tmp_path / "spec.yaml"
@@ -262,7 +263,7 @@ def test_random_trace_files(run, tmp_path, traces, capsys) -> None:
             "--network-configuration": d / "network.yml", "--remote-memory-configuration": d / "memory.json",
             "--comm-group-configuration": d / "comm_groups.json"}
     for flag in good:
-        for name, path in files.items():
+        for path in files.values():
             args = {**good, flag: str(path) if flag != "--workload-configuration" else str(path)}
             run(["astra-sim", "replay", *[x for kv in args.items() for x in map(str, kv)]])
     for extra in (["--logging-folder", str(files["binary"])], ["--logging-folder", "/proc/stage-cosim-fuzz"],

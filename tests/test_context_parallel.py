@@ -9,7 +9,6 @@ over dp and cp together.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -337,8 +336,8 @@ def test_a_slow_ring_shows_as_exposed_cp() -> None:
 
     w = workload(tp=1, cp=8)
     c = resolve_cluster("dgx-h100:8")
-    fast = simulate(w, c)[0]
-    slow = simulate(w, replace(c, scale_up=replace(c.scale_up, bandwidth_GBps=1.0)))[0]
+    fast = simulate(w, c).result
+    slow = simulate(w, replace(c, scale_up=replace(c.scale_up, bandwidth_GBps=1.0))).result
     assert fast.breakdown["exposed_cp"] < 0.01 * fast.step_time_s     # hidden behind the partial kernels
     # at 1 GB/s the ring's transfers outlast the partial kernels: nearly all of their time shows
     ring_s = sum(n.comm_bytes for n in w.role(0).nodes if n.type == SEND) / (1e9 * c.gpu.scale_up_efficiency)
@@ -364,6 +363,7 @@ def test_ring_step_kernels_against_hand_computed_times() -> None:
     from stage_cosim.adapters.roofline.compute import ComputeModel
 
     gpu = resolve_cluster("dgx-h100:8").gpu
+    # 132 SMs: an H100 SXM5 (NVIDIA's H100 Tensor Core GPU Architecture whitepaper)
     assert (gpu.sm_count, gpu.attention_block_rows) == (132, 128)
     model = ComputeModel(gpu)
     fwd_flops = 4 * B * 2048 * 2048 * (HQ // 8) * D            # one step: 1/cp of the rank's full-matrix work
@@ -457,7 +457,7 @@ def test_ring_traces_replay_one_rank_per_stage(par, symmetric, tmp_path, run_cli
     assert code == 0
     tmp_path = tmp_path / "t"
     cluster = resolve_cluster("dgx-h100", parallel.world_size)
-    direct = simulate(w, cluster, exact=True)[0].step_time_s     # the node-level replay
+    direct = simulate(w, cluster, exact=True).result.step_time_s     # the node-level replay
     one, _, programs = simulate_traces(tmp_path, cluster)
     every, _, _ = simulate_traces(tmp_path, cluster, symmetric=False)
     assert one.config["symmetric"] is symmetric

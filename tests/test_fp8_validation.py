@@ -17,6 +17,7 @@ from stage_cosim.model import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.schedule.program import COLL, COMP
 from stage_cosim.workload import synthesize
+from template_rows import Row, template_rows
 
 H100 = get_gpu("H100-SXM")
 FP32 = 4
@@ -68,6 +69,21 @@ def test_default_fp8_curve_is_the_calibration_files() -> None:
     assert bare.fp8_matmul_half_flops == d["fp8_matmul_half_flops"]
 
 
+def test_template_rows_read_as_the_nodes_they_become(llama_tiny) -> None:
+    """The tests read pass templates through template_rows.Row: each field is the attribute of
+    the Node the row becomes when a later micro-batch's pass is placed."""
+    par = ParallelConfig(tp=2, micro_batch=1, global_batch=2, seq_len=512, dtype="fp8")
+    role = synthesize(llama_tiny, par, H100).role(0)
+    for phase in ("fwd", "bwd"):
+        rows = template_rows(role, (0, phase))
+        placed = [n for n in role.nodes if n.micro_batch == 1 and n.chunk == 0 and n.phase in (phase, "recompute")
+                  and n.name in {r.name for r in rows}]
+        assert [n.name for n in placed] == [r.name for r in rows]
+        for r, n in zip(rows, placed):
+            same = set(Row._fields) - {"deps", "tag"}          # ids and tags are placed relative to the pass
+            assert {f: getattr(r, f) for f in same} == {f: getattr(n, f) for f in same}, r.name
+
+
 # -- FP8 parameter gathers under ZeRO-3 --------------------------------------------------------------
 
 def test_fp8_param_gather_halves_the_zero3_gathers(llama_tiny) -> None:
@@ -80,8 +96,9 @@ def test_fp8_param_gather_halves_the_zero3_gathers(llama_tiny) -> None:
     def gathers(fp8_param_gather: bool) -> dict[str, int]:
         par = ParallelConfig(dp=dp, zero=3, micro_batch=2, global_batch=8, seq_len=512, dtype="fp8",
                              fp8_param_gather=fp8_param_gather)
-        rows = [r for t in synthesize(llama_tiny, par, H100).role(0).templates.values() for r in t.rows]
-        return {r[0]: r[8] for r in rows if r[1] == COLL and r[12] == "layer0" and "zero3_gather" in r[0]}
+        role = synthesize(llama_tiny, par, H100).role(0)
+        rows = [r for key in role.templates for r in template_rows(role, key)]
+        return {r.name: r.comm_bytes for r in rows if r.type == COLL and r.block == "layer0" and "zero3_gather" in r.name}
 
     bf16, fp8 = gathers(False), gathers(True)
     assert set(bf16) == set(fp8) == {"layer0.fwd.zero3_gather", "layer0.bwd.zero3_gather"}
@@ -104,13 +121,12 @@ def test_scale_update_kernel_bytes(llama_tiny, history: int) -> None:
     role = synthesize(m, par, H100).role(0)
     tensors = {"fwd": 3, "bwd": 2}
     seen = set()
-    for t in role.templates.values():
-        for r in t.rows:
-            if r[1] == COMP and r[0].endswith("fp8_scale_update"):
-                phase = r[11]
-                entries = 4 * m.layers * tensors[phase]
-                assert r[5] == FP32 * entries * (history + 1 + history + 2)
-                seen.add(phase)
+    for key in role.templates:
+        for r in template_rows(role, key):
+            if r.type == COMP and r.name.endswith("fp8_scale_update"):
+                entries = 4 * m.layers * tensors[r.phase]
+                assert r.mem_bytes == FP32 * entries * (history + 1 + history + 2)
+                seen.add(r.phase)
     assert seen == {"fwd", "bwd"}
 
 

@@ -111,13 +111,14 @@ def test_imbalance_scales_the_busiest_ranks_exchange_and_gemms() -> None:
     base = dict(dp=8, ep=8, micro_batch=1, global_batch=8, seq_len=SEQ)
     even, skew = (synthesize(m, ParallelConfig(**base, moe_imbalance=f)) for f in (1.0, 2.0))
 
-    def expert_work(w):
-        nodes = _nodes(w)
-        return (sum(n.comm_bytes for n in nodes if n.type == COLL and n.group == "ep"),
-                sum(n.flops for n in nodes if n.type == COMP and n.name.startswith("layer0.experts.") and n.matmul))
+    def a2a_bytes(w) -> int:
+        return sum(n.comm_bytes for n in _nodes(w) if n.type == COLL and n.group == "ep")
 
-    assert expert_work(skew)[0] == 2 * expert_work(even)[0]
-    assert expert_work(skew)[1] == pytest.approx(2 * expert_work(even)[1])
+    def expert_gemm_flops(w) -> float:
+        return sum(n.flops for n in _nodes(w) if n.type == COMP and n.name.startswith("layer0.experts.") and n.matmul)
+
+    assert a2a_bytes(skew) == 2 * a2a_bytes(even)
+    assert expert_gemm_flops(skew) == pytest.approx(2 * expert_gemm_flops(even))
     assert skew.total_model_flops() == even.total_model_flops()
     capped = ParallelConfig(**base, moe_imbalance=2.0, moe_capacity_factor=1.25)
     assert (capped.moe_load, capped.moe_dropped_fraction) == (1.25, pytest.approx(0.375))
@@ -149,7 +150,7 @@ def test_model_states_and_routed_activations_of_a_small_case() -> None:
     m = TINY.with_overrides(layers=1)
     par = ParallelConfig(dp=4, ep=2, zero=1, micro_batch=1, global_batch=4, seq_len=SEQ)
     w = synthesize(m, par)
-    h, f, k, e, v = m.hidden, m.expert_ffn, m.moe_router_topk, m.num_experts, m.vocab
+    h, f, k, e = m.hidden, m.expert_ffn, m.moe_router_topk, m.num_experts
     experts = e * 3 * h * f // 2                                   # per rank
     dense = m.param_count() - e * 3 * h * f
     mem = w.memory(0)
@@ -229,7 +230,7 @@ def test_real_astra_sim_runs_moe_exports(tmp_path: Path) -> None:
     w = synthesize(m, par)
     cluster = resolve_cluster("dgx-h100:16")
     real = simulate_astra_sim(w, cluster, binary=os.environ["ASTRA_SIM_BIN"], keep=tmp_path / "run")
-    ours = simulate(w, cluster, "astra")[0]
+    ours = simulate(w, cluster, "astra").result
     assert len(real.config["astra_sim"]["per_rank_finished_ns"]) == 16
     assert ours.step_time_s == pytest.approx(real.step_time_s, rel=0.01)
 
@@ -379,7 +380,7 @@ def test_shared_experts_compute_while_the_dispatch_is_in_flight() -> None:
         m = TINY_MLA.with_overrides(mtp_num_layers=0, num_experts=16, moe_shared_expert_overlap=overlap)
         w = synthesize(m, par)
         times = _replayed(w, cluster)
-        steps[overlap] = (simulate(w, cluster, exact=True)[0].step_time_s, simulate(w, cluster)[0].step_time_s)
+        steps[overlap] = (simulate(w, cluster, exact=True).result.step_time_s, simulate(w, cluster).result.step_time_s)
         shared = [_fwd_node(w, f"layer1.shared_experts.{k}") for k in ("fc1", "swiglu", "fc2")]
         a2a = times[_fwd_node(w, "layer1.dispatch.a2a_ep").id]
         inside = a2a[0] <= times[shared[0].id][0] and times[shared[-1].id][1] <= a2a[1]
@@ -410,11 +411,11 @@ def test_fast_path_shortcuts_leave_the_result_unchanged(monkeypatch, precision) 
     first_forward = fast._first_forward_composed
     monkeypatch.setattr(fast, "_first_forward_composed", lambda *a, **k: composed.append(first_forward(*a, **k))
                         or composed[-1])
-    quick = simulate(w, cluster)[0]
+    quick = simulate(w, cluster).result
     assert len(composed) == par.pp and all(run is not None for run in composed)
     monkeypatch.setattr(fast, "_first_forward_composed", lambda *a, **k: None)
     monkeypatch.delattr(network.CalibratedNetwork, "placement_key")
-    slow = simulate(w, cluster)[0]
+    slow = simulate(w, cluster).result
     assert quick.step_time_s == pytest.approx(slow.step_time_s, rel=1e-12)
     for a, b in zip(quick.roles, slow.roles):
         assert a.finish_s == pytest.approx(b.finish_s, rel=1e-12)

@@ -1,5 +1,6 @@
 """Our traces read back: ``synth`` and ``astra-sim export`` output simulated with ``--traces``
-give the step time of the direct simulation (within 0.5 %, both network models), and
+give the step time of the direct simulation (``synth``'s with the calibrated model up to the order
+of floating-point sums, otherwise within 0.5 %), and
 ``astra-sim replay`` of an export gives the astra model's times to the nanosecond.
 
 The grid is the list below; a new parallelism (cp, ep …) is one more entry.
@@ -61,9 +62,11 @@ def test_synth_traces_read_back(gpt_small, llama_small, tmp_path, family, cfg) -
                                                                    groups_file="comm_groups.json", files=0,
                                                                    bytes_written=0)))
     for model in ("calibrated", "astra"):
-        direct = simulate(w, cluster, model)[0].step_time_s
-        back = simulate_traces(out, cluster, model)[0]
-        assert back.step_time_s == pytest.approx(direct, rel=TOL), model
+        direct = simulate(w, cluster, model).result.step_time_s
+        back = simulate_traces(out, cluster, model).result
+        # the calibrated model times the same graphs (measured: 1e-14 apart); the astra model
+        # differs by up to 0.1 % read back
+        assert back.step_time_s == pytest.approx(direct, rel=1e-9 if model == "calibrated" else TOL), model
         assert back.config["compute"] == "GPU model"
 
 
@@ -73,13 +76,13 @@ def test_export_reads_back(gpt_small, llama_small, tmp_path, run_cli, family, cf
     settings = AstraSettings(preferred_dataset_splits=2)
     d = tmp_path / "run"
     export(w, cluster, d, settings=settings)
-    astra = simulate(w, cluster, "astra", astra_settings=settings)[0]
-    calibrated = simulate(w, cluster)[0].step_time_s
-    back = simulate_traces(d, cluster, "calibrated")[0]
+    astra = simulate(w, cluster, "astra", astra_settings=settings).result
+    calibrated = simulate(w, cluster).result.step_time_s
+    back = simulate_traces(d, cluster, "calibrated").result
     assert back.step_time_s == pytest.approx(calibrated, rel=TOL)
     assert back.config["compute"] == "trace durations"
     # the astra model charges the export's own whole-microsecond durations: equal to the ns
-    back = simulate_traces(d / "traces", cluster, "astra", astra_settings=settings)[0]
+    back = simulate_traces(d / "traces", cluster, "astra", astra_settings=settings).result
     assert round(back.step_time_s * 1e9) == round(astra.step_time_s * 1e9)
     code, out, err = run_cli("astra-sim", "replay", f"--workload-configuration={d}/traces/workload",
                              f"--system-configuration={d}/system.json", f"--network-configuration={d}/network.yml",
@@ -152,7 +155,7 @@ def test_astra_reads_the_run_directorys_system(run_cli, tmp_path) -> None:
     assert from_files != step(*K16)                          # the defaults (4 splits, 1 chunk) differ
     if BINARY:
         real = run_binary(d, 16)
-        assert isinstance(real, dict) and max(f for f, _ in real.values()) == from_files
+        assert isinstance(real, dict) and max(end.finished for end in real.values()) == from_files
     # an explicit flag overrides the file's field, the others stay the file's
     assert step("--traces", str(d), "--cluster", "dgx-h100:16", "--dataset-splits", "4") == \
         step(*K16, "--dataset-splits", "4", "--active-chunks", "2")
@@ -236,6 +239,6 @@ def test_foreign_traces_are_timed_by_op_type(tmp_path) -> None:
     (tmp_path / "t").mkdir()
     write_trace_file(tmp_path / "t" / "foreign.0.et", trace)
     for model in ("calibrated", "astra"):
-        got = simulate_traces(tmp_path / "t", cluster, model)[0]
+        got = simulate_traces(tmp_path / "t", cluster, model).result
         assert got.config["compute"] == "GPU model"
         assert got.step_time_s == pytest.approx(sum(expected), rel=1e-6 if model == "calibrated" else 1e-5), model

@@ -27,6 +27,7 @@ def exhaustive():
     return optimize(_space(), CLUSTER, OptimizeSettings())
 
 
+@pytest.mark.slow
 def test_exhaustive_is_proven_and_complete(exhaustive) -> None:
     r = exhaustive
     assert r.method == "exhaustive" and r.proven_optimal
@@ -44,6 +45,7 @@ def test_exhaustive_is_proven_and_complete(exhaustive) -> None:
     assert keys <= set(doc["best"])
 
 
+@pytest.mark.slow
 def test_differential_evolution_finds_the_proven_optimum(exhaustive) -> None:
     de = optimize(_space(), CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=90, seed=3))
     assert de.method == "differential_evolution" and not de.proven_optimal
@@ -51,6 +53,7 @@ def test_differential_evolution_finds_the_proven_optimum(exhaustive) -> None:
     assert de.best.point == exhaustive.best.point
 
 
+@pytest.mark.slow
 def test_same_seed_same_answer_regardless_of_workers() -> None:
     settings = dict(exhaustive_limit=0, budget=24, seed=7)
     a = optimize(_space(), CLUSTER, OptimizeSettings(**settings))
@@ -74,6 +77,7 @@ def test_cache_never_simulates_twice(monkeypatch) -> None:
     assert len(seen) == len(set(seen))
 
 
+@pytest.mark.slow
 def test_objectives(exhaustive) -> None:
     price = 2.5
     r = optimize(_space(), CLUSTER, OptimizeSettings(objective=Objective("cost", price)))
@@ -99,8 +103,9 @@ def test_memory_headroom_and_domain_rule() -> None:
     assert all(e.point["tp"] <= 8 for e in r.evaluated)   # tp stays inside the 8-GPU NVLink domain
 
 
+@pytest.mark.slow
 def test_ray_path_matches_local() -> None:
-    ray = pytest.importorskip("ray")
+    import ray          # a test dependency (pyproject's test extra): missing, the test fails, not skips
     settings = dict(exhaustive_limit=0, budget=12, seed=5)
     local = optimize(_space(), CLUSTER, OptimizeSettings(**settings))
     try:
@@ -155,6 +160,7 @@ reuse_top: 4
 """
 
 
+@pytest.mark.slow
 def test_explore_frontier(run_cli, tmp_path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(EXPLORE)
@@ -191,6 +197,7 @@ def test_explore_bad_spec(run_cli, tmp_path, bad, param) -> None:
     assert code == 2 and err.startswith(f"error: {param}:"), err
 
 
+@pytest.mark.slow
 def test_seeded_local_search_improves_on_its_seed(exhaustive) -> None:
     worst = exhaustive.ranked[-1]
     r = optimize(_space(), CLUSTER, OptimizeSettings(exhaustive_limit=0, budget=40, seeds=(worst.point,)))
@@ -198,6 +205,7 @@ def test_seeded_local_search_improves_on_its_seed(exhaustive) -> None:
     assert r.best.score < worst.score and len(r.evaluated) <= 40
 
 
+@pytest.mark.slow
 def test_expert_parallelism_is_searched_with_its_rules() -> None:
     """ep and expert_tp are dimensions of a MoE model's space; the layout rules count as reasons;
     cp folds into the ranks the experts re-factor (tp*cp*dp), as in ParallelConfig; differential

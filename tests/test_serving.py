@@ -175,6 +175,7 @@ def test_a_request_the_cache_cannot_hold_is_rejected(llama) -> None:
 
 # -- queueing ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_littles_law_holds(llama) -> None:
     """The time-averaged number of requests in the engines' queues and batches equals the
     arrival rate times the mean time in the system: over the whole run (empty at both ends)
@@ -298,6 +299,7 @@ def test_cli_errors(run_cli, args, message) -> None:
 
 # -- the serving-layout search ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_serving_search_finds_the_best_layout_and_its_rate_is_the_edge() -> None:
     """Exhaustive over a small space: proven optimal, ranked by goodput per GPU; at the rate
     found the SLOs hold for the attainment asked, and 25 % above it they do not."""
@@ -360,6 +362,7 @@ def test_explore_decode_throughput_is_bandwidth_bound() -> None:
     assert -1.0 - 1e-9 <= el < -0.5
 
 
+@pytest.mark.slow
 def test_cli_optimize_serve(run_cli) -> None:
     code, out, err = run_cli("optimize", "--phase", "serve", "--model", "llama3-8b", "--layers", "4",
                              "--cluster", "dgx-h100:2", "--slo-ttft", "0.2", "--num-requests", "60", "--budget", "2",

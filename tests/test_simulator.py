@@ -144,8 +144,10 @@ def test_symmetric_equals_full_replay(name, kw) -> None:
 
 
 @pytest.mark.parametrize("name,kw", SMALL + [
-    ("llama3-70b", dict(dp=8, tp=8, pp=4, vp=5, global_batch=256, seq_len=4096, sp=True, zero=1)),
-    ("llama3-70b", dict(dp=32, tp=8, pp=4, global_batch=1024, seq_len=4096, sp=True, recompute="selective")),
+    pytest.param("llama3-70b", dict(dp=8, tp=8, pp=4, vp=5, global_batch=256, seq_len=4096, sp=True, zero=1),
+                 marks=pytest.mark.slow),
+    pytest.param("llama3-70b", dict(dp=32, tp=8, pp=4, global_batch=1024, seq_len=4096, sp=True,
+                                    recompute="selective"), marks=pytest.mark.slow),
 ])
 def test_fast_path_agrees_with_exact_replay(name, kw) -> None:
     if name == "llama3-70b":
@@ -187,7 +189,7 @@ def test_fast_path_reads_only_the_nodes_around_the_passes() -> None:
         assert created < role.num_nodes / 2
     w2, _ = _small(name, kw)
     for role in w2.roles:
-        role.nodes                       # every node created up front
+        _ = role.nodes                   # every node created up front
     eager, _, _ = simulate(w2, c, exact=False)
     assert lazy.to_dict() == eager.to_dict()
 

@@ -17,6 +17,7 @@ from stage_cosim.adapters.astra_sim.export import TRACE_DIR, AstraSettings, expo
 from stage_cosim.adapters.astra_sim.run import AstraSimError, run
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
+from stage_cosim.model.params import parameter_counts
 from stage_cosim.result import BREAKDOWN_KEYS, RoleResult, SimResult, fp8_mfu
 from stage_cosim.trace.validate import load_trace_set, validate_trace_set
 from stage_cosim.trace.writer import GROUPS_FILE
@@ -75,7 +76,8 @@ def simulate_astra_sim(w: Workload, cluster: Cluster, *, binary: str | None = No
                        peak_memory_bytes=peak_mem, memory_capacity_bytes=cluster.gpu.memory_bytes,
                        fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
                        config=config, roles=roles, backend="astra-sim", precision=w.precision.to_dict(),
-                       mfu_fp8=fp8_mfu(w.total_model_flops(), step, cluster.gpu, cluster.num_gpus, w.precision))
+                       mfu_fp8=fp8_mfu(w.total_model_flops(), step, cluster.gpu, cluster.num_gpus, w.precision),
+                       parameters=parameter_counts(w.model).to_dict())
     if w.inference is not None:
         from stage_cosim.adapters.roofline.simulate import INFERENCE_FLOPS
         from stage_cosim.inference.summary import step_summary

@@ -18,8 +18,9 @@ DEFAULT_BINARY = "AstraSim_Analytical_Congestion_Unaware"
 # The binary frees one object twice when it exits after some workloads (a rank running one
 # collective on two communicator groups under a one-entry implementation list: see
 # ``exit_warnings`` in adapters/roofline/astra.py), and then may die of the heap corruption after
-# printing every result. run.sh keeps the output (streamed, and in log/output.txt) and, when every
-# rank printed its "finished" line before the process died of a signal, says so and exits 0.
+# printing every result, or before its log has printed them all. run.sh keeps the output (streamed,
+# and in log/output.txt) and, when every rank printed its "finished" line before the process died
+# of a signal, says so and exits 0; when some did not, says the result is incomplete.
 RUN_SH = """#!/bin/sh
 # Run this ASTRA-sim workload: ./run.sh [/path/to/{default}] (or set {env}).
 # Written by stage-cosim; every path is relative to this directory, so it can be copied anywhere.
@@ -39,8 +40,14 @@ status=$(cat log/status)
 finished=$(grep -c '] finished, ' log/output.txt || true)
 if [ "$status" -gt 128 ] && [ "$finished" -eq {ranks} ]; then
   echo "run.sh: all {ranks} ranks finished; the simulator then died of signal $((status - 128)) on exit" \\
-       "(its double free of a collective implementation: see the stage-cosim README). Results above are complete." >&2
+       "(its double free of a collective implementation: see stage-cosim's docs/guide/astra-sim.md)." \\
+       "Results above are complete." >&2
   exit 0
+fi
+if [ "$status" -gt 128 ] && [ "$finished" -gt 0 ]; then
+  echo "run.sh: only $finished of {ranks} ranks printed a result before the simulator died of signal" \\
+       "$((status - 128)) (its double free on exit can drop results still queued in its log): the result is" \\
+       "incomplete; run it again" >&2
 fi
 exit "$status"
 """

@@ -5,6 +5,9 @@ executable; it exits non-zero or dies on a signal (a floating-point exception fr
 file, an assertion); it exits 0 but printed fewer ``finished`` lines than ranks or a
 ``critical`` line (a deadlock); it runs past the time limit. A signal after every rank printed
 its result is not a failure: the binary's double free on exit, which leaves the results whole.
+The same double free can kill it before its asynchronous log has printed every result: a run
+killed with some ``finished`` lines missing (and no assertion or critical line) is run again, at
+most :data:`RERUNS` times, and otherwise reported in one line; a partial result is never read.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from stage_cosim.adapters.astra_sim.layout import BINARY_ENV, DEFAULT_BINARY, co
 from stage_cosim.adapters.astra_sim.parse import AstraOutput, parse_output
 
 EXCERPT_LINES = 12
+RERUNS = 2          # runs repeated when the results were lost on exit (about 3 runs in 100 lose some)
 
 
 class AstraSimError(Exception):
@@ -60,9 +64,42 @@ def _excerpt(text: str) -> str:
     return "\n".join(lines[-EXCERPT_LINES:])
 
 
-def run(binary: str, run_dir: Path, ranks: int, timeout_s: float = 3600.0) -> AstraRun:
-    """Run the simulator in ``run_dir``; raises :class:`AstraSimError` unless every rank finished."""
+def _lost_on_exit(text: str, out: AstraOutput) -> bool:
+    """Killed after some ranks' results, with no sign of a failure of the simulation itself (an
+    assertion, a critical line): results still queued in the log were lost when it died."""
+    return bool(out.finished_ns) and not out.critical and "Assertion" not in text
+
+
+def run(binary: str, run_dir: Path, ranks: int, timeout_s: float = 3600.0, reruns: int = RERUNS) -> AstraRun:
+    """Run the simulator in ``run_dir``; raises :class:`AstraSimError` unless every rank finished.
+    A run whose results were lost on exit is run again (at most ``reruns`` times)."""
     binary = find_binary(binary)
+    lost: list[int] = []            # finished lines printed by each run that lost results on exit
+    while True:
+        try:
+            done = _run_once(binary, run_dir, ranks, timeout_s)
+        except _LostOnExit as exc:
+            lost.append(exc.printed)
+            if len(lost) <= reruns:
+                continue
+            raise AstraSimError("incomplete", f"ASTRA-sim was killed by {exc.signal} before its log printed every "
+                                              f"rank's result, on each of {len(lost)} runs (at most {max(lost)} of "
+                                              f"{ranks} ranks printed; its double free on exit can drop results still "
+                                              f"queued in its log): no partial result is used") from None
+        if lost:
+            done.warning = ((done.warning + "; ") if done.warning else "") + (
+                f"{len(lost)} earlier run{'s' if len(lost) > 1 else ''} lost results on exit (killed before "
+                f"its log printed every rank's result) and {'were' if len(lost) > 1 else 'was'} run again")
+        return done
+
+
+class _LostOnExit(Exception):
+    def __init__(self, signal_name: str, printed: int) -> None:
+        super().__init__(signal_name)
+        self.signal, self.printed = signal_name, printed
+
+
+def _run_once(binary: str, run_dir: Path, ranks: int, timeout_s: float) -> AstraRun:
     try:
         proc = subprocess.Popen(command(binary), cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -90,6 +127,8 @@ def run(binary: str, run_dir: Path, ranks: int, timeout_s: float = 3600.0) -> As
             return AstraRun(out, proc.returncode, text,
                             f"every rank finished, then ASTRA-sim was killed by {sig} on exit (its double free "
                             f"of a collective implementation); the results are complete")
+        if proc.returncode in (-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS) and _lost_on_exit(text, out):
+            raise _LostOnExit(sig, len(out.finished_ns))
         hint = " (a floating-point exception: often a system file with a 0 or a missing value)" \
             if proc.returncode == -signal.SIGFPE else ""
         raise AstraSimError("signal", f"ASTRA-sim was killed by {sig}{hint}", _excerpt(text))

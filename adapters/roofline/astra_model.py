@@ -49,12 +49,12 @@ GROUP_ENDPOINT_DELAY_NS = 10
 # Bounds on preferred-dataset-splits. Every split is a chunk that each member of a collective's
 # group carries through every phase: the replay holds a queue entry and an event per chunk and
 # member (about 90 B) and spends 4-10 µs of CPU on each, per distinct collective
-# (``python benchmarks/astra_replay_speed.py --splits …`` measures it; the README has the
-# figures). So chunks x members is bounded, at 2^20: about 100 MB and 5-10 s for one collective
-# (4096 splits over 256 ranks took 5.5 s, 2048 over 512 ranks 10.5 s; 4096 over 512 ranks, twice
-# the bound, did not finish in 300 s). The splits alone are bounded at 4096 as well, where the
-# binary is already slow (61 s of CPU for one all-reduce over 64 ranks); its own examples use 4
-# to 64.
+# (``python benchmarks/astra_replay_speed.py --splits …`` measures it; docs/guide/astra-sim.md
+# has the figures). So chunks x members is bounded, at 2^20: about 100 MB and 5-10 s for one
+# collective (4096 splits over 256 ranks took 5.5 s, 2048 over 512 ranks 10.5 s; 4096 over 512
+# ranks, twice the bound, did not finish in 300 s). The splits alone are bounded at 4096 as well,
+# where the binary is already slow (61 s of CPU for one all-reduce over 64 ranks); its own
+# examples use 4 to 64.
 MAX_DATASET_SPLITS = 4096
 MAX_CHUNK_COPIES = 1 << 20
 
@@ -276,7 +276,10 @@ def _halving_doubling_blocks(kind: str, n: int, chunk: int,
           for k in range(1, levels + 1)]
     if kind == REDUCE_SCATTER:
         return rs
-    ag = [step(1 << (k - 1), chunk >> k, 0) for k in range(levels, 0, -1)]
+    # The binary halves its message size once more at the turn, then doubles it (integer sizes):
+    # the all-gather half sends 2 (C >> (L+1)), 4 (C >> (L+1)) ... (C >> 1 when 2^(L+1) divides C).
+    turn = chunk >> (levels + 1)
+    ag = [step(1 << (k - 1), turn << (levels + 1 - k), 0) for k in range(levels, 0, -1)]
     return rs + ag
 
 
@@ -521,6 +524,13 @@ def check_phase(phase: Phase, n: int, size: int) -> None:
         require(kind != ALL_TO_ALL, "all-to-all-implementation",
                 "halvingDoubling does not implement ALL_TO_ALL (the simulator exits)")
         smallest = size if kind == ALL_GATHER else size >> levels
+        # ALL_REDUCE: at the turn the binary halves its message once more before doubling it
+        # back, so its all-gather half sends 2 * (size >> (L+1)) bytes first: 0 below 2n bytes
+        # (it aborts on "Assertion `chunk_size > 0'")
+        require(kind != ALL_REDUCE or size >> (levels + 1) > 0, "comm_size",
+                f"a halvingDoubling ALL_REDUCE phase over {n} ranks holding {size} bytes of a chunk sends 0-byte "
+                f"messages in its all-gather half (2 * ({size} // {2 * n}) bytes), which the simulator aborts on "
+                f"(Assertion chunk_size > 0): the phase needs at least {2 * n} bytes (a larger size or fewer splits)")
     elif algo == "doubleBinaryTree":
         require(kind == ALL_REDUCE, _impl_key(kind),
                 f"doubleBinaryTree is reproduced for ALL_REDUCE only, not {kind}")

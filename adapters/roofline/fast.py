@@ -340,7 +340,7 @@ def _composed(t, segment_run) -> _PassRun | None:  # noqa: ANN001
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     streams: dict[str, tuple[float, float]] = {}
     busy_until = 0.0
-    for k, (kind, lo, hi, entry, src) in enumerate(t.segments):
+    for k, (_kind, lo, hi, entry, _src) in enumerate(t.segments):
         offset = max((end[d] for d in entry if d >= 0), default=0.0)
         if busy_until > offset + 1e-12:
             return None
@@ -390,7 +390,7 @@ def _first_forward_composed(role: RoleGraph, pl, t, ready: float, gathers, segme
     spans = list(gather_spans)
     streams: dict[str, tuple[float, float]] = {}
     busy_until = 0.0
-    for k, (kind, lo, hi, entry, src) in enumerate(t.segments):
+    for k, (_kind, lo, hi, _entry, _src) in enumerate(t.segments):
         run = segment_run(t, k)
         if gather_streams & set(run.streams or ()):
             return None
@@ -436,7 +436,7 @@ def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready
     deps: list[list[int]] = [[] for _ in gathers]
     node_ids = list(range(pl.base, pl.base + len(rows)))
     gather_pos = {nid: 1 + j for j, nid in enumerate(prologue)}  # +1: WAIT node first
-    for j, nid in enumerate(node_ids):
+    for _j, nid in enumerate(node_ids):
         node = role.node(nid)
         ds = []
         for d in node.deps + node.ctrl:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Hashable
+from typing import Callable, Hashable, NamedTuple
 
 from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
 from stage_cosim.adapters.roofline.network import CalibratedNetwork, NetworkModel
 from stage_cosim.errors import UserError
+from stage_cosim.model.params import parameter_counts
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.result import RoleResult, SimResult, fp8_mfu
 from stage_cosim.parallel.axes import spans_stages
@@ -20,6 +21,16 @@ from stage_cosim.workload import Workload
 NETWORK_MODELS = ("calibrated", "astra")
 INFERENCE_FLOPS = ("model FLOPs = matmul and attention FLOPs of the forward: the (query, key) pairs a causal "
                    "kernel computes, logits for each sequence's last token only")
+
+
+class Simulation(NamedTuple):
+    """What a simulation returns: the result, and the replay and the programs it ran (None where
+    the fast path timed pass templates instead of replaying every node). Unpacks as before:
+    ``result, rep, programs = simulate(...)``."""
+
+    result: SimResult
+    replay: Replay | None
+    programs: list[AgentProgram] | None
 
 
 def make_network(name: str, cluster: Cluster) -> NetworkModel:
@@ -185,7 +196,7 @@ def stages_symmetric(w: Workload, network: NetworkModel,
 def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
                         astra_settings=None, compute_mode: str = "replay",  # noqa: ANN001
                         progress: Callable[[str, int, int], None] | None = None
-                        ) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
+                        ) -> Simulation:
     """Every rank's step, node by node: one rank per pipeline stage where
     :func:`stages_symmetric` proves it stands exactly for every rank of its stage (the result
     is then the per-rank replay's), else every rank replayed. ``config.ranks_replayed`` says
@@ -197,7 +208,7 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
         # stage where exact)
         result, rep, programs = _simulate_astra(w, cluster, True, astra_settings, compute_mode, views=True)
         result.config["ranks_replayed"] = len(programs or ()) or w.world_size
-        return result, rep, programs
+        return Simulation(result, rep, programs)
     with gc_paused():
         network = make_network(network_model, cluster)
         if progress is not None:
@@ -209,7 +220,7 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
         result, rep, programs = _simulate_roofline(w, cluster, network_model, proven, True)
     result.config["ranks_replayed"] = len(programs or ())
     result.config["symmetric"] = proven
-    return result, rep, programs
+    return Simulation(result, rep, programs)
 
 
 # -- where the time goes -----------------------------------------------------------------------
@@ -224,7 +235,7 @@ def breakdown(prog: AgentProgram, rep: Replay, a: int, step: float, pipelined: b
 
 def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
              symmetric: bool = True, exact: bool | None = None, astra_settings=None,  # noqa: ANN001
-             compute_mode: str = "replay") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
+             compute_mode: str = "replay") -> Simulation:
     """Simulate one training step.
 
     ``symmetric``: one rank per pipeline stage stands for all its ranks. ``exact``: replay
@@ -240,11 +251,11 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     if network_model == "astra":
-        return _simulate_astra(w, cluster, symmetric, astra_settings, compute_mode, views=exact is True)
+        return Simulation(*_simulate_astra(w, cluster, symmetric, astra_settings, compute_mode, views=exact is True))
     # the stages' graphs (built on first use), the programs and the replay's events are many
     # small acyclic objects: the cycle collector would only rescan them
     with gc_paused():
-        return _simulate_roofline(w, cluster, network_model, symmetric, exact)
+        return Simulation(*_simulate_roofline(w, cluster, network_model, symmetric, exact))
 
 
 def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None
@@ -352,7 +363,8 @@ def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, 
                        memory_capacity_bytes=gpu.memory_bytes, fits_in_memory=peak_mem <= gpu.memory_bytes,
                        breakdown=critical.breakdown, config=config, roles=roles,
                        precision=w.precision.to_dict(),
-                       mfu_fp8=fp8_mfu(model_flops, step, gpu, cluster.num_gpus, w.precision))
+                       mfu_fp8=fp8_mfu(model_flops, step, gpu, cluster.num_gpus, w.precision),
+                       parameters=parameter_counts(w.model).to_dict())
     if w.inference is not None:
         from stage_cosim.inference.summary import step_summary
 
@@ -363,8 +375,8 @@ def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, 
 
 # -- any directory of Chakra traces ------------------------------------------------------------
 
-def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", **kw):  # noqa: ANN003, ANN201
+def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", **kw) -> Simulation:  # noqa: ANN003
     """Simulate a trace directory written by any generator (see :mod:`traces`)."""
     from stage_cosim.adapters.roofline.traces import simulate_traces as run
 
-    return run(directory, cluster, network_model, **kw)
+    return Simulation(*run(directory, cluster, network_model, **kw))

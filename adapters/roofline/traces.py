@@ -229,7 +229,7 @@ def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds:
             index = {c: a for a, c in enumerate(order)}
             agent_of = {r: index[ts.class_of[r]] for r in range(n)}
     programs = []
-    for a, r in enumerate(agents):
+    for _a, r in enumerate(agents):
         c = ts.class_of[r]
         programs.append(_table_program(f"rank{r}", r, ts.classes[c], ts.values_of(r), secs[c], kinds, members_of,
                                        agent_of, send_kind))

@@ -33,7 +33,7 @@ from stage_cosim.bridge.status import detail_of
 from stage_cosim.bridge.uploads import CHUNK_BYTES
 from stage_cosim.errors import UserError
 from stage_cosim.files import read_yaml
-from stage_cosim.model.hf import read_hf_config
+from stage_cosim.model.hf import model_name, read_hf_config
 
 T = TypeVar("T")
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -91,8 +91,8 @@ def localize(req: Mapping[str, Any]) -> dict[str, Any]:
         path = Path(model)
         if model.endswith(".json") or path.exists():
             cfg, file = read_hf_config(path)
-            if isinstance(cfg, dict) and not (cfg.get("_name_or_path") or cfg.get("model_type")):
-                cfg["_name_or_path"] = file.parent.name or "hf-model"
+            if isinstance(cfg, dict) and not cfg.get("_name_or_path"):
+                cfg["_name_or_path"] = model_name(cfg, file)      # as the local reader names it
             out.pop("model")
             out["model_config"] = cfg
     for key in ("cluster", "baseline"):       # a cluster file (an explore spec's baseline too)

@@ -86,7 +86,15 @@ def param_default(param: Any) -> Any:
     import click
 
     ctx = click.get_current_context(silent=True)
-    return param.get_default(ctx) if ctx is not None else param.default
+    if ctx is None:
+        return param.default
+    # the parameter's own default, not a run file's value (--config sets ctx.default_map): a
+    # flag the run file sets is a flag the user set
+    saved, ctx.default_map = ctx.default_map, None
+    try:
+        return param.get_default(ctx)
+    finally:
+        ctx.default_map = saved
 
 
 def passthrough(kw: dict[str, Any], used: set[str], params: list[Any]) -> dict[str, Any]:

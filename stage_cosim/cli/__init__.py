@@ -20,6 +20,7 @@ from stage_cosim.trace.chakra import TraceFormatError
 COMMANDS = {
     "synth": "stage_cosim.cli.synth_cmd.synth",
     "simulate": "stage_cosim.cli.simulate_cmd.simulate",
+    "compare": "stage_cosim.cli.compare_cmd.compare",
     "optimize": "stage_cosim.cli.optimize_cmd.optimize",
     "explore": "stage_cosim.cli.explore_cmd.explore",
     "astra-sim": "stage_cosim.cli.astra_group.astra_sim",

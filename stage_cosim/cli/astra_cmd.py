@@ -95,3 +95,6 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
     click.echo(f"run it with: {out}/run.sh /path/to/AstraSim_Analytical_Congestion_Unaware")
     for warning in manifest.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
+    from stage_cosim.cli.simulate_cmd import warn_positions
+
+    warn_positions(model, parallel, inference)       # as simulate warns: with the result, once

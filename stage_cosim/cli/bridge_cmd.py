@@ -273,13 +273,16 @@ def remote_simulate(**kw: Any) -> None:
                                           parallel_request, passthrough)
     from stage_cosim.result import RoleResult, SimResult
 
-    check_locally(kw)
+    model, _ = check_locally(kw)
     traces, full, timeline, as_json = kw["traces"], kw["full"], kw["timeline"], kw["as_json"]
+    if kw.get("emit") is not None and (traces is not None or kw.get("phase") not in (None, "train")):
+        raise UserError("emit", "writes a training configuration's launch arguments (not with --traces or "
+                                "--phase prefill|decode)")
     if traces is not None and not traces.is_dir():
         raise UserError("traces", f"{traces} is not a directory")
     req = {**model_request(kw), **parallel_request(kw), "cluster": kw["cluster"], "network_model": kw["network_model"]}
     handled = {*CONNECTION_KEYS, *JOB_KEYS, *MODEL_FLAGS, *PARALLEL_FLAGS, "traces", "full", "timeline", "as_json",
-               "cluster", "network_model"}
+               "cluster", "network_model", "emit"}
     req.update(passthrough(kw, handled, simulate_cmd.simulate.params))
     with _client(kw) as client:
         from stage_cosim.bridge.client import localize, name_traces
@@ -294,14 +297,20 @@ def remote_simulate(**kw: Any) -> None:
         name_traces(result, upload, traces)
         if timeline is not None:
             client.download_file(job.id, "timeline.json", timeline)
+    from stage_cosim.cli.emit import print_launch, try_launch
+
+    launch, refused = try_launch(kw.get("emit"), model, result)
     if as_json:
-        click.echo(json.dumps(result, indent=1))
-        return
-    roles = [RoleResult(**r) for r in result.get("roles", [])]
-    fields = {k: v for k, v in result.items() if k in SimResult.__dataclass_fields__ and k != "roles"}
-    simulate_cmd.print_summary(SimResult(**fields, roles=roles))
-    if timeline is not None:
-        click.echo(f"\ntimeline: {timeline} (open in https://ui.perfetto.dev)")
+        click.echo(json.dumps({**result, **({"launch": launch.to_dict()} if launch else {})}, indent=1))
+    else:
+        roles = [RoleResult(**r) for r in result.get("roles", [])]
+        fields = {k: v for k, v in result.items() if k in SimResult.__dataclass_fields__ and k != "roles"}
+        simulate_cmd.print_summary(SimResult(**fields, roles=roles))
+        if timeline is not None:
+            click.echo(f"\ntimeline: {timeline} (open in https://ui.perfetto.dev)")
+        print_launch(launch)
+    if refused is not None:
+        raise refused
 
 
 remote_simulate.params[:0] = _local_params(simulate_cmd.simulate)
@@ -352,8 +361,10 @@ def remote_optimize(**kw: Any) -> None:
     from stage_cosim.bridge.flags import MODEL_FLAGS, check_locally, model_request, param_default
     from stage_cosim.bridge.resolve import SERVER_SETTINGS
 
-    check_locally(kw, parallel=False)
-    local = {"as_json", "plot", "quiet", "cluster", *MODEL_FLAGS, *CONNECTION_KEYS, *JOB_KEYS}
+    model, _ = check_locally(kw, parallel=False)
+    local = {"as_json", "plot", "quiet", "cluster", "emit", *MODEL_FLAGS, *CONNECTION_KEYS, *JOB_KEYS}
+    if kw.get("emit") is not None and kw.get("phase") == "serve":
+        raise UserError("emit", "writes a training configuration's launch arguments (not with --phase serve)")
     req = {**model_request(kw), "cluster": kw["cluster"]}
     for param in optimize_cmd.optimize.params:
         if _flag_key(param) in SERVER_SETTINGS:           # the server's processes are its operator's
@@ -368,6 +379,11 @@ def remote_optimize(**kw: Any) -> None:
             click.echo(job.id)
             return
         doc = _wait(client, job.id, progress=not (kw["quiet"] or kw["as_json"]))
+    from stage_cosim.cli.emit import print_launch, try_launch
+
+    launch, refused = try_launch(kw.get("emit"), model, doc.get("best"))
+    if launch is not None:
+        doc["launch"] = launch.to_dict()
     if kw.get("plot") is not None and doc.get("top"):
         optimize_cmd.plot_top(doc, kw["plot"])
     if kw["as_json"]:
@@ -376,8 +392,11 @@ def remote_optimize(**kw: Any) -> None:
         from stage_cosim.search.evaluate import Objective
 
         optimize_cmd.print_report(doc, Objective(kw["objective"], kw.get("price") or 0.0), kw["top_k"])
+        print_launch(launch)
     if doc.get("interrupted"):
         raise click.exceptions.Exit(130)
+    if refused is not None:
+        raise refused
 
 
 remote_optimize.params[:0] = _local_params(optimize_cmd.optimize)

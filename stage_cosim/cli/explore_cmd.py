@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -13,8 +14,17 @@ from stage_cosim.cli.optimize_cmd import describe_point
 from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, save_figure
 
 
+def significant(v: float, digits: int = 3) -> str:
+    """``v`` to ``digits`` significant digits, in plain notation where it reads: 2140.16 -> 2140,
+    315 -> 315, 0.123456 -> 0.123 (the model's inputs are not known to six digits)."""
+    if not v or not math.isfinite(v):
+        return f"{v:g}"
+    r = round(v, digits - 1 - math.floor(math.log10(abs(v))))
+    return f"{r:.0f}" if abs(r) >= 10 ** (digits - 1) else f"{r:.{digits}g}"
+
+
 def _fmt_values(values: dict) -> str:
-    return ", ".join(f"{k}={v:g}" for k, v in values.items())
+    return ", ".join(f"{k}={significant(v)}" for k, v in values.items())
 
 
 # How each objective's value reads (lower is better for all of them)
@@ -54,7 +64,8 @@ def plot_frontier(doc: dict, path: Path) -> None:
     ax.set_xlabel("cost per GPU ($)")
     label = METRIC_LABELS.get(m, m)
     ax.set_ylabel(label)
-    ax.set_title(f"{label[0].upper()}{label[1:]} against hardware cost")
+    name = (((b.get("best") or {}).get("config") or {}).get("model") or {}).get("name")
+    ax.set_title(f"{name + ': ' + label if name else label[0].upper() + label[1:]} against hardware cost")
     ax.legend()
     fig.tight_layout()
     save_figure(fig, path)
@@ -67,14 +78,15 @@ def plot_frontier(doc: dict, path: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
     """Search GPU and network parameters (bounds and costs from SPEC) for the best step time per cost."""
-    from stage_cosim.search.explore import explore as run, load_spec
+    from stage_cosim.search.explore import explore as run, load_spec, planned_evaluations
 
     check_output(plot, "plot", FIGURE_SUFFIXES)         # before the exploration, not after it
     s = load_spec(spec)
     show = not quiet and sys.stderr.isatty()
-    with tqdm(disable=not show, unit="candidate", desc="explore", dynamic_ncols=True) as bar:
+    with tqdm(total=planned_evaluations(s), disable=not show, unit="candidate", desc="explore",
+              dynamic_ncols=True) as bar:
         def progress(p: dict) -> None:
-            bar.update(p["candidates"] - bar.n)
+            bar.update(p["done"] - bar.n)
 
         doc = run(s, progress=progress)
     if as_json:
@@ -84,6 +96,8 @@ def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
     if plot is not None:
         with reported_write("plot", plot):          # the result is out: a failed write loses nothing
             plot_frontier(doc, plot)
+    if doc["interrupted"]:
+        raise click.exceptions.Exit(130)            # the best so far is printed; the search did not end
 
 
 def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)

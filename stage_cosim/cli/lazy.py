@@ -20,6 +20,9 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name in self.lazy and name not in self.commands:
+            from stage_cosim.cli.run_file import with_run_file
+
             module, attr = self.lazy[name].rsplit(".", 1)
-            self.add_command(getattr(importlib.import_module(module), attr), name)
+            # every command takes a run file (--config), however it is reached
+            self.add_command(with_run_file(getattr(importlib.import_module(module), attr)), name)
         return super().get_command(ctx, name)

@@ -11,9 +11,11 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from stage_cosim.cli.emit import emit_option, print_launch, try_launch
 from stage_cosim.cli.optimize_serve import SERVE_FLAGS, serve_options
 from stage_cosim.cli.options import (
-    PRECISION_FLAGS, cluster_option, model_options, precision_options, resolve_model_options,
+    PRECISION_FLAGS, cluster_option, model_options, network_model_option, precision_options,
+    resolve_model_options,
 )
 from stage_cosim.errors import UserError
 from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, save_figure
@@ -88,8 +90,11 @@ def fold(top: list[dict], keys: list[str]) -> list[tuple[dict, list[dict]]]:
 
 def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Objective)
     best = doc["best"]
-    if best is None:
-        # an answer, not an error: the rules (and memory) below rule out every configuration
+    if best is None and doc["interrupted"]:
+        # stopped before the first result: nothing found yet is not nothing feasible
+        click.echo("best: none yet — interrupted before any configuration was found feasible")
+    elif best is None:
+        # an answer, not an error (exit status 1): the rules (and memory) below rule out every configuration
         click.echo("best: none — no feasible configuration (the rules below rule out every one)")
     else:
         verdict = "proven optimum (every feasible configuration simulated)" if doc["proven_optimal"] else \
@@ -130,6 +135,8 @@ def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Obj
         click.echo("infeasible, by rule:")
         for reason, n in sorted(doc["infeasible"].items(), key=lambda kv: -kv[1]):
             click.echo(f"  {n:>7}  {reason}")
+    if best is None and doc.get("memory_needs"):
+        click.echo(doc["memory_needs"])
 
 
 def why_first(a: dict, b: dict, keys: list[str]) -> str:
@@ -138,8 +145,15 @@ def why_first(a: dict, b: dict, keys: list[str]) -> str:
     gap = b["step_time_s"] - a["step_time_s"]
     change = f"#2 has {_difference(a, b)}"
     if abs(gap) < STEP_PRECISION / 2:
+        from stage_cosim.search.optimize import TIE
+
+        headroom = ""
+        if abs(gap) <= TIE * max(abs(a["step_time_s"]), abs(b["step_time_s"])) \
+                and a["peak_memory_bytes"] < b["peak_memory_bytes"]:
+            headroom = (f"; tied, #1 keeps more memory free ({a['peak_memory_bytes'] / GiB:.1f} GiB peak, "
+                        f"#2 {b['peak_memory_bytes'] / GiB:.1f} GiB)")
         return (f"why #1 beats #2: they tie within the shown precision ({STEP_PRECISION:g} s per step; #1 by "
-                f"{gap:.2e} s); {change}")
+                f"{gap:.2e} s); {change}{headroom}")
     diffs = sorted(((b["breakdown"].get(k, 0.0) - a["breakdown"].get(k, 0.0), k) for k in keys),
                    key=lambda dk: -abs(dk[0]))
     shown = [(d, k) for d, k in diffs if abs(d) >= STEP_PRECISION / 2] or diffs[:1]
@@ -158,7 +172,8 @@ def plot_top(doc: dict, path: Path) -> None:
     top = [e for e, _ in rows]
     labels = [describe_point(e["point"], e["config"]["parallel"]) + (f" (+{len(same)} equivalent)" if same else "")
               for e, same in rows]
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(top) + 2))
+    legend_in = 0.25 * math.ceil(len(keys) / 5) + 0.1       # the legend's rows below the axis, inches
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(top) + 2 + legend_in))
     left = [0.0] * len(top)
     for k in keys:
         vals = [e["breakdown"][k] for e in top]
@@ -166,9 +181,12 @@ def plot_top(doc: dict, path: Path) -> None:
         left = [a + b for a, b in zip(left, vals)]
     ax.invert_yaxis()
     ax.set_xlabel("seconds per step")
-    ax.set_title("Top configurations: where the time goes")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
+    name = ((top[0].get("config") or {}).get("model") or {}).get("name") if top else None
+    ax.set_title(f"{name + ': t' if name else 'T'}op configurations, where the time goes")
+    # below the axis, clear of the bars (inside it, it hid the bars' ends)
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=min(5, len(keys)), fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, legend_in / fig.get_figheight(), 1, 1))
     save_figure(fig, path)
 
 
@@ -208,9 +226,10 @@ def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a har
               help="Fraction of HBM to keep free beyond everything modelled (the runtime memory included): "
                    "a margin for what is not.")
 @click.option("--allow-cross-domain-tp", is_flag=True, help="Let tensor-parallel groups span scale-up domains.")
-@click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True)
+@network_model_option
 @click.option("--top", "top_k", type=int, default=5, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
+@emit_option
 @click.option("--plot", type=click.Path(path_type=Path), default=None, help="Bar chart of the top configurations (PNG).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | None, objective: str, price: float,
@@ -227,10 +246,14 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
     from stage_cosim.search.space import default_space
 
     serve = {k: kw.pop(k) for k in SERVE_FLAGS}
+    target = kw.pop("emit")
     if top_k < 1:
         raise UserError("top", f"must be at least 1, got {top_k}")
     if phase == "serve":
         from stage_cosim.cli.optimize_serve import optimize_serve
+
+        if target is not None:
+            raise UserError("emit", "writes a training configuration's launch arguments (not with --phase serve)")
 
         ctx = click.get_current_context()
         given = [name for name in ("global_batch", "seq_len", "objective", "price", "headroom", "allow_cross_domain_tp",
@@ -260,7 +283,7 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
         raise UserError("price", f"must be a non-negative number of $ per GPU-hour, got {price}")
     check_output(plot, "plot", FIGURE_SUFFIXES)         # before the search, not after it
     model = resolve_model_options(kw)
-    if ":" not in cluster and not Path(cluster).suffix in (".yaml", ".yml"):
+    if ":" not in cluster and Path(cluster).suffix not in (".yaml", ".yml"):
         raise UserError("cluster", f"give the GPU count to search over, e.g. {cluster}:1024")
     c = resolve_cluster(cluster)
     obj = Objective(objective, price)
@@ -280,12 +303,26 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
 
         result = run(space, c, settings, progress=progress)
     doc = result.to_dict()
+    if doc["best"] is None and not result.interrupted:
+        from stage_cosim.search.evaluate import MEMORY_REASON, gpus_for_training_state
+
+        need, why = gpus_for_training_state(model, c, headroom, bool(precision.get("fp8_param_gather")))
+        if need > c.num_gpus and MEMORY_REASON in doc["infeasible"]:
+            doc["memory_needs_gpus"], doc["memory_needs"] = need, why
+    launch, refused = try_launch(target, model, doc["best"])
+    if launch is not None:
+        doc["launch"] = launch.to_dict()
     if as_json:
         click.echo(json.dumps(doc, indent=1))
     else:
         print_report(doc, obj, top_k)
+        print_launch(launch)
     if plot is not None and doc["top"]:
         with reported_write("plot", plot):         # the result is out: a failed write loses nothing
             plot_top(doc, plot)
     if result.interrupted:
         raise click.exceptions.Exit(130)
+    if doc["best"] is None:
+        raise click.exceptions.Exit(1)      # an answer (no configuration is feasible), not bad input
+    if refused is not None:
+        raise refused

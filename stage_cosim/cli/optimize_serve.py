@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 import click
 
-from stage_cosim.errors import UserError
 from stage_cosim.files import FIGURE_SUFFIXES, check_output
 from stage_cosim.inference.config import KV_CACHE_DTYPES, WEIGHT_DTYPES
 from stage_cosim.serving.requests import LENGTH_DISTRIBUTIONS
@@ -65,7 +64,8 @@ def print_serving(doc: dict[str, Any]) -> None:
     click.echo(f"goal: the most requests per second per GPU with {100 * t['attainment']:g} % of them meeting {targets} "
                f"({t['input_len']} in / {t['output_len']} out tokens on average, {t['lengths']})")
     if best is None:
-        click.echo("no feasible serving layout", err=True)
+        click.echo("interrupted before any serving layout was found feasible" if doc["interrupted"]
+                   else "no feasible serving layout", err=True)
     else:
         verdict = "proven optimum (every feasible layout simulated)" if doc["proven_optimal"] else \
             f"best found by {doc['method']}; not proven optimal, {doc['unexplored']} layouts unexplored"
@@ -128,5 +128,6 @@ def optimize_serve(cluster: str, serve: dict[str, Any], *, seed: int, budget: in
     click.echo(json.dumps(doc, indent=1)) if as_json else print_serving(doc)
     if doc["interrupted"]:
         raise click.exceptions.Exit(130)
-    if doc["best"] is None and not as_json:
-        raise UserError("cluster", "no serving layout meets the SLOs on this cluster")
+    if doc["best"] is None:
+        # an answer, not bad input: exit 1 with the reasons printed, as the training search does
+        raise click.exceptions.Exit(1)

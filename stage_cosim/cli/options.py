@@ -166,7 +166,8 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
     order = tuple(a.strip() for a in kw.pop("axis_order").split(","))
     names = ("dp", "tp", "pp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance", "vp", "sp", "global_batch",
              "seq_len", "zero", "recompute", "schedule", *PRECISION_FLAGS, *MOE_PARALLEL)
-    return ParallelConfig(**{n: kw.pop(n) for n in names}, micro_batch=kw.pop("micro_batch") or 1,
+    micro_batch = kw.pop("micro_batch")         # 0 is refused by ParallelConfig, never run as 1
+    return ParallelConfig(**{n: kw.pop(n) for n in names}, micro_batch=1 if micro_batch is None else micro_batch,
                           pp_layers=layers, axis_order=order)
 
 
@@ -219,3 +220,9 @@ def resolve_inference_options(kw: dict[str, Any]) -> InferenceConfig | None:
 cluster_option = click.option(
     "--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
     help="Cluster preset with GPU count (default count: dp*tp*cp*pp) or a YAML description ('stage-cosim clusters').")
+
+
+# The network model of the built-in simulator (simulate, compare, optimize).
+network_model_option = click.option(
+    "--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True,
+    help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")

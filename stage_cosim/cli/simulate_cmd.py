@@ -10,8 +10,10 @@ from pathlib import Path
 import click
 
 from stage_cosim.cli.astra_cmd import settings_from, with_astra_options
+from stage_cosim.cli.emit import emit_option, launch_for, print_launch
 from stage_cosim.cli.options import (
-    cluster_option, inference_options, model_options, parallel_options, resolve_inference_options,
+    cluster_option, inference_options, model_options, network_model_option, parallel_options,
+    resolve_inference_options,
     resolve_model_options, resolve_parallel_options,
 )
 from stage_cosim.errors import UserError
@@ -46,20 +48,25 @@ def _experts_line(par: dict) -> str:
             f" busiest expert rank at {par['moe_load']:.2f}x the mean ({routing})")
 
 
-def _params_line(cfg: dict) -> str | None:
-    """The model and its parameter counts (total, and active per token where experts route)."""
+def _params_line(cfg: dict, parameters: dict | None = None) -> str | None:
+    """The model and its parameter counts (total, and active per token where experts route,
+    saying what "active" counts): the result's own counts, else counted from its description."""
+    from stage_cosim.model.params import ParameterCounts, describe, parameter_counts
+
     doc = cfg.get("model")
     if not doc:
         return None
+    if parameters:
+        fields = {k: v for k, v in parameters.items() if k in ParameterCounts.__dataclass_fields__}
+        return f"{doc.get('name', '?')}: {describe(ParameterCounts(**fields))}"
     from stage_cosim.model import ModelConfig
 
     try:
         model = ModelConfig(**{k: v for k, v in doc.items() if k in ModelConfig.__dataclass_fields__})
-        total, active = model.param_count(), model.active_param_count()
+        counts = parameter_counts(model)
     except (TypeError, ValueError, UserError):          # a description this version cannot rebuild
         return f"{doc.get('name', '?')}"
-    per_token = f", {active / 1e9:,.2f} B active per token" if active != total else ""
-    return f"{model.name}: {total / 1e9:,.2f} B parameters{per_token}"
+    return f"{model.name}: {describe(counts)}"
 
 
 def _cluster_line(cfg: dict) -> str | None:
@@ -173,7 +180,7 @@ def print_summary(r: SimResult, run: dict | None = None) -> None:
     cfg = r.config
     par = cfg.get("parallel") or {}
     inf = r.inference
-    model_line, cluster_line = _params_line(cfg), _cluster_line(cfg)
+    model_line, cluster_line = _params_line(cfg, r.parameters), _cluster_line(cfg)
     if model_line:
         click.echo(f"model            {model_line}")
     if cluster_line:
@@ -188,7 +195,8 @@ def print_summary(r: SimResult, run: dict | None = None) -> None:
     else:
         click.echo(f"step time        {r.step_time_s:.4f} s")
     click.echo(f"throughput       {r.tokens_per_s:,.0f} tokens/s ({r.tokens_per_s_per_gpu:,.1f} per GPU)")
-    click.echo(f"MFU / HFU        {100 * r.mfu:.1f} % / {100 * r.hfu:.1f} % of BF16 peak   ({r.flop_convention})")
+    # (how FLOPs are counted is said once: the result's flop_convention, in --json and the docs)
+    click.echo(f"MFU / HFU        {100 * r.mfu:.1f} % / {100 * r.hfu:.1f} % of BF16 peak")
     if r.mfu_fp8 is not None:
         fmt = "MXFP8" if r.precision.get("recipe") == "mxfp8" else "FP8"
         click.echo(f"{'MFU (' + fmt + ' peak)':<17}{100 * r.mfu_fp8:.1f} %")
@@ -267,8 +275,7 @@ def plot_stages(r: SimResult, path: Path) -> None:
 @parallel_options
 @inference_options
 @cluster_option
-@click.option("--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True,
-              help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")
+@network_model_option
 @click.option("--traces", type=click.Path(path_type=Path), default=None,
               help="Simulate these Chakra traces (any generator; a trace directory or an export's run "
                    "directory) instead of synthesizing.")
@@ -295,6 +302,7 @@ def plot_stages(r: SimResult, path: Path) -> None:
               help="astra-sim backend: keep the run directory here.")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="astra-sim backend: seconds.")
 @with_astra_options
+@emit_option
 def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups: Path | None, full: bool,
              as_json: bool, timeline: Path | None, plot: Path | None, train_tokens: str | None, price: float | None,
              quiet: bool, backend: str, astra_bin: str | None, keep: Path | None, timeout: float, compute_mode: str,
@@ -311,10 +319,18 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
     tokens = parse_tokens(train_tokens) if train_tokens is not None else None
     if price is not None and not (math.isfinite(price) and price > 0):
         raise UserError("price", f"must be a positive number of $ per GPU-hour, got {price}")
+    target = kw.pop("emit")
     settings = settings_from(kw)
     model = resolve_model_options(kw)
     inference = resolve_inference_options(kw)
     parallel = resolve_parallel_options(kw)
+    launch = None
+    if target is not None:
+        # before any work: what the framework cannot express is refused with nothing simulated
+        if traces is not None or inference is not None:
+            raise UserError("emit", "writes a training configuration's launch arguments (not with --traces or "
+                                    "--phase prefill|decode)")
+        launch = launch_for(target, model, parallel, resolve_cluster(cluster, parallel.world_size).gpu)
     if tokens is not None and inference is not None:
         raise UserError("train-tokens", "is the length of a training run (not with --phase prefill|decode)")
     programs = rep = names = None
@@ -365,6 +381,8 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
         doc = result.to_dict()
         if doc_run:
             doc["training_run"] = doc_run
+        if launch is not None:
+            doc["launch"] = launch.to_dict()
         click.echo(json.dumps(doc, indent=1))
     else:
         print_summary(result, doc_run)
@@ -388,6 +406,8 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
             plot_stages(result, plot)
         if not as_json:
             click.echo(f"plot: {plot}")
+    if not as_json:
+        print_launch(launch)
 
 
 def _compare_recorded(result: SimResult, recorded: SimResult) -> None:

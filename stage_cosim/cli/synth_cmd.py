@@ -62,6 +62,9 @@ def synth(out: Path, fmt: str, force: bool, quiet: bool, cluster: str | None, **
     elapsed = time.perf_counter() - t0
     if not quiet:
         print_summary(model, parallel, manifest, out, elapsed, written)
+    from stage_cosim.cli.simulate_cmd import warn_positions
+
+    warn_positions(model, parallel, inference)       # as simulate warns: with the result, once
 
 
 def print_summary(model, parallel, manifest: dict, out: Path, elapsed: float,  # noqa: ANN001

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -27,7 +28,7 @@ def validate(path: Path, comm_groups: Path | None, system_file: Path | None, net
     from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
     from stage_cosim.adapters.roofline.astra import check
     from stage_cosim.errors import UserError
-    from stage_cosim.trace.traceset import locate, read
+    from stage_cosim.trace.traceset import locate, manifest_ranks, missing_files, read
 
     located = locate(path, comm_groups)
     if (system_file is None) != (network_file is None) and located.run_dir is None:
@@ -37,7 +38,22 @@ def validate(path: Path, comm_groups: Path | None, system_file: Path | None, net
     system_file = system_file or (run_dir / "system.json" if run_dir else None)
     network_file = network_file or (run_dir / "network.yml" if run_dir and (run_dir / "network.yml").exists() else None)
     system = read_system_json(system_file) if system_file and network_file else None
-    dims = read_network_yml(network_file) if system_file and network_file else None
+    dims = read_network_yml(network_file) if network_file else None
+    # the world size is the run's (its network file, else its manifest), not the files present
+    world, source = None, None
+    if dims is not None:
+        world, source = math.prod(d.npus for d in dims), network_file
+    elif manifest_ranks(located) is not None:
+        world, source = manifest_ranks(located)
+    missing = missing_files(located, world if world is not None else max(located.files) + 1)
+    if missing:
+        has = f"the run has {world:,} ranks, from {source}" if world is not None else \
+            f"ranks up to {max(located.files)} are present"
+        for path in missing[:limit]:
+            click.echo(f"{path}: missing ({has}: one trace per network rank)")
+        click.echo(f"{len(missing)} trace file{'s' if len(missing) > 1 else ''} missing", err=True)
+        return 1
+    dims = dims if system is not None else None
     ts = read(located)
     found = check(ts, system, dims, limit)
     problems = found.problems

@@ -337,7 +337,7 @@ class _Rewrite:
                 self.fused[id(prod)] = g
         # the activation whose backward writes FC1's quantized output gradient (LayerNormMLP)
         self.fused_dact: dict[int, _Gemm] = {}
-        for prod_id, g in self.fused.items():
+        for prod_id in self.fused:
             act = next(op for op in block.ops if id(op) == prod_id)
             if act.kind != "pointwise":
                 continue

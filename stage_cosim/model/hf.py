@@ -370,11 +370,12 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss", "DbrxForCausalLM": "dbrx", "OlmoeForCausalLM": "olmoe",
     "PhimoeForCausalLM": "phimoe", "JambaForCausalLM": "jamba", "GraniteMoeForCausalLM": "granitemoe",
+    "Llama4ForConditionalGeneration": "llama4", "Llama4ForCausalLM": "llama4_text",
 }
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "dbrx", "olmoe",
-             "phimoe", "jamba", "granitemoe", "granitemoeshared", "jetmoe", "llama4", "minimax", "glm4_moe",
-             "qwen3_next", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "bailing_moe", "step3p5")
+             "phimoe", "jamba", "granitemoe", "granitemoeshared", "jetmoe", "llama4", "llama4_text", "minimax",
+             "glm4_moe", "qwen3_next", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "bailing_moe", "step3p5")
 
 # Storage formats of released weights that are the models' own (DeepSeek-V3 trains and ships in
 # block-wise FP8, GPT-OSS ships its experts in MXFP4): the file still describes the model that
@@ -428,12 +429,22 @@ def model_type_of(cfg: dict[str, Any], file: Path) -> str:
             raise UserError("model", f"{file}: architectures = {json.dumps(archs)}: not a known architecture "
                                      f"(known: {', '.join(a for a, t in ARCHITECTURES.items() if t in READERS)})")
     if model_type in MOE_TYPES and model_type not in READERS:
-        raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: Mixture-of-Experts models are "
-                                 f"not modelled (known model types: {known})")
+        modelled = ", ".join(sorted(t for t in MOE_TYPES if t in READERS))
+        raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: the {model_type} Mixture-of-Experts "
+                                 f"family is not modelled (modelled Mixture-of-Experts families: {modelled})")
     if not isinstance(model_type, str) or model_type not in READERS:
         raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: not a known model type "
                                  f"(known: {known})")
     return model_type
+
+
+def model_name(cfg: dict[str, Any], file: Path) -> str:
+    """The model's own name: the config's ``_name_or_path``, else its folder's
+    (``Meta-Llama-3-8B/config.json``) or its file's; the family (``model_type``: "llama") only for
+    a config given as content. The bridge's client names an uploaded config with this too, so a
+    remote result names the model as the local one does."""
+    own = file.parent.name if file.name == "config.json" else file.stem if file.suffix == ".json" else ""
+    return str(cfg.get("_name_or_path") or own or cfg.get("model_type") or "hf-model")
 
 
 def model_from_hf_dict(cfg: object, file: Path | str = "config") -> ModelConfig:
@@ -449,7 +460,7 @@ def model_from_hf_dict(cfg: object, file: Path | str = "config") -> ModelConfig:
         raise c.error("quantization_config", cfg["quantization_config"],
                       "quantized checkpoints are not modelled (training runs in bf16); remove the key for the bf16 model")
     fields = READERS[model_type](c)
-    name = str(cfg.get("_name_or_path") or model_type or file.parent.name or "hf-model")
+    name = model_name(cfg, file)
     try:
         return ModelConfig(name=name, **fields)
     except UserError as exc:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from stage_cosim.errors import positive_int, require
+from stage_cosim.limits import MAX_RANKS, MAX_RANKS_TEXT
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import DENSE, EXPERT, MESHES, expert_order
 
@@ -98,6 +99,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vp", "micro_batch", "seq_len"):
             positive_int(getattr(self, name), name.replace("_", "-"))
+        world = self.dp * self.tp * self.cp * self.pp
+        # checked before anything is built for the ranks (the flag to blame: the largest degree)
+        require(world <= MAX_RANKS, max(("dp", "tp", "pp", "cp"), key=lambda a: getattr(self, a)),
+                f"dp*tp*cp*pp = {self.dp}*{self.tp}*{self.cp}*{self.pp} = {world:,} ranks, more than the "
+                f"{MAX_RANKS_TEXT}")
         if self.expert_tp is None:
             object.__setattr__(self, "expert_tp", self.tp)
         for name in ("ep", "expert_tp"):

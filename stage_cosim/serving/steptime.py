@@ -38,7 +38,6 @@ largest one's shape.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Callable

@@ -47,7 +47,7 @@ from stage_cosim.graph.cost import op_flops
 from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, L, degree_symbol
 from stage_cosim.graph.ir import ATTENTION_KINDS, Block, Op, Tensor
 from stage_cosim.graph.precision import BF16, Precision, apply_precision
-from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, DENSE, data_parallel_axes, group_name
+from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, data_parallel_axes, group_name
 from stage_cosim.sharding.placement import (
     PARTIAL, REPLICATE, Collective, Partial, Placement, Shard, collective_for,
 )
@@ -571,8 +571,8 @@ class _Pass:
     # -- the attention exchange over cp ---------------------------------------------------------
 
     def _step(self, name: str, kind: str, phase: str, deps: list[int] | tuple[int, ...], *,
-              category: str = "", flops: sp.Expr = sp.Integer(0), model_flops: sp.Expr = sp.Integer(0),
-              mem: sp.Expr = sp.Integer(0), nbytes: sp.Expr = sp.Integer(0), peer: int = 0, pair: int = -1,
+              category: str = "", flops: sp.Expr = sp.S.Zero, model_flops: sp.Expr = sp.S.Zero,
+              mem: sp.Expr = sp.S.Zero, nbytes: sp.Expr = sp.S.Zero, peer: int = 0, pair: int = -1,
               matmul: str = "", key_share: float = 0.0) -> int:
         idx = len(self.steps)
         axes = ("cp",) if kind in ("send", "recv") else ()
@@ -889,7 +889,7 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     # a tensor re-read on the other mesh is the same memory as its (local) source
     alias = fwd.aliases
     saved: dict[int, Tensor] = {}
-    for phase, op in order:
+    for _phase, op in order:
         for t in op.inputs:
             if id(t) in forward_tensors and id(t) not in recomputed and t.kind != "weight":
                 # what is held is what the backward starts from: the tensor, or the copy the

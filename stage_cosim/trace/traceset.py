@@ -567,6 +567,33 @@ def locate(path: Path, comm_groups: Path | None = None) -> Located:
     return Located(trace_dir, files, fmt, groups_file, run_dir)
 
 
+def manifest_ranks(located: Located) -> tuple[int, Path] | None:
+    """The world size a trace set's manifest gives (an export's ``ranks``, a synth's rank count),
+    and the manifest: beside the traces, else in their run directory."""
+    for d in dict.fromkeys((located.trace_dir, located.run_dir or located.trace_dir.parent)):
+        path = d / "manifest.json"
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        counts, par = doc.get("counts"), doc.get("parallel")
+        n = doc.get("ranks") or (counts.get("ranks") if isinstance(counts, dict) else None) \
+            or (par.get("world_size") if isinstance(par, dict) else None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n, path
+    return None
+
+
+def missing_files(located: Located, world: int) -> list[Path]:
+    """The trace files of ranks 0..world-1 that are not there, named as the present ones are."""
+    some = next(iter(located.files.values()))
+    m = (TRACE_NAME if located.fmt == "et" else JSON_NAME).match(some.name)
+    ext = "et" if located.fmt == "et" else "json"
+    return [located.trace_dir / f"{m['prefix']}.{r}.{ext}" for r in range(world) if r not in located.files]
+
+
 def _groups(path: Path | None, parameter: str) -> dict[str, list[int]] | None:
     """The communicator groups of ``path``; an unreadable file is an error naming the flag that
     gave it (or would have: ``--comm-groups``, the binary's ``--comm-group-configuration``)."""
