@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from stage_cosim.cli.options import (
-    MODEL_DIMENSIONS, MOE_PARALLEL, PRECISION_FLAGS, resolve_model_options, resolve_parallel_options,
+    MEGATRON_SWITCH_FLAGS, MODEL_DIMENSIONS, MOE_PARALLEL, PRECISION_FLAGS, megatron_switches,
+    resolve_model_options, resolve_parallel_options,
 )
 from stage_cosim.errors import UserError
 from stage_cosim.model.config import MODEL_SWITCHES
@@ -22,7 +23,7 @@ from stage_cosim.model.config import MODEL_SWITCHES
 MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES)
 PARALLEL_FLAGS = ("dp", "tp", "pp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance", "vp", "sp", "micro_batch",
                   "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", *PRECISION_FLAGS,
-                  *MOE_PARALLEL)
+                  *MOE_PARALLEL, *MEGATRON_SWITCH_FLAGS)
 
 
 def check_locally(kw: dict[str, Any], parallel: bool = True) -> tuple[Any, Any]:
@@ -70,7 +71,9 @@ def _arch_config(arch: str, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def parallel_request(kw: dict[str, Any]) -> dict[str, Any]:
-    req = {k: kw[k] for k in PARALLEL_FLAGS if kw.get(k) is not None and k not in ("pp_layers", "axis_order")}
+    req = {k: kw[k] for k in PARALLEL_FLAGS
+           if kw.get(k) is not None and k not in ("pp_layers", "axis_order", *MEGATRON_SWITCH_FLAGS)}
+    req.update(megatron_switches({k: kw.get(k) for k in (*MEGATRON_SWITCH_FLAGS, "zero", "tp", "sp")}))
     if kw.get("pp_layers"):
         req["pp_layers"] = [int(x) for x in kw["pp_layers"].split(",")]
     if kw.get("axis_order"):

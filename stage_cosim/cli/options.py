@@ -85,6 +85,52 @@ def precision_options(auto: bool = False) -> Callable:
     )
 
 
+# Megatron-Core's performance switches, under Megatron-LM's flag names. Unset, each keeps the
+# ParallelConfig default (shown by the report's "switches" line).
+def megatron_switch_options() -> Callable:
+    return _compose(
+    click.option("--tp-comm-overlap/--no-tp-comm-overlap", "tp_comm_overlap", default=None,
+                 help="Pipeline the tensor-parallel collectives with their GEMMs (Transformer Engine's "
+                      "userbuffers; default off)."),
+    click.option("--overlap-param-gather/--no-overlap-param-gather", "overlap_param_gather", default=None,
+                 help="ZeRO 1/2: all-gather the updated parameters ahead of each block's next forward instead "
+                      "of right after the optimizer step (default on)."),
+    click.option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", "grad_reduce_in_bf16", default=None,
+                 help="Reduce the data-parallel gradients in bf16 (half the bytes) or fp32 (default; the "
+                      "request and JSON field is grad_reduce_dtype)."),
+    click.option("--use-distributed-optimizer", "use_distributed_optimizer", is_flag=True, default=None,
+                 help="Megatron's distributed optimizer: the same as --zero 1."),
+    )
+
+
+MEGATRON_SWITCH_FLAGS = ("tp_comm_overlap", "overlap_param_gather", "grad_reduce_in_bf16", "use_distributed_optimizer")
+
+
+def megatron_switches(kw: dict[str, Any]) -> dict[str, Any]:
+    """The ParallelConfig fields the Megatron switch flags set (popping them from ``kw``): only
+    those given. ``--use-distributed-optimizer`` is ZeRO 1, so it refuses another ``--zero``;
+    ``--tp-comm-overlap`` needs ``--sp``, as in Megatron-LM."""
+    out: dict[str, Any] = {}
+    for name in ("tp_comm_overlap", "overlap_param_gather"):
+        if kw.get(name) is not None:
+            out[name] = kw[name]
+    if out.get("tp_comm_overlap") and (kw.get("tp") or 1) > 1 and not kw.get("sp"):
+        # Megatron-LM refuses it too: what overlaps is sp's all-gathers and reduce-scatters
+        raise UserError("tp-comm-overlap", "needs --sp: it overlaps sequence parallelism's all-gathers and "
+                                           "reduce-scatters with their GEMMs")
+    bf16 = kw.pop("grad_reduce_in_bf16", None)
+    if bf16 is not None:
+        out["grad_reduce_dtype"] = "bf16" if bf16 else "fp32"
+    for name in ("tp_comm_overlap", "overlap_param_gather"):
+        kw.pop(name, None)
+    if kw.pop("use_distributed_optimizer", None):
+        zero = kw.get("zero")
+        if zero not in (None, 0, 1):
+            raise UserError("use-distributed-optimizer", f"is ZeRO stage 1 (--zero 1), not --zero {zero}")
+        out["zero"] = 1
+    return out
+
+
 parallel_options = _compose(
     click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree."),
     click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
@@ -115,6 +161,7 @@ parallel_options = _compose(
     click.option("--axis-order", default=",".join(DEFAULT_AXIS_ORDER), show_default=True,
                  help="Mesh axes innermost first (rank mapping)."),
     precision_options(),
+    megatron_switch_options(),
     click.option("--ep", type=int, default=1, show_default=True,
                  help="Expert-parallel degree (expert layers re-factor the tp*cp*dp ranks as expert-tp x ep x edp)."),
     click.option("--expert-tp", "expert_tp", type=int, default=None,
@@ -167,7 +214,9 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
     names = ("dp", "tp", "pp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance", "vp", "sp", "global_batch",
              "seq_len", "zero", "recompute", "schedule", *PRECISION_FLAGS, *MOE_PARALLEL)
     micro_batch = kw.pop("micro_batch")         # 0 is refused by ParallelConfig, never run as 1
-    return ParallelConfig(**{n: kw.pop(n) for n in names}, micro_batch=1 if micro_batch is None else micro_batch,
+    switches = megatron_switches(kw)
+    fields = {**{n: kw.pop(n) for n in names}, **switches}
+    return ParallelConfig(**fields, micro_batch=1 if micro_batch is None else micro_batch,
                           pp_layers=layers, axis_order=order)
 
 

@@ -38,6 +38,15 @@ def describe_precision(p: dict) -> str:
               if p.get(key)]
     layout = "transposed FP8 copies" if p.get("transposes") else "no transposes"
     return ", ".join([f"fp8 {p.get('recipe')} ({p.get('format')}, {layout})", *extras])
+def _switches_line(par: dict) -> str:
+    """The performance switches the step assumed, by Megatron-LM's flag names (each can be set)."""
+    def on(flag: str, value: bool) -> str:
+        return f"--{flag}" if value else f"--no-{flag}"
+
+    return " ".join((on("tp-comm-overlap", par["tp_comm_overlap"]), on("overlap-param-gather", par["overlap_param_gather"]),
+                     f"--grad-reduce-in-{par['grad_reduce_dtype']}"))
+
+
 def _experts_line(par: dict) -> str:
     cap = par.get("moe_capacity_factor")
     drop = par.get("moe_dropped_fraction") or 0.0
@@ -221,6 +230,8 @@ def print_summary(r: SimResult, run: dict | None = None) -> None:
                    f" on {cfg['num_gpus']} x {cfg['cluster']['gpu']['name']} ({cfg['network_model']} network)")
         if (cfg.get("model") or {}).get("num_experts"):
             click.echo(f"experts          {_experts_line(par)}")
+        if not inf:
+            click.echo(f"switches         {_switches_line(par)}")
     keys = [k for k in r.breakdown if any(role.breakdown.get(k) for role in r.roles)]
     click.echo("")
     click.echo(f"{'stage':>5} {'finish s':>9} " + " ".join(f"{k.replace('exposed_', 'exp_'):>12}" for k in keys)
