@@ -107,10 +107,22 @@ def _key(point: dict[str, Any]) -> tuple:
 TIE = 1e-9
 
 
+def tied(a: float, b: float) -> bool:
+    """Whether two scores (or step times) are a tie: within :data:`TIE` of each other, relative."""
+    return abs(a - b) <= TIE * max(abs(a), abs(b))
+
+
 def _peak_fraction(e: Evaluation) -> float:
     """The share of HBM the configuration's busiest GPU holds (0 where the result has none)."""
     r = e.result or {}
     return r.get("peak_memory_bytes", 0) / r["memory_capacity_bytes"] if r.get("memory_capacity_bytes") else 0.0
+
+
+def _before(a: Evaluation, b: Evaluation) -> bool:
+    """Whether ``a`` ranks before ``b``: :func:`rank`'s order for a pair."""
+    if tied(a.score, b.score):
+        return (_peak_fraction(a), a.score, _key(a.point)) < (_peak_fraction(b), b.score, _key(b.point))
+    return a.score < b.score
 
 
 def rank(evaluations: Any) -> list[Evaluation]:
@@ -123,7 +135,7 @@ def rank(evaluations: Any) -> list[Evaluation]:
     while i < len(ordered):
         lead = ordered[i].score
         j = i + 1
-        while j < len(ordered) and abs(ordered[j].score - lead) <= TIE * max(abs(lead), abs(ordered[j].score)):
+        while j < len(ordered) and tied(ordered[j].score, lead):
             j += 1
         out += sorted(ordered[i:j], key=lambda e: (_peak_fraction(e), e.score, _key(e.point)))
         i = j
@@ -158,6 +170,9 @@ class _Search:
         self.progress, self.should_stop = progress, should_stop
         self.problem = problem or Problem(space, cluster, settings)
         self.cache: dict[tuple, Evaluation] = {}
+        # the best evaluation so far, kept as each arrives: the progress reports it after every
+        # evaluation, and ranking the whole cache each time made a search quadratic in its size
+        self._best: Evaluation | None = None
         self.budget: int | None = None       # most evaluations; the rest of a batch is skipped
         self.structural: dict[tuple, tuple[Any, str | None]] = {}
         self.reasons: Counter[str] = Counter()
@@ -193,6 +208,8 @@ class _Search:
 
     def _record(self, key: tuple, ev: Evaluation) -> None:
         self.cache[key] = ev
+        if ev.feasible and (self._best is None or _before(ev, self._best)):
+            self._best = ev
         if not ev.feasible and ev.reason:
             self.reasons[ev.reason] += 1
         if self.progress is not None:
@@ -203,8 +220,7 @@ class _Search:
             raise KeyboardInterrupt
 
     def best(self) -> Evaluation | None:
-        ranked = rank(self.cache.values())
-        return ranked[0] if ranked else None
+        return self._best
 
 
 def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | None = None, *,

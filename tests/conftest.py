@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from stage_cosim.cli import main
 from stage_cosim.model import ModelConfig
+
+STANDIN = Path(__file__).parent / "standins" / "astra_sim_standin.py"
 
 
 @pytest.fixture
@@ -31,3 +36,12 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture
+def standin(tmp_path) -> str:
+    """An executable that plays ASTRA-sim's binary (tests/standins/astra_sim_standin.py)."""
+    exe = tmp_path / "astra_standin"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN} \"$@\"\n")
+    exe.chmod(0o755)
+    return str(exe)

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import stat
-import sys
 import tarfile
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from stage_cosim.trace.chakra import TraceNode, read_trace_file, trace_files, wr
 from stage_cosim.workload import synthesize
 
 DATA = Path(__file__).parent / "data" / "astra_sim"
-STANDIN = Path(__file__).parent / "standins" / "astra_sim_standin.py"
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +130,6 @@ def test_parse_partial_and_deadlock() -> None:
 
 
 # -- process handling, with a stand-in executable ------------------------------------------------------
-
-@pytest.fixture
-def standin(tmp_path) -> str:
-    exe = tmp_path / "astra_standin"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN} \"$@\"\n")
-    exe.chmod(0o755)
-    return str(exe)
-
 
 @pytest.mark.parametrize("mode, kind", [("crash", "signal"), ("deadlock", "deadlock"), ("exit3", "exit")])
 def test_failures_are_one_line_with_excerpt(workload, tmp_path, standin, monkeypatch, mode, kind) -> None:

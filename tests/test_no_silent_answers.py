@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from stage_cosim.adapters.roofline.astra_model import COLLECTIVES
 from stage_cosim.hardware.network import NetworkDim
 
 HF = Path(__file__).parent / "data" / "hf"
-STANDIN = Path(__file__).parent / "standins" / "astra_sim_standin.py"
 SMALL = ["--model", "llama3-8b", "--layers", "2", "--seq-len", "256"]
 
 
@@ -190,14 +188,6 @@ def test_halving_doubling_all_gather_half_sends_the_binarys_sizes() -> None:
 
 
 # -- ASTRA-sim: a result whose finished lines are incomplete is never parsed --------------------------
-
-@pytest.fixture
-def standin(tmp_path) -> str:
-    exe = tmp_path / "astra_standin"
-    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {STANDIN} \"$@\"\n")
-    exe.chmod(0o755)
-    return str(exe)
-
 
 def _standin_run_dir(tmp_path: Path, ranks: int) -> Path:
     d = tmp_path / "run"

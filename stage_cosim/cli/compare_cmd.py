@@ -19,8 +19,7 @@ import click
 
 from stage_cosim.cli.options import (
     cluster_option, inference_options, model_options, network_model_option, parallel_options,
-    resolve_inference_options,
-    resolve_model_options, resolve_parallel_options,
+    resolve_inference_options, resolve_model_options, resolve_parallel_options,
 )
 from stage_cosim.errors import UserError
 

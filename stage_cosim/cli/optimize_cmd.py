@@ -145,11 +145,10 @@ def why_first(a: dict, b: dict, keys: list[str]) -> str:
     gap = b["step_time_s"] - a["step_time_s"]
     change = f"#2 has {_difference(a, b)}"
     if abs(gap) < STEP_PRECISION / 2:
-        from stage_cosim.search.optimize import TIE
+        from stage_cosim.search.optimize import tied
 
         headroom = ""
-        if abs(gap) <= TIE * max(abs(a["step_time_s"]), abs(b["step_time_s"])) \
-                and a["peak_memory_bytes"] < b["peak_memory_bytes"]:
+        if tied(a["step_time_s"], b["step_time_s"]) and a["peak_memory_bytes"] < b["peak_memory_bytes"]:
             headroom = (f"; tied, #1 keeps more memory free ({a['peak_memory_bytes'] / GiB:.1f} GiB peak, "
                         f"#2 {b['peak_memory_bytes'] / GiB:.1f} GiB)")
         return (f"why #1 beats #2: they tie within the shown precision ({STEP_PRECISION:g} s per step; #1 by "

@@ -110,10 +110,8 @@ def megatron_switches(kw: dict[str, Any]) -> dict[str, Any]:
     """The ParallelConfig fields the Megatron switch flags set (popping them from ``kw``): only
     those given. ``--use-distributed-optimizer`` is ZeRO 1, so it refuses another ``--zero``;
     ``--tp-comm-overlap`` needs ``--sp``, as in Megatron-LM."""
-    out: dict[str, Any] = {}
-    for name in ("tp_comm_overlap", "overlap_param_gather"):
-        if kw.get(name) is not None:
-            out[name] = kw[name]
+    given = {name: kw.pop(name, None) for name in ("tp_comm_overlap", "overlap_param_gather")}
+    out: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
     if out.get("tp_comm_overlap") and (kw.get("tp") or 1) > 1 and not kw.get("sp"):
         # Megatron-LM refuses it too: what overlaps is sp's all-gathers and reduce-scatters
         raise UserError("tp-comm-overlap", "needs --sp: it overlaps sequence parallelism's all-gathers and "
@@ -121,8 +119,6 @@ def megatron_switches(kw: dict[str, Any]) -> dict[str, Any]:
     bf16 = kw.pop("grad_reduce_in_bf16", None)
     if bf16 is not None:
         out["grad_reduce_dtype"] = "bf16" if bf16 else "fp32"
-    for name in ("tp_comm_overlap", "overlap_param_gather"):
-        kw.pop(name, None)
     if kw.pop("use_distributed_optimizer", None):
         zero = kw.get("zero")
         if zero not in (None, 0, 1):

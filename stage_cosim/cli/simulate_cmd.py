@@ -13,8 +13,7 @@ from stage_cosim.cli.astra_cmd import settings_from, with_astra_options
 from stage_cosim.cli.emit import emit_option, launch_for, print_launch
 from stage_cosim.cli.options import (
     cluster_option, inference_options, model_options, network_model_option, parallel_options,
-    resolve_inference_options,
-    resolve_model_options, resolve_parallel_options,
+    resolve_inference_options, resolve_model_options, resolve_parallel_options,
 )
 from stage_cosim.errors import UserError
 from stage_cosim.result import SimResult
@@ -38,6 +37,8 @@ def describe_precision(p: dict) -> str:
               if p.get(key)]
     layout = "transposed FP8 copies" if p.get("transposes") else "no transposes"
     return ", ".join([f"fp8 {p.get('recipe')} ({p.get('format')}, {layout})", *extras])
+
+
 def _switches_line(par: dict) -> str:
     """The performance switches the step assumed, by Megatron-LM's flag names (each can be set)."""
     def on(flag: str, value: bool) -> str:

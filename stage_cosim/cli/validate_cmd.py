@@ -40,11 +40,8 @@ def validate(path: Path, comm_groups: Path | None, system_file: Path | None, net
     system = read_system_json(system_file) if system_file and network_file else None
     dims = read_network_yml(network_file) if network_file else None
     # the world size is the run's (its network file, else its manifest), not the files present
-    world, source = None, None
-    if dims is not None:
-        world, source = math.prod(d.npus for d in dims), network_file
-    elif manifest_ranks(located) is not None:
-        world, source = manifest_ranks(located)
+    world, source = (math.prod(d.npus for d in dims), network_file) if dims is not None else \
+        (manifest_ranks(located) or (None, None))
     missing = missing_files(located, world if world is not None else max(located.files) + 1)
     if missing:
         has = f"the run has {world:,} ranks, from {source}" if world is not None else \

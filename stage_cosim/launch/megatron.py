@@ -142,17 +142,24 @@ def model_args(model: ModelConfig) -> list[str]:
     return a
 
 
-def parallel_args(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | None) -> list[str]:
+def refuse_what_megatron_core_lacks(target: str, par: ParallelConfig) -> None:
+    """What Megatron-Core, which both Megatron-LM and NeMo 2 run, cannot run or be told: the
+    same refusals for either target (``knob``: a pretrain_gpt.py flag, a recipe override)."""
+    knob = "flag" if target == "megatron" else "override"
     if par.schedule == "gpipe":
-        raise refuse("megatron", "has no GPipe schedule (its pipeline runs 1F1B, interleaved with virtual stages)")
+        raise refuse(target, "has no GPipe schedule (Megatron-Core runs 1F1B, interleaved with virtual stages)")
     if par.cp > 1 and not par.cp_load_balance:
-        raise refuse("megatron", "always splits the sequence into 2*cp load-balanced chunks (--cp-load-balance)")
+        raise refuse(target, "always splits the sequence into 2*cp load-balanced chunks (--cp-load-balance)")
     if par.te_layernorm_mlp:
-        raise refuse("megatron", "has no flag for Transformer Engine's LayerNormMLP (--te-layernorm-mlp)")
+        raise refuse(target, f"has no {knob} for Transformer Engine's LayerNormMLP (--te-layernorm-mlp)")
+    if par.fp8_dispatch:
+        raise refuse(target, f"has no {knob} for an FP8 token dispatch (--fp8-dispatch)")
+
+
+def parallel_args(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | None) -> list[str]:
+    refuse_what_megatron_core_lacks("megatron", par)
     if par.fp8_attention:
         raise refuse("megatron", "pretrain_gpt.py has no flag for FP8 attention (--fp8-attention)")
-    if par.fp8_dispatch:
-        raise refuse("megatron", "pretrain_gpt.py has no flag for an FP8 token dispatch (--fp8-dispatch)")
     order = tuple(par.axis_order)
     if order not in (DEFAULT_ORDER, TP_PP_DP_ORDER):
         raise refuse("megatron", f"maps ranks as tp, cp, dp, pp (or tp, cp, pp, dp), not {', '.join(order)} "

@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from stage_cosim.launch import refuse
-from stage_cosim.launch.megatron import CP_COMM_TYPES, DEFAULT_ORDER, pipeline_layout
+from stage_cosim.launch.megatron import (
+    CP_COMM_TYPES, DEFAULT_ORDER, pipeline_layout, refuse_what_megatron_core_lacks,
+)
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 
@@ -26,16 +28,9 @@ def _literal(value: Any) -> str:
 
 
 def nemo_overrides(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | None = None) -> list[str]:
-    if par.schedule == "gpipe":
-        raise refuse("nemo", "has no GPipe schedule (Megatron-Core runs 1F1B, interleaved with virtual stages)")
+    refuse_what_megatron_core_lacks("nemo", par)
     if par.cp > 1 and par.cp_comm == "a2a+p2p":
         raise refuse("nemo", "recipes cannot set hierarchical context parallelism (--cp-comm a2a+p2p)")
-    if par.cp > 1 and not par.cp_load_balance:
-        raise refuse("nemo", "always splits the sequence into 2*cp load-balanced chunks (--cp-load-balance)")
-    if par.te_layernorm_mlp:
-        raise refuse("nemo", "has no override for Transformer Engine's LayerNormMLP (--te-layernorm-mlp)")
-    if par.fp8_dispatch:
-        raise refuse("nemo", "has no override for an FP8 token dispatch (--fp8-dispatch)")
     if par.tp_comm_overlap:
         raise refuse("nemo", "sets tp_comm_overlap with its MegatronCommOverlapCallback, not with an override")
     if tuple(par.axis_order) != DEFAULT_ORDER:
