@@ -282,7 +282,7 @@ def test_tied_embeddings_export_runs_to_the_end(run_cli, tmp_path, cfg) -> None:
     double_free = (cfg.get("dp", 1) > 1 or cfg.get("cp", 1) > 1) and not cfg.get("zero")
     assert ("double free" in err) == double_free, err
     if BINARY:
-        runsh = subprocess.run([str(d / "run.sh"), BINARY], capture_output=True, text=True, timeout=120)
+        runsh = run_sh(d)
         assert runsh.returncode == 0, runsh.stderr[-500:]
     code, out = _replay(run_cli, d)
     assert code == 0, out
@@ -352,12 +352,25 @@ def test_run_sh_survives_the_exit_double_free(tmp_path) -> None:
     d = tmp_path / "run"
     manifest = export(w, cluster, d)
     assert any("double free" in x for x in manifest["warnings"])
-    raw = subprocess.run([BINARY, *command_args()], cwd=d, capture_output=True, text=True, timeout=120)
-    finished = raw.stdout.count("] finished, ")
-    assert finished == w.world_size and raw.returncode in (0, -6, -11), raw.returncode
-    runsh = subprocess.run([str(d / "run.sh"), BINARY], capture_output=True, text=True, timeout=120)
+    for _ in range(3):      # the abort can also come before the log printed every line: run again
+        raw = subprocess.run([BINARY, *command_args()], cwd=d, capture_output=True, text=True, timeout=120)
+        if raw.stdout.count("] finished, ") == w.world_size:
+            break
+    assert raw.stdout.count("] finished, ") == w.world_size and raw.returncode in (0, -6, -11), raw.returncode
+    runsh = run_sh(d)
     assert runsh.returncode == 0 and runsh.stdout.count("] finished, ") == w.world_size
-    assert (raw.returncode == 0) == ("died of signal" not in runsh.stderr)
+    # run.sh says the simulator died exactly when it did (the status it kept of that run)
+    assert ("died of signal" in runsh.stderr) == (int((d / "log" / "status").read_text()) > 128)
+
+
+def run_sh(d: Path) -> subprocess.CompletedProcess:
+    """run.sh on the real binary, run again (at most twice more) where it says the binary's exit
+    lost results ("incomplete; run it again"), as its message asks."""
+    for _ in range(3):
+        runsh = subprocess.run([str(d / "run.sh"), BINARY], capture_output=True, text=True, timeout=120)
+        if "incomplete; run it again" not in runsh.stderr:
+            break
+    return runsh
 
 
 def command_args() -> list[str]:

@@ -20,7 +20,9 @@ DEFAULT_BINARY = "AstraSim_Analytical_Congestion_Unaware"
 # ``exit_warnings`` in adapters/roofline/astra.py), and then may die of the heap corruption after
 # printing every result, or before its log has printed them all. run.sh keeps the output (streamed,
 # and in log/output.txt) and, when every rank printed its "finished" line before the process died
-# of a signal, says so and exits 0; when some did not, says the result is incomplete.
+# of a signal, says so and exits 0; when some did not and it died of an abort, a segfault or a
+# bus error, says the result is incomplete (run it again: a crash of the simulation itself dies
+# so every time).
 RUN_SH = """#!/bin/sh
 # Run this ASTRA-sim workload: ./run.sh [/path/to/{default}] (or set {env}).
 # Written by stage-cosim; every path is relative to this directory, so it can be copied anywhere.
@@ -44,10 +46,10 @@ if [ "$status" -gt 128 ] && [ "$finished" -eq {ranks} ]; then
        "Results above are complete." >&2
   exit 0
 fi
-if [ "$status" -gt 128 ] && [ "$finished" -gt 0 ]; then
+if [ "$status" -eq 134 ] || [ "$status" -eq 135 ] || [ "$status" -eq 139 ]; then
   echo "run.sh: only $finished of {ranks} ranks printed a result before the simulator died of signal" \\
        "$((status - 128)) (its double free on exit can drop results still queued in its log): the result is" \\
-       "incomplete; run it again" >&2
+       "incomplete; run it again (dying so every time is a crash of the simulation itself)" >&2
 fi
 exit "$status"
 """
