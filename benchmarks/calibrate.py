@@ -1,17 +1,26 @@
-"""Fit the few efficiency parameters of each GPU type to the published measurements.
+"""Fit each GPU family's efficiency parameters, bottom-up, and say how well the fit holds out.
 
-    python benchmarks/calibrate.py            # print the fit
-    python benchmarks/calibrate.py --write    # and store it in hardware/data/calibration.yaml
-    python benchmarks/calibrate.py --family H100 --global-check
-        # a global search (differential evolution over the same bounds, minimizing the mean
-        # absolute error directly, started from the shipped set): is there a better parameter set?
+    python benchmarks/calibrate.py                 # fit and print (about 5 minutes on 2 cores)
+    python benchmarks/calibrate.py --write         # and store it in hardware/data/calibration.yaml
+    python benchmarks/calibrate.py --family A100   # one family
+    python benchmarks/calibrate.py --loo           # also leave-one-out per end-to-end row (slow)
 
-Per GPU family, one parameter set for all rows (no per-row tuning): matmul efficiency, the
-small-GEMM half-efficiency size, flash-attention efficiency, memory efficiency, kernel overhead,
-scale-up and scale-out bus-bandwidth efficiency, and, where the family has FP8 rows, the FP8 GEMMs'
-own efficiency and half-efficiency size. The H100 family is fitted to Megatron-Core's BF16 table
-and NeMo 24.07's FP8 table together (one set for both). scipy minimizes a robust (soft-L1) loss of
-the relative step-time errors.
+1. **Components first.** Every parameter a microbenchmark pins is fitted to the microbenchmark
+   rows of the family's own GPUs (stage_cosim/validation/components.py), and fixed:
+   HBM streaming (BabelStream) -> memory_efficiency; GEMM sweeps (cuBLASLt, DeepGEMM) ->
+   the GEMM efficiency and its small-GEMM half size per dtype; NCCL ring bus bandwidth in one
+   node -> scale_up_efficiency, across nodes -> scale_out_efficiency; FlashAttention-2 ->
+   attention_efficiency. Each file's error per row is printed (rows outside the model's scope
+   are counted and named, not fitted).
+2. **End to end, only what no microbenchmark pins**: the fixed cost per kernel, and where a
+   family lacks a component measurement (H100 has no BF16 GEMM sweep, no InfiniBand NCCL table,
+   and its runs use cuDNN's fused attention, not FlashAttention-2) that component, bounded by
+   what the microbenchmarks do say (the BF16 GEMM at most the best shape's efficiency; cuDNN
+   attention at least FlashAttention-2's). One parameter set for all the family's rows, each
+   row run with its published layout alone (its software profile's defaults for the rest).
+3. **Held out**: leave-one-source-out (refit without a source, predict it) where a family has
+   several sources, leave-one-out per row with --loo; and a last line ``parameters on a bound:
+   N``. A parameter on its bound is a mechanism the model lacks, not a bound to widen.
 """
 
 from __future__ import annotations
@@ -20,34 +29,37 @@ import argparse
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import yaml
-from scipy.optimize import differential_evolution, least_squares
+from scipy.optimize import least_squares
 
+from stage_cosim.adapters.roofline.network import CalibratedNetwork
 from stage_cosim.adapters.roofline.simulate import simulate
 from stage_cosim.hardware import resolve_cluster
-from stage_cosim.hardware.gpu import calibration
+from stage_cosim.hardware.gpu import calibration, get_gpu
+from stage_cosim.validation import components as comp
 from stage_cosim.validation.published import (TrainingRun, korthikanti_table5, megatron_core_weak_scaling,
                                               nemo2407_fp8_h100)
 from stage_cosim.workload import synthesize
 
 CLUSTER_OF = {"korthikanti2022": "dgx-a100", "megatron-core-0.8": "dgx-h100", "nemo24.07_fp8_h100": "dgx-h100"}
 FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}
+PRESET_OF_FAMILY = {"A100": "A100-80GB", "H100": "H100-SXM"}
 PARAMS = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "memory_efficiency",
           "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency",
           "fp8_matmul_efficiency", "fp8_matmul_half_flops")
-FP8_PARAMS = ("fp8_matmul_efficiency", "fp8_matmul_half_flops")
-# Physically meaningful ranges: the fit may not leave them.
-# (Flash attention reaches 30-75 % of dense peak on A100/H100 — FlashAttention-2's causal
-# backward on H100 near the bottom, cuDNN/FlashAttention-3 forward near the top; streaming kernels
-# 75-92 % of HBM; NCCL bus bandwidth 60-95 % of the link. FP8 GEMMs on Hopper reach a lower
-# fraction of their twice-as-high peak than BF16 GEMMs: 40-80 %.)
-BOUNDS = {"matmul_efficiency": (0.5, 0.9), "matmul_half_flops": (1e8, 1e11), "attention_efficiency": (0.3, 0.8),
-          "memory_efficiency": (0.75, 0.92), "kernel_overhead_us": (1.0, 10.0), "scale_up_efficiency": (0.6, 0.95),
-          "scale_out_efficiency": (0.6, 0.95), "fp8_matmul_efficiency": (0.4, 0.8),
-          "fp8_matmul_half_flops": (1e8, 1e11)}
+# Physical ranges: an efficiency is a fraction of a peak; a half size between a tiny and a huge
+# kernel; a fixed cost per kernel between nothing and a slow launch.
+BOUNDS = {"matmul_efficiency": (0.3, 1.0), "matmul_half_flops": (1e7, 1e12), "attention_efficiency": (0.1, 1.0),
+          "memory_efficiency": (0.5, 1.0), "kernel_overhead_us": (0.0, 20.0), "scale_up_efficiency": (0.3, 1.0),
+          "scale_out_efficiency": (0.3, 1.0), "fp8_matmul_efficiency": (0.3, 1.0),
+          "fp8_matmul_half_flops": (1e7, 1e12)}
 LOG_PARAMS = {"matmul_half_flops", "fp8_matmul_half_flops"}
+
+
+# -- end-to-end rows ------------------------------------------------------------------------------
 
 
 def runs_for(cluster: str) -> list[TrainingRun]:
@@ -75,121 +87,260 @@ def predict(run: TrainingRun, params: dict[str, float] | None = None) -> float:
     return result.step_time_s
 
 
-def _uses_flash(runs: list[TrainingRun]) -> bool:
-    return any(r.model.attention == "fused" for r in runs)
-
-
-def _uses_fp8(runs: list[TrainingRun]) -> bool:
-    return any(r.dtype == "fp8" for r in runs)
+# -- a bounded least-squares fit of some parameters -----------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Box:
-    """The fitted parameters of one family as a vector: log10 where LOG_PARAMS says, within BOUNDS;
-    every other parameter stays at ``base``."""
+class Box:
+    """Parameters ``names`` as a vector (log10 where LOG_PARAMS says) within ``bounds``."""
 
     names: tuple[str, ...]
-    base: dict[str, float]
-
-    @classmethod
-    def of(cls, cluster: str, runs: list[TrainingRun], start: dict[str, float] | None = None) -> "_Box":
-        base = dict(calibration()["default"]) | (calibration().get(FAMILY_OF[cluster]) or {}) | (start or {})
-        # parameters no row depends on stay where they are (A100 rows use unfused attention and
-        # BF16 only)
-        names = tuple(p for p in PARAMS if (p != "attention_efficiency" or _uses_flash(runs))
-                      and (p not in FP8_PARAMS or _uses_fp8(runs)))
-        return cls(names, base)
+    bounds: dict[str, tuple[float, float]]
 
     def _coord(self, n: str, v: float) -> float:
-        return float(np.log10(v)) if n in LOG_PARAMS else v
+        return float(np.log10(v)) if n in LOG_PARAMS else float(v)
 
     @property
     def lo(self) -> np.ndarray:
-        return np.array([self._coord(n, BOUNDS[n][0]) for n in self.names])
+        return np.array([self._coord(n, self.bounds[n][0]) for n in self.names])
 
     @property
     def hi(self) -> np.ndarray:
-        return np.array([self._coord(n, BOUNDS[n][1]) for n in self.names])
+        return np.array([self._coord(n, self.bounds[n][1]) for n in self.names])
 
-    def start(self, margin: float) -> np.ndarray:
-        """``base`` as a vector, pulled ``margin`` inside the bounds."""
-        x = np.array([self._coord(n, self.base[n]) for n in self.names], dtype=float)
+    def vector(self, values: dict[str, float]) -> np.ndarray:
+        x = np.array([self._coord(n, values[n]) for n in self.names])
+        margin = 1e-6 * (self.hi - self.lo)
         return np.clip(x, self.lo + margin, self.hi - margin)
 
-    def params(self, x: np.ndarray) -> dict[str, float]:
-        return self.base | {n: float(10 ** v if n in LOG_PARAMS else v) for n, v in zip(self.names, x)}
+    def values(self, x: np.ndarray) -> dict[str, float]:
+        return {n: float(10 ** v if n in LOG_PARAMS else v) for n, v in zip(self.names, x)}
 
-    def fitted(self, x: np.ndarray) -> dict[str, float]:
-        # (the family's FP8 parameters only where FP8 rows fitted them; otherwise the defaults)
-        return {n: v for n, v in self.params(x).items()
-                if n in PARAMS and (n not in FP8_PARAMS or n in self.names)}
+    def on_bound(self, values: dict[str, float]) -> list[str]:
+        """The parameters within 0.5 % of the box's width of a bound."""
+        out = []
+        for n, lo, hi in zip(self.names, self.lo, self.hi):
+            v = self._coord(n, values[n])
+            if min(v - lo, hi - v) <= 0.005 * (hi - lo):
+                out.append(n)
+        return out
+
+
+def fit_box(box: Box, start: dict[str, float], residuals: Callable[[dict[str, float]], np.ndarray],
+            max_nfev: int = 60) -> dict[str, float]:
+    """Least squares of ``residuals`` (relative errors) over ``box``, from ``start``, with a robust
+    loss (about linear beyond 5 %: one row the model cannot explain does not drag every
+    parameter towards it)."""
+    if not box.names:
+        return {}
+    res = least_squares(lambda x: residuals(box.values(x)), box.vector(start), bounds=(box.lo, box.hi),
+                        diff_step=1e-3, x_scale=box.hi - box.lo, max_nfev=max_nfev, loss="soft_l1", f_scale=0.05)
+    return box.values(res.x)
+
+
+# -- 1. components ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComponentFit:
+    """One microbenchmark file's share of a family's fit: the parameters it pins and the rows."""
+
+    file: str
+    params: tuple[str, ...]
+    rows: tuple                       # the file's rows of the family's GPUs
+    predict: Callable                 # (row, parameters) -> the model's figure for the row
+    measured: Callable                # row -> the row's figure
+
+    def in_scope(self) -> list:
+        return [r for r in self.rows if not getattr(r, "scope", "")]
+
+    def errors(self, params: dict[str, float], rows: list | None = None) -> np.ndarray:
+        rows = self.in_scope() if rows is None else rows
+        return np.array([self.predict(r, params) / self.measured(r) - 1 for r in rows])
+
+
+def _gpu(row_gpu: str, params: dict[str, float]):
+    return get_gpu(comp.PRESET_OF_GPU[row_gpu]).with_overrides(**params)
+
+
+def _nccl_predict(row: comp.NcclRow, params: dict[str, float]) -> float:
+    family = comp.FAMILY_OF_GPU[row.gpu]
+    cluster = resolve_cluster("dgx-a100" if family == "A100" else "dgx-h100", 8 * row.nodes)
+    cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
+    return comp.nccl_busbw(row, CalibratedNetwork(cluster))
+
+
+def component_fits(family: str) -> list[ComponentFit]:
+    def mine(rows: tuple) -> tuple:
+        return tuple(r for r in rows if comp.FAMILY_OF_GPU[r.gpu] == family)
+
+    gemm = mine(comp.gemm_rows())
+    fits = [
+        ComponentFit("hbm_bandwidth.csv", ("memory_efficiency",),
+                     tuple(r for r in mine(comp.hbm_rows()) if comp.PRESET_OF_GPU[r.gpu] == PRESET_OF_FAMILY[family]),
+                     lambda r, p: comp.hbm_tbps(_gpu(r.gpu, p)), lambda r: r.tbps),
+        ComponentFit("gemm_microbench.csv (BF16/FP16)", ("matmul_efficiency", "matmul_half_flops"),
+                     tuple(r for r in gemm if r.fmt == "bf16"),
+                     lambda r, p: comp.gemm_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops),
+        ComponentFit("gemm_microbench.csv (FP8)", ("fp8_matmul_efficiency", "fp8_matmul_half_flops"),
+                     # H200's rows run at another power limit and clocks: H100 and H800 only
+                     tuple(r for r in gemm if r.fmt == "fp8" and r.gpu != "H200-SXM-141GB"),
+                     lambda r, p: comp.gemm_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops),
+        ComponentFit("nccl_busbw.csv (one node)", ("scale_up_efficiency",),
+                     tuple(r for r in mine(comp.nccl_rows()) if r.nodes == 1),
+                     _nccl_predict, lambda r: r.busbw_gbps),
+        ComponentFit("nccl_busbw.csv (across nodes, one GPU each)", ("scale_out_efficiency",),
+                     tuple(r for r in mine(comp.nccl_rows()) if r.per_node == 1 and r.nodes > 1),
+                     _nccl_predict, lambda r: r.busbw_gbps),
+        ComponentFit("attention_microbench.csv (FlashAttention-2)", ("attention_efficiency",),
+                     mine(comp.attention_rows()),
+                     lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops),
+    ]
+    return [f for f in fits if f.in_scope()]
+
+
+def fit_components(family: str, base: dict[str, float]) -> tuple[dict[str, float], list[ComponentFit]]:
+    """The parameters the family's microbenchmarks pin, fitted file by file (in order: the HBM
+    rate first, which the GEMM and attention rows' memory-bound parts use)."""
+    params = dict(base)
+    fits = component_fits(family)
+    for f in fits:
+        box = Box(f.params, BOUNDS)
+        fixed = dict(params)
+        params |= fit_box(box, fixed, lambda v, f=f, fixed=fixed: f.errors(fixed | v), max_nfev=200)
+    return params, fits
+
+
+# -- 2. end to end ----------------------------------------------------------------------------------
+
+
+def end_to_end_box(family: str, pinned: dict[str, float], fits: list[ComponentFit]) -> Box:
+    """What no microbenchmark of ``family`` pins, with the bounds the microbenchmarks imply."""
+    fitted = {p for f in fits for p in f.params}
+    runs = runs_for(_cluster(family))
+    names = ["kernel_overhead_us"]
+    bounds = dict(BOUNDS)
+    uses = {"matmul_efficiency": "matmul_efficiency" not in fitted, "attention_efficiency": any(r.model.attention == "fused" for r in runs),
+            "scale_out_efficiency": any(r.gpus > 8 for r in runs)}
+    for p, used in uses.items():
+        if used and p not in fitted:
+            names.append(p)
+    if uses["attention_efficiency"] and "attention_efficiency" in fitted:
+        # the runs use cuDNN's fused attention (Transformer Engine), a newer kernel than the
+        # FlashAttention-2 of the microbenchmark: at least as fast as it
+        names.append("attention_efficiency")
+        bounds["attention_efficiency"] = (pinned["attention_efficiency"], BOUNDS["attention_efficiency"][1])
+    if "matmul_efficiency" in names:
+        # no BF16 sweep: at most the best shape of the MAMF search (a ceiling)
+        ceiling = max(r.tflops for r in comp.gemm_rows()
+                      if comp.FAMILY_OF_GPU[r.gpu] == family and r.fmt == "bf16" and r.scope.startswith("best"))
+        bounds["matmul_efficiency"] = (BOUNDS["matmul_efficiency"][0],
+                                       ceiling / get_gpu(PRESET_OF_FAMILY[family]).bf16_tflops)
+    return Box(tuple(names), bounds)
+
+
+def _cluster(family: str) -> str:
+    return {v: k for k, v in FAMILY_OF.items()}[family]
+
+
+def derived(family: str, params: dict[str, float]) -> dict[str, float]:
+    """Parameters that follow from others: without a BF16 GEMM sweep, the BF16 half size is
+    the FP8 one's in time (a GEMM reaches half its rate after the same fixed time whatever its
+    number format: launch, prologue, the first wave)."""
+    if family == "H100":
+        g = get_gpu(PRESET_OF_FAMILY[family])
+        rate_bf16 = g.bf16_tflops * params["matmul_efficiency"]
+        rate_fp8 = g.fp8_tflops * params["fp8_matmul_efficiency"]
+        return params | {"matmul_half_flops": params["fp8_matmul_half_flops"] * rate_bf16 / rate_fp8}
+    return params
+
+
+def fit_end_to_end(family: str, pinned: dict[str, float], box: Box, runs: list[TrainingRun],
+                   max_nfev: int = 40) -> dict[str, float]:
+    def residuals(v: dict[str, float]) -> np.ndarray:
+        p = derived(family, pinned | v)
+        return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
+
+    return derived(family, pinned | fit_box(box, pinned, residuals, max_nfev))
 
 
 def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None = None,
-        max_nfev: int = 60, verbose: bool = False) -> dict[str, float]:
-    """Least-squares fit of the relative step-time errors within the physical bounds."""
+        max_nfev: int = 40, verbose: bool = False) -> dict[str, float]:
+    """The whole fit of ``cluster``'s family (components, then end to end without row ``exclude``)."""
+    family = FAMILY_OF[cluster]
+    base = dict(calibration()["default"]) | (calibration().get(family) or {}) | (start or {})
+    pinned, fits = fit_components(family, base)
     runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
-    box = _Box.of(cluster, runs, start)
-
-    def residuals(x: np.ndarray) -> np.ndarray:
-        p = box.params(x)
-        res = np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
-        if verbose:
-            print(f"   mean |error| {100 * np.mean(np.abs(res)):.2f} % at "
-                  f"{ {k: float(f'{v:.4g}') for k, v in box.fitted(x).items()} }", flush=True)
-        return res
-
-    lo, hi = box.lo, box.hi
-    # A robust loss (about linear beyond 5 %): the mean absolute error is what we report, and one
-    # row the model cannot explain should not drag every parameter towards it.
-    res = least_squares(residuals, box.start(1e-6), bounds=(lo, hi), diff_step=1e-2, x_scale=hi - lo,
-                        max_nfev=max_nfev, loss="soft_l1", f_scale=0.05)
-    return box.fitted(res.x)
+    params = fit_end_to_end(family, pinned, end_to_end_box(family, pinned, fits), runs, max_nfev)
+    return {k: params[k] for k in PARAMS}
 
 
-def global_check(cluster: str, generations: int = 12, seed: int = 0) -> tuple[float, dict[str, float]]:
-    """Lowest mean absolute error differential evolution finds within the bounds, and its parameters."""
+# -- the report ---------------------------------------------------------------------------------------
+
+
+def _pct(errs) -> str:
+    errs = np.abs(np.asarray(errs))
+    return f"mean |error| {100 * errs.mean():.1f} %, worst {100 * errs.max():.1f} % ({len(errs)} rows)"
+
+
+def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
+    cluster = _cluster(family)
+    base = dict(calibration()["default"]) | (calibration().get(family) or {})
+    print(f"\n== {family} ==")
+    pinned, fits = fit_components(family, base)
+    on_bound: list[str] = []
+    print("components (fitted to the microbenchmarks of the family's GPUs, then fixed):")
+    for f in fits:
+        box = Box(f.params, BOUNDS)
+        on_bound += box.on_bound(pinned)
+        values = ", ".join(f"{n} {pinned[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params)
+        out = [r for r in f.rows if getattr(r, "scope", "")]
+        print(f"  {f.file}: {values}")
+        print(f"      fitted rows: {_pct(f.errors(pinned))}"
+              + (f"; outside the model's scope: {len(out)} rows ({_pct(f.errors(pinned, out))}; "
+                 f"{sorted({r.scope for r in out})[0]} ...)" if out else ""))
+    box = end_to_end_box(family, pinned, fits)
     runs = runs_for(cluster)
-    box = _Box.of(cluster, runs)
-
-    def mean_abs_error(x: np.ndarray) -> float:
-        p = box.params(x)
-        return float(np.mean([abs(predict(r, p) / r.measured_step_s - 1) for r in runs]))
-
-    res = differential_evolution(mean_abs_error, list(zip(box.lo, box.hi)), x0=box.start(1e-9), seed=seed,
-                                 maxiter=generations, popsize=5, polish=False, updating="immediate")
-    return float(res.fun), box.fitted(res.x)
+    params = fit_end_to_end(family, pinned, box, runs)
+    on_bound += box.on_bound(params)
+    print("end to end (only what no microbenchmark pins):")
+    print("  " + ", ".join(f"{n} {params[n]:.4g} [{box.bounds[n][0]:.3g}, {box.bounds[n][1]:.3g}]" for n in box.names))
+    by_source: dict[str, list[int]] = {}
+    for i, r in enumerate(runs):
+        by_source.setdefault(r.source, []).append(i)
+    for source, idx in by_source.items():
+        errs = [predict(runs[i], params) / runs[i].measured_step_s - 1 for i in idx]
+        line = f"  {source}: fitted {_pct(errs)}"
+        if len(by_source) > 1:
+            held = fit_end_to_end(family, pinned, box, [r for j, r in enumerate(runs) if j not in idx])
+            errs = [predict(runs[i], held) / runs[i].measured_step_s - 1 for i in idx]
+            line += f"; leave-one-source-out {_pct(errs)}"
+        print(line, flush=True)
+    if loo:
+        errs = []
+        for i, r in enumerate(runs):
+            held = fit_end_to_end(family, pinned, box, [q for j, q in enumerate(runs) if j != i], max_nfev=16)
+            errs.append(predict(r, held) / r.measured_step_s - 1)
+        print(f"  leave-one-out: {_pct(errs)}")
+    print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
+    return {k: params[k] for k in PARAMS}, len(on_bound)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", action="store_true", help="store the fit in hardware/data/calibration.yaml")
     ap.add_argument("--family", choices=sorted(FAMILY_OF.values()), default=None, help="fit only this GPU family")
-    ap.add_argument("--verbose", action="store_true", help="print the error at every parameter set tried")
-    ap.add_argument("--global-check", action="store_true",
-                    help="search the whole bounded box for a lower mean error instead of fitting (slow: hundreds of "
-                         "evaluations of every row of the family)")
+    ap.add_argument("--loo", action="store_true", help="also leave-one-out per end-to-end row (refits once per row)")
     args = ap.parse_args()
-    if args.global_check:
-        for cluster, family in FAMILY_OF.items():
-            if not args.family or family == args.family:
-                err, params = global_check(cluster)
-                print(f"{family}: lowest mean |error| found {100 * err:.2f} % with "
-                      f"{ {k: float(f'{v:.4g}') for k, v in params.items()} }")
-        return
     fitted = {k: v for k, v in calibration().items() if k != "default"}
-    for cluster, family in FAMILY_OF.items():
+    bound = 0
+    for family in FAMILY_OF.values():
         if args.family and family != args.family:
             continue
-        params = fit(cluster, verbose=args.verbose)
+        params, n = report_family(family, args.loo)
+        bound += n
         fitted[family] = {k: float(f"{v:.4g}") for k, v in params.items()}
-        print(f"{family}: {fitted[family]}")
-        by_source: dict[str, list[float]] = {}
-        for r in runs_for(cluster):
-            by_source.setdefault(r.source, []).append(predict(r, params) / r.measured_step_s - 1)
-        for source, errs in by_source.items():
-            print(f"   {source}: mean |error| {100 * np.mean(np.abs(errs)):.2f} %, "
-                  f"worst {100 * np.max(np.abs(errs)):.2f} % ({len(errs)} rows)")
+    print(f"\nparameters on a bound: {bound}")
     if args.write:
         path = Path(__file__).resolve().parents[1] / "hardware" / "data" / "calibration.yaml"
         text = path.read_text()

@@ -1,29 +1,27 @@
-"""Predicted vs measured step time for every published training run in the validation data.
+"""Predicted vs measured step time for every published training run in the validation data,
+each run with its published layout alone (what a user would type: layout, precision, batch,
+optimizer sharding; its software profile's defaults for the rest).
 
     python benchmarks/validate_published.py            # calibrated parameters as shipped
-    python benchmarks/validate_published.py --loo      # also leave-one-out: refit without each row
 
 Korthikanti et al. 2022 (Table 5, A100 Selene), Megatron-Core 0.8 (H100 weak scaling, BF16; the
 step time is derived from the published TFLOP/s with the table's own FLOP formula) and NeMo
 Framework 24.07 (H100, FP8 with Transformer Engine's delayed scaling; the step time is
-gbs * seq / (tokens/s/GPU * GPUs)), the rows the calibration is fitted to; then checks with the
-same parameters, never fitted: the Mixture-of-Experts rows (Mixtral 8x7B on 64 H100, DeepSeek-V3
-FP8 on 2,048 H800) and Llama 3 405B's pre-training configurations (BF16, up to 16,384 H100, cp16
-at 131K tokens; the step time from the paper's TFLOP/s with PaLM's FLOP count).
+gbs * seq / (tokens/s/GPU * GPUs)), the rows the shipped calibration was fitted to; then checks
+with the same parameters, never fitted: the Mixture-of-Experts rows (Mixtral 8x7B on 64 H100,
+DeepSeek-V3 FP8 on 2,048 H800) and Llama 3 405B's pre-training configurations (BF16, up to
+16,384 H100, cp16 at 131K tokens; the step time from the paper's TFLOP/s with PaLM's FLOP count).
+Held-out errors (leave-one-source-out, leave-one-out) are benchmarks/calibrate.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from calibrate import CLUSTER_OF, FAMILY_OF, fit, predict, runs_for  # noqa: E402
-
-FITTED: dict[str, dict[str, float]] = {}   # the shipped calibration: the leave-one-out fits start there
-
+from calibrate import predict  # noqa: E402
 from stage_cosim.validation.published import (  # noqa: E402
     TrainingRun, korthikanti_table5, llama3_herd_table4, megatron_core_weak_scaling, moe_published, nemo2407_fp8_h100,
 )
@@ -35,43 +33,24 @@ def mapping(run: TrainingRun) -> str:
     return degrees + (f" vp{run.vp}" if run.vp > 1 else "") + f" mb{run.micro_batch}"
 
 
-def report(title: str, runs: list[TrainingRun], loo: bool) -> None:
+def report(title: str, runs: list[TrainingRun]) -> None:
     print(f"\n{title}")
-    print(f"{'run':<28} {'gpus':>6} {'tp·pp·[cp·]dp':>20} {'measured s':>11} {'predicted s':>12} {'error':>8}"
-          + (f" {'LOO pred s':>11} {'LOO err':>8}" if loo else ""))
-    errors, loo_errors = [], []
+    print(f"{'run':<28} {'gpus':>6} {'tp·pp·[cp·]dp':>20} {'measured s':>11} {'predicted s':>12} {'error':>8}")
+    errors = []
     for run in runs:
         pred = predict(run)
         err = pred / run.measured_step_s - 1
         errors.append(abs(err))
-        line = (f"{run.name:<28} {run.gpus:>6} {mapping(run):>20} {run.measured_step_s:>11.3f} {pred:>12.3f} "
-                f"{100 * err:>+7.1f}%")
-        if loo:
-            # a local refit from the shipped parameters, without this row (of all the family's rows)
-            cluster = CLUSTER_OF[run.source]
-            index = runs_for(cluster).index(run)
-            params = fit(cluster, exclude=index, start=FITTED.get(cluster), max_nfev=16)
-            p_loo = predict(run, params)
-            e_loo = p_loo / run.measured_step_s - 1
-            loo_errors.append(abs(e_loo))
-            line += f" {p_loo:>11.3f} {100 * e_loo:>+7.1f}%"
-        print(line, flush=True)
-    print(f"mean absolute error {100 * sum(errors) / len(errors):.2f} %, worst {100 * max(errors):.2f} %"
-          + (f"; leave-one-out mean {100 * sum(loo_errors) / len(loo_errors):.2f} %, "
-             f"worst {100 * max(loo_errors):.2f} %" if loo else ""))
+        print(f"{run.name:<28} {run.gpus:>6} {mapping(run):>20} {run.measured_step_s:>11.3f} {pred:>12.3f} "
+              f"{100 * err:>+7.1f}%", flush=True)
+    print(f"mean absolute error {100 * sum(errors) / len(errors):.2f} %, worst {100 * max(errors):.2f} %")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loo", action="store_true", help="leave-one-out error (refits once per row)")
-    args = ap.parse_args()
-    from stage_cosim.hardware.gpu import calibration
-
-    FITTED.update({cl: calibration().get(family) or {} for cl, family in FAMILY_OF.items()})
-    report("Korthikanti et al. 2022, Table 5 (A100-80GB, Selene)", korthikanti_table5(), args.loo)
-    report("Megatron-Core 0.8 weak scaling (H100, BF16)", megatron_core_weak_scaling(), args.loo)
-    report("NeMo Framework 24.07 (H100, FP8 delayed scaling)", nemo2407_fp8_h100(), args.loo)
-    report("Llama 3 405B pre-training, Table 4 (H100, BF16; checks, not fitted)", llama3_herd_table4(), False)
+    report("Korthikanti et al. 2022, Table 5 (A100-80GB, Selene)", korthikanti_table5())
+    report("Megatron-Core 0.8 weak scaling (H100, BF16)", megatron_core_weak_scaling())
+    report("NeMo Framework 24.07 (H100, FP8 delayed scaling)", nemo2407_fp8_h100())
+    report("Llama 3 405B pre-training, Table 4 (H100, BF16; checks, not fitted)", llama3_herd_table4())
     print("\nMixture of Experts (checks, not fitted: the same calibration)")
     print(f"{'run':<14} {'gpus':>5} {'tp':>3} {'ep':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'precision':>9} "
           f"{'measured s':>11} {'predicted s':>12} {'error':>8}")

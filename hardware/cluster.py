@@ -28,6 +28,10 @@ class ScaleUp:
     bandwidth_GBps: float      # per GPU per direction, 10^9 B/s
     latency_ns: float
     topology: str = "Switch"
+    # GPUs per tray (a rack's unit of allocation: GB200 NVL72's compute tray holds 4), or 0
+    # where a domain is one box that a job takes whole (a DGX node). A job on domains of trays
+    # need not fill whole domains: see Cluster.domain.
+    gpus_per_tray: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,15 @@ class Cluster:
                 f"{self.num_gpus:,} GPUs, more than the {MAX_RANKS_TEXT}")
         d = self.scale_up.gpus_per_domain
         require(isinstance(d, int) and d > 0, "cluster.scale_up.gpus_per_domain", f"must be a positive integer, got {d!r}")
-        require(self.num_gpus <= d or self.num_gpus % d == 0, "cluster",
-                f"{self.num_gpus} GPUs do not fill whole scale-up domains of {d}")
+        tray = self.scale_up.gpus_per_tray
+        require(isinstance(tray, int) and tray >= 0 and (tray == 0 or d % tray == 0), "cluster.scale_up.gpus_per_tray",
+                f"must be 0 or a whole number of GPUs that divides gpus_per_domain ({d}), got {tray!r}")
+        if tray:
+            require(self._domain_of_trays() is not None, "cluster",
+                    f"{self.num_gpus} GPUs cannot be spread evenly over racks of {d} in whole trays of {tray}")
+        else:
+            require(self.num_gpus <= d or self.num_gpus % d == 0, "cluster",
+                    f"{self.num_gpus} GPUs do not fill whole scale-up domains of {d}")
         for part, obj in (("scale_up", self.scale_up), ("scale_out", self.scale_out)):
             require(obj.bandwidth_GBps > 0, f"cluster.{part}.bandwidth_GBps", f"must be positive, got {obj.bandwidth_GBps!r}")
             require(obj.latency_ns >= 0, f"cluster.{part}.latency_ns", f"must be non-negative, got {obj.latency_ns!r}")
@@ -65,8 +76,21 @@ class Cluster:
         require(self.scale_out.oversubscription >= 1, "cluster.scale_out.oversubscription",
                 f"must be at least 1, got {self.scale_out.oversubscription!r}")
 
+    def _domain_of_trays(self) -> int | None:
+        """The job's GPUs in each rack when racks are allocated by trays: the same number of
+        whole trays in every rack it uses, as many as a rack holds (the fewest racks)."""
+        d, tray = self.scale_up.gpus_per_domain, self.scale_up.gpus_per_tray
+        if self.num_gpus <= d:
+            return self.num_gpus if self.num_gpus % tray == 0 or self.num_gpus < tray else None
+        return next((k for k in range(d - d % tray, 0, -tray) if self.num_gpus % k == 0), None)
+
     @property
     def domain(self) -> int:
+        """GPUs of the job in one scale-up domain: the whole domain, or all the job's GPUs where
+        they fit in one; on racks of trays (NVL72), the job's GPUs in each rack it spreads over
+        evenly, in whole trays (256 GPUs: 4 racks of 64, 16 of each rack's 18 trays)."""
+        if self.scale_up.gpus_per_tray:
+            return self._domain_of_trays() or self.num_gpus
         return min(self.scale_up.gpus_per_domain, self.num_gpus)
 
     @property
@@ -92,9 +116,10 @@ class Cluster:
         return d
 
 
-def _preset(name: str, gpu: str, domain: int, up_bw: float, up_lat: float, out_bw: float, out_lat: float) -> dict:
-    return dict(name=name, gpu=gpu, scale_up=dict(gpus_per_domain=domain, bandwidth_GBps=up_bw, latency_ns=up_lat),
-                scale_out=dict(bandwidth_GBps=out_bw, latency_ns=out_lat))
+def _preset(name: str, gpu: str, domain: int, up_bw: float, up_lat: float, out_bw: float, out_lat: float,
+            tray: int = 0) -> dict:
+    up = dict(gpus_per_domain=domain, bandwidth_GBps=up_bw, latency_ns=up_lat) | ({"gpus_per_tray": tray} if tray else {})
+    return dict(name=name, gpu=gpu, scale_up=up, scale_out=dict(bandwidth_GBps=out_bw, latency_ns=out_lat))
 
 
 # Bandwidths from the vendor data sheets (gpu_specs.csv); latencies are per hop, typical
@@ -107,8 +132,8 @@ CLUSTER_PRESETS: dict[str, dict] = {
     "dgx-h800": _preset("dgx-h800", "H800", 8, 200, 700, 50, 2000),
     "dgx-h200": _preset("dgx-h200", "H200", 8, 450, 700, 50, 2000),
     "dgx-b200": _preset("dgx-b200", "B200", 8, 900, 700, 50, 2000),
-    # 72 GPUs in one NVLink domain; one 400 Gb/s NIC per GPU between racks.
-    "gb200-nvl72": _preset("gb200-nvl72", "GB200", 72, 900, 700, 50, 2000),
+    # 72 GPUs in one NVLink domain, 18 compute trays of 4; one 400 Gb/s NIC per GPU between racks.
+    "gb200-nvl72": _preset("gb200-nvl72", "GB200", 72, 900, 700, 50, 2000, tray=4),
 }
 
 

@@ -32,7 +32,7 @@ from stage_cosim.parallel import ParallelConfig
 from stage_cosim.parallel.config import FP8_OPTIONS
 
 MODEL_OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq", *MODEL_SWITCHES)
-PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig))
+PARALLEL_KEYS = tuple(f.name for f in fields(ParallelConfig) if f.init and f.name != "assumed")
 # An inference step (phase prefill or decode); ``micro_batch`` is shared with the parallel keys.
 INFERENCE_KEYS = ("phase", "batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype",
                   "fp8_activation_scale", "attention_dp", "two_batch_overlap")

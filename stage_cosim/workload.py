@@ -314,7 +314,8 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
                      layers_per_vstage=parallel.layers_per_stage(model.layers), blocks=blocks,
                      zero=parallel.zero, tied_embeddings=model.shares_embedding,
                      degrees=degrees | dict(meshes[DENSE].size), overlap_param_gather=parallel.overlap_param_gather,
-                     tp_comm_overlap=parallel.tp_comm_overlap, block_cache={})
+                     tp_comm_overlap=parallel.tp_comm_overlap, overlap_grad_reduce=parallel.overlap_grad_reduce,
+                     block_cache={})
     return Workload(model, parallel, meshes, role_args, precision)
 
 

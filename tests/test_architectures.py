@@ -77,14 +77,16 @@ def _neox(**kw) -> ModelConfig:
 def test_parallel_residual_reduces_once() -> None:
     """GPT-NeoX's parallel residual: attention and MLP outputs are summed while partial, so the
     forward has one tensor-parallel all-reduce per layer instead of two; the backward still
-    all-reduces the gradient of each column-parallel GEMM's input (two)."""
-    par = ParallelConfig(tp=4, micro_batch=2, seq_len=1024)
+    all-reduces the gradient of each column-parallel GEMM's input (two). (Without sequence
+    parallelism, which the software profile would turn on with tp > 1.)"""
+    par = ParallelConfig(tp=4, sp=False, micro_batch=2, seq_len=1024)
     assert _tp_collectives(synthesize(_neox(), par), "fwd") == Counter({"AR": 2})
     w = synthesize(_neox(parallel_residual=True), par)
     assert _tp_collectives(w, "fwd") == Counter({"AR": 1})
     assert _tp_collectives(w, "bwd") == Counter({"AR": 2})
     # with sequence parallelism: two gathers (one per norm output) and one reduce-scatter forward
-    w = synthesize(_neox(parallel_residual=True), ParallelConfig(tp=4, sp=True, micro_batch=2, seq_len=1024))
+    w = synthesize(_neox(parallel_residual=True),
+                   ParallelConfig(tp=4, sp=True, tp_comm_overlap=False, micro_batch=2, seq_len=1024))
     assert _tp_collectives(w, "fwd") == Counter({"AG": 2, "RS": 1})
 
 
@@ -116,16 +118,24 @@ def test_partial_rotary_flops() -> None:
 def test_qk_layernorm_weights_and_their_tp_reduction() -> None:
     """Qwen3's QK-norm: one head_dim weight for queries and one for keys per layer, replicated
     over tp; each tp rank normalizes its own heads, so the gradients are all-reduced over tp
-    once per step (2 d fp32 values per layer)."""
+    once per step (2 d fp32 values per layer). Without sequence parallelism: with it, the two
+    norms of the sequence-sharded hidden states are reduced over tp as well (below)."""
     base = ModelConfig.build("q", "llama", layers=2, hidden=1024, ffn=2816, heads=16, kv_heads=4, head_dim=128,
                              vocab=32000, max_seq=4096)
     m = base.with_overrides(qk_layernorm=True)
     assert m.param_count() - base.param_count() == 2 * 2 * 128
-    w = synthesize(m, ParallelConfig(tp=2, seq_len=1024))
+    w = synthesize(m, ParallelConfig(tp=2, sp=False, seq_len=1024))
     step = [n for n in w.roles[0].nodes if n.phase == "step" and n.group == "tp" and n.block == "layer0"]
     assert [(n.coll.short, n.comm_bytes) for n in step] == [("AR", 2 * 128 * 4)]
-    assert not [n for n in synthesize(base, ParallelConfig(tp=2, seq_len=1024)).roles[0].nodes
+    assert not [n for n in synthesize(base, ParallelConfig(tp=2, sp=False, seq_len=1024)).roles[0].nodes
                 if n.phase == "step" and n.group == "tp"]
+    # sequence parallelism (the default with tp > 1): each tp rank also normalizes its own slice of
+    # the sequence with the replicated input and post-attention RMSNorm weights (hidden each), so
+    # their gradients join the same once-per-step tp all-reduce: (2 d + 2 h) fp32 values per layer
+    w = synthesize(m, ParallelConfig(tp=2, seq_len=1024))
+    assert w.parallel.sp
+    step = [n for n in w.roles[0].nodes if n.phase == "step" and n.group == "tp" and n.block == "layer0"]
+    assert [(n.coll.short, n.comm_bytes) for n in step] == [("AR", (2 * 128 + 2 * 1024) * 4)]
 
 
 def test_final_logit_softcap_keeps_its_output() -> None:

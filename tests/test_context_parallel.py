@@ -194,8 +194,9 @@ def test_hierarchical_a2a_bytes_per_layer(cp, a2a, tp) -> None:
 @pytest.mark.parametrize("dp", [1, 2])
 def test_gradients_reduce_over_dp_and_cp(zero, coll, dp) -> None:
     cp, tp = 4, 2
-    w = workload(tp=tp, cp=cp, dp=dp, zero=zero, global_batch=dp)
-    ref = workload(tp=tp, dp=dp * cp, zero=zero, global_batch=dp * cp)     # same group size over dp alone
+    # (without sequence parallelism, whose norm-weight gradients are all-reduced over tp as well)
+    w = workload(tp=tp, sp=False, cp=cp, dp=dp, zero=zero, global_batch=dp)
+    ref = workload(tp=tp, sp=False, dp=dp * cp, zero=zero, global_batch=dp * cp)   # same group size over dp alone
     grads = [n for n in w.role(0).nodes if n.phase == "step" and n.type == COLL and ".grad_" in n.name]
     ref_grads = [n for n in ref.role(0).nodes if n.phase == "step" and n.type == COLL and ".grad_" in n.name]
     assert {n.group for n in grads} == {"dp_cp"}            # dp = 1: still the data-parallel group
@@ -291,11 +292,17 @@ def test_ring_refuses_sliding_windows_and_unfused_attention() -> None:
     with pytest.raises(UserError) as e:
         synthesize(windowed, ParallelConfig(seq_len=S, cp=2))
     assert e.value.parameter == "cp-comm"
+    full = windowed.with_overrides(causal_flops=False)
     for comm in ("all-gather", "a2a"):    # Transformer Engine runs windows with these
-        w = synthesize(windowed, ParallelConfig(seq_len=S, cp=2, cp_comm=comm))
-        # each query sees its window: 4 * b * (s/cp) * w * heads * d
+        # the kernel over every query's whole window: 4 * b * (s/cp) * w * heads * d
+        w = synthesize(full, ParallelConfig(seq_len=S, cp=2, cp_comm=comm))
         fwd = sum(n.flops for n in layer_nodes(w, "fwd") if n.category == "attention")
         assert fwd == 4 * B * (S // 2) * 1024 * HQ * D
+        # skipping the masked blocks (the default): query i sees min(i + 1, w) keys, s*w - w^2/2
+        # pairs over the sequence, 1 - w/(2s) = 1 - 1024/16384 = 15/16 of the s*w above
+        w = synthesize(windowed, ParallelConfig(seq_len=S, cp=2, cp_comm=comm))
+        fwd = sum(n.flops for n in layer_nodes(w, "fwd") if n.category == "attention")
+        assert fwd == 4 * B * (S // 2) * 1024 * HQ * D * 15 // 16
 
 
 def test_cli_error_is_one_line(run_cli, tmp_path) -> None:
@@ -352,21 +359,31 @@ def test_symmetric_replay_equals_every_rank() -> None:
     assert one.step_time_s == pytest.approx(every.step_time_s, rel=1e-9)
 
 
-def test_ring_step_kernels_against_hand_computed_times() -> None:
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_step_kernels_against_hand_computed_times(causal) -> None:
     """Chunk-shape efficiency: each ring step's kernel is timed with the keys its thread blocks
     loop over and the tiles of 128 rows it splits over the 132 SMs of an H100. Hand-worked for
     tp 8 (4 query heads per rank), cp 4, s 8192, b 1: chunks of c = 1024 tokens, a rank's
     2c = 2048 queries are 2048 * 4 / 128 = 64 tiles. Forward: the diagonal step loops over 2048
     keys, the half-block steps (the last rank's: all queries, the visitor's first chunk) over
     1024. Backward (tiles over keys, loop over queries): the diagonal 64 tiles, the half blocks'
-    1024 keys 32 tiles, each looping over 2048 queries."""
+    1024 keys 32 tiles, each looping over 2048 queries.
+
+    FLOPs: run over the full matrix (causal_flops off) a step is a 2048 x 2048 block; skipping
+    the masked blocks (the default), every balanced step is half of it: the diagonal step's
+    triangle, the half blocks' 2048 x 1024 or 1024 x 2048. The timing rule is the same."""
     from stage_cosim.adapters.roofline.compute import ComputeModel
 
     gpu = resolve_cluster("dgx-h100:8").gpu
     # 132 SMs: an H100 SXM5 (NVIDIA's H100 Tensor Core GPU Architecture whitepaper)
     assert (gpu.sm_count, gpu.attention_block_rows) == (132, 128)
     model = ComputeModel(gpu)
-    fwd_flops = 4 * B * 2048 * 2048 * (HQ // 8) * D            # one step: 1/cp of the rank's full-matrix work
+    full = 4 * B * 2048 * 2048 * (HQ // 8) * D            # one step: 1/cp of the rank's full-matrix work
+    fwd_flops = full // 2 if causal else full
+
+    def workload(**kw):
+        base = dict(seq_len=S, micro_batch=B, global_batch=B)
+        return synthesize(MODEL.with_overrides(causal_flops=causal), ParallelConfig(**(base | kw)))
 
     def hand(flops: float, keys: int, tiles: int) -> float:
         rate = gpu.bf16_tflops * 1e12 * gpu.attention_efficiency * keys / (keys + gpu.attention_half_keys)
@@ -380,7 +397,8 @@ def test_ring_step_kernels_against_hand_computed_times() -> None:
         [hand(fwd_flops, 2048, 64)] + [hand(fwd_flops, 1024, 64)] * 3, rel=1e-12)
     assert [model.node_duration_s(n) for n in bwd] == pytest.approx(
         [hand(2.5 * fwd_flops, 2048, 64)] + [hand(2.5 * fwd_flops, 2048, 32)] * 3, rel=1e-12)
-    # contiguous chunks: the last rank's diagonal, then whole blocks of 2048 x 2048
+    # contiguous chunks: the last rank's diagonal, then whole blocks of 2048 x 2048 (causal: the
+    # diagonal's triangle, then unmasked blocks; full: each counted as twice that)
     naive = [n for n in layer_nodes(workload(tp=8, cp=4, cp_load_balance=False), "fwd") if n.category == "attention"]
     assert [model.node_duration_s(n) for n in naive] == pytest.approx(
         [hand(fwd_flops, 2048, 64)] + [hand(2 * fwd_flops, 2048, 64)] * 3, rel=1e-12)
@@ -457,7 +475,11 @@ def test_ring_traces_replay_one_rank_per_stage(par, symmetric, tmp_path, run_cli
     assert code == 0
     tmp_path = tmp_path / "t"
     cluster = resolve_cluster("dgx-h100", parallel.world_size)
-    direct = simulate(w, cluster, exact=True).result.step_time_s     # the node-level replay
+    # the node-level replay of the synthesized workload, one rank per stage only where that is
+    # exact (else the one-rank-per-stage run assumes every rank's ring hops are the
+    # representative's: with causal attention's shorter kernels, the hops that cross the network
+    # show, 0.1 % here)
+    direct = simulate(w, cluster, symmetric=symmetric, exact=True).result.step_time_s
     one, _, programs = simulate_traces(tmp_path, cluster)
     every, _, _ = simulate_traces(tmp_path, cluster, symmetric=False)
     assert one.config["symmetric"] is symmetric

@@ -27,22 +27,111 @@ def test_use_distributed_optimizer_is_zero_1(run_cli) -> None:
 
 
 def test_tp_comm_overlap_needs_sequence_parallelism(run_cli) -> None:
-    """Megatron-LM overlaps sp's all-gathers and reduce-scatters with their GEMMs: without --sp
-    there is nothing it overlaps, so the flag is refused rather than ignored."""
-    _one_line_error(*run_cli("simulate", *TRAIN, "--tp-comm-overlap")[::2], "tp-comm-overlap")
-    code, out, err = run_cli("simulate", *TRAIN, "--sp", "--tp-comm-overlap", "--json")
-    assert code == 0, err
-    assert json.loads(out)["config"]["parallel"]["tp_comm_overlap"] is True
+    """Megatron-LM overlaps sp's all-gathers and reduce-scatters with their GEMMs: without sp
+    there is nothing it overlaps, so the flag is refused rather than ignored. With tp > 1, sp is
+    the software profile's default, so --tp-comm-overlap alone is fine; --no-sp is refused."""
+    _one_line_error(*run_cli("simulate", *TRAIN, "--no-sp", "--tp-comm-overlap")[::2], "tp-comm-overlap")
+    for flags in (["--tp-comm-overlap"], ["--sp", "--tp-comm-overlap"]):
+        code, out, err = run_cli("simulate", *TRAIN, *flags, "--json")
+        assert code == 0, err
+        par = json.loads(out)["config"]["parallel"]
+        assert par["tp_comm_overlap"] is True and par["sp"] is True
+        assert "tp_comm_overlap" not in par["assumed"]
+
+
+SWITCHES = "switches         "
+
+
+def _switches(out: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.startswith(SWITCHES)]
+    return line[len(SWITCHES):]
 
 
 def test_the_report_states_the_switches_it_assumed(run_cli) -> None:
+    """Every switch the request left unset is the software profile's, marked with a *: Megatron-Core
+    0.8 turns on sp and the tp overlap with tp > 1, overlaps the gradient reduction and the
+    parameter gather and reduces the gradients in fp32."""
     code, out, err = run_cli("simulate", *TRAIN)
     assert code == 0, err
-    assert "switches         --no-tp-comm-overlap --overlap-param-gather --grad-reduce-in-fp32" in out
-    code, out, err = run_cli("simulate", *TRAIN, "--zero", "1", "--sp", "--tp-comm-overlap",
+    assert _switches(out) == ("--sp* --tp-comm-overlap* --overlap-grad-reduce* --overlap-param-gather* "
+                              "--grad-reduce-in-fp32*  (* megatron-core-0.8 default)")
+    # every switch set: no *, the profile named alone
+    code, out, err = run_cli("simulate", *TRAIN, "--zero", "1", "--sp", "--tp-comm-overlap", "--overlap-grad-reduce",
                              "--no-overlap-param-gather", "--grad-reduce-in-bf16")
     assert code == 0, err
-    assert "switches         --tp-comm-overlap --no-overlap-param-gather --grad-reduce-in-bf16" in out
+    assert _switches(out) == ("--sp --tp-comm-overlap --overlap-grad-reduce --no-overlap-param-gather "
+                              "--grad-reduce-in-bf16  (megatron-core-0.8)")
+
+
+def test_the_star_marks_only_the_switches_left_unset(run_cli) -> None:
+    code, out, err = run_cli("simulate", *TRAIN, "--no-sp", "--no-overlap-grad-reduce")
+    assert code == 0, err
+    # tp_comm_overlap, unset, follows sp: off without it
+    assert _switches(out) == ("--no-sp --no-tp-comm-overlap* --no-overlap-grad-reduce --overlap-param-gather* "
+                              "--grad-reduce-in-fp32*  (* megatron-core-0.8 default)")
+    code, out, err = run_cli("simulate", *TRAIN, "--software", "nemo-24.07", "--grad-reduce-in-fp32", "--json")
+    assert code == 0, err
+    par = json.loads(out)["config"]["parallel"]
+    assert par["software"] == "nemo-24.07" and par["grad_reduce_dtype"] == "fp32"
+    assert set(par["assumed"]) == {"sp", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather"}
+    code, out, err = run_cli("simulate", *TRAIN, "--software", "nemo-24.07")
+    assert code == 0, err
+    # NeMo 24.07's recipes reduce the gradients in bf16
+    assert _switches(out).endswith("--grad-reduce-in-bf16*  (* nemo-24.07 default)")
+
+
+def test_an_unknown_software_profile_is_refused(run_cli) -> None:
+    _one_line_error(*run_cli("simulate", *TRAIN, "--software", "nosuch")[::2], "software")
+
+
+def test_a_switch_the_framework_lacks_is_refused(run_cli) -> None:
+    """FSDP2 always prefetches the next block's parameters: torchtitan has no setting to turn the
+    overlapped parameter gather off."""
+    _one_line_error(*run_cli("simulate", *TRAIN, "--software", "torchtitan-2024.12",
+                             "--no-overlap-param-gather")[::2], "overlap-param-gather")
+    code, _, err = run_cli("simulate", *TRAIN, "--software", "torchtitan-2024.12")
+    assert code == 0, err
+
+
+def test_cross_entropy_loss_fusion_is_cross_entropy_fused(run_cli) -> None:
+    code, a, err = run_cli("simulate", *TRAIN, "--cross-entropy-loss-fusion", "--json")
+    assert code == 0, err
+    code, b, err = run_cli("simulate", *TRAIN, "--cross-entropy", "fused", "--json")
+    assert code == 0, err
+    assert json.loads(a) == json.loads(b)
+    assert json.loads(a)["config"]["model"]["cross_entropy"] == "fused"
+    _one_line_error(*run_cli("simulate", *TRAIN, "--cross-entropy-loss-fusion", "--cross-entropy", "unfused")[::2],
+                    "cross-entropy-loss-fusion")
+
+
+def _step_time(run_cli, *flags: str) -> float:
+    code, out, err = run_cli("simulate", *flags, "--json")
+    assert code == 0, err
+    return json.loads(out)["step_time_s"]
+
+
+def test_no_overlap_grad_reduce_is_no_faster(run_cli) -> None:
+    """Without --overlap-grad-reduce every data-parallel gradient reduction waits for the end of
+    the stage's backward: the step can only get longer, and with dp > 1 it does here."""
+    overlapped = _step_time(run_cli, *TRAIN)
+    after = _step_time(run_cli, *TRAIN, "--no-overlap-grad-reduce")
+    assert after > overlapped
+    # dp = 1: no data-parallel reduction to overlap
+    one = ["--model", "llama3-8b", "--cluster", "dgx-h100:4", "--tp", "2", "--pp", "2", "--global-batch", "4",
+           "--seq-len", "1024"]
+    assert _step_time(run_cli, *one, "--no-overlap-grad-reduce") >= _step_time(run_cli, *one) * (1 - 1e-12)
+
+
+def test_an_inference_step_runs_without_sequence_parallelism(run_cli) -> None:
+    """sp and its tp overlap are training switches: an inference step with tp > 1 does not take
+    the profile's default for them, and refuses them when set."""
+    decode = ["--model", "llama3-8b", "--cluster", "dgx-h100:2", "--phase", "decode", "--tp", "2",
+              "--batch", "8", "--context-len", "1024"]
+    code, out, err = run_cli("simulate", *decode, "--json")
+    assert code == 0, err
+    par = json.loads(out)["config"]["parallel"]
+    assert par["sp"] is False and par["tp_comm_overlap"] is False
+    _one_line_error(*run_cli("simulate", *decode, "--sp")[::2], "sp")
 
 
 def test_grad_reduce_in_bf16_halves_the_gradient_reduce_scatter(run_cli, tmp_path: Path) -> None:

@@ -174,7 +174,7 @@ def test_model_states_and_routed_activations_of_a_small_case() -> None:
     (dict(dp=8, ep=3), "ep", "must divide"),                     # 3 does not divide tp*cp*dp = 8
     (dict(dp=4, ep=16), "ep", "must divide tp*cp*dp"),
     (dict(dp=16, ep=16), "ep", "must divide num-experts (8)"),
-    (dict(dp=4, tp=2, ep=2), "sp", "sequence parallelism is required"),
+    (dict(dp=4, tp=2, ep=2, sp=False), "sp", "sequence parallelism is required"),   # (sp is on by default)
     (dict(dp=4, tp=2, ep=4, expert_tp=4, sp=True), "ep", "must divide tp*cp*dp"),
     # expert-tp alone cannot divide tp*cp*dp = 4: it is the flag to blame
     (dict(dp=2, tp=2, expert_tp=3, sp=True), "expert-tp", "expert-tp*ep = 3*1 must divide tp*cp*dp = 2*1*2"),

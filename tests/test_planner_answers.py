@@ -205,16 +205,19 @@ def test_compare_mistakes_are_one_line(run_cli, runs, says: str) -> None:
 
 # -- launch arguments ---------------------------------------------------------------------------
 
-def _llama70b_run() -> tuple[ModelConfig, ParallelConfig]:
+def _llama70b_run(**kw) -> tuple[ModelConfig, ParallelConfig]:
     return resolve_model("llama3-70b"), ParallelConfig(dp=32, tp=8, pp=4, vp=2, sp=True, zero=1,
-                                                       recompute="selective", global_batch=1024, seq_len=4096)
+                                                       recompute="selective", global_batch=1024, seq_len=4096, **kw)
 
 
 def test_megatron_flags_of_a_hand_worked_configuration() -> None:
     """Llama 3 70B (80 layers, hidden 8192, ffn 28672, 64 heads in 8 KV groups, RMSNorm, SwiGLU,
     RoPE, no biases, untied, no dropout) on tp8 pp4 with two virtual stages each (80 / (4*2) = 10
-    layers per virtual stage), sp, the distributed optimizer with overlapped gathers."""
+    layers per virtual stage), sp, the distributed optimizer with overlapped gathers and, left unset,
+    the default software profile's (megatron-core-0.8) tensor-parallel communication overlap,
+    on with tp 8 > 1 and sp: Megatron-LM's own default is off, so the launch must set it."""
     model, par = _llama70b_run()
+    assert "tp_comm_overlap" in par.assumed
     expected = """--num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64
     --group-query-attention --num-query-groups 8 --max-position-embeddings 8192 --position-embedding-type rope
     --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
@@ -222,8 +225,10 @@ def test_megatron_flags_of_a_hand_worked_configuration() -> None:
     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 10
     --context-parallel-size 1 --sequence-parallel --micro-batch-size 1 --global-batch-size 1024 --seq-length 4096
     --recompute-granularity selective --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
-    --bf16""".split()
+    --tp-comm-overlap --bf16""".split()
     assert list(emit("megatron", model, par).arguments) == expected
+    # set off, the flag is not written
+    assert "--tp-comm-overlap" not in emit("megatron", *_llama70b_run(tp_comm_overlap=False)).arguments
 
 
 def _megatron_parser() -> argparse.ArgumentParser:
@@ -351,7 +356,9 @@ def test_megatron_flags_of_deepseek_v3_model() -> None:
 
 
 def test_nemo_overrides_of_a_hand_worked_configuration() -> None:
-    model, par = _llama70b_run()
+    # (tp_comm_overlap off: NeMo sets it with a callback, which the emitter refuses to stand in
+    # for; see test_nemo_emits_the_default_profiles_tp_comm_overlap)
+    model, par = _llama70b_run(tp_comm_overlap=False)
     overrides = dict(o.split("=", 1) for o in emit("nemo", model, par).arguments)
     assert {k: overrides[k] for k in (
         "trainer.strategy.tensor_model_parallel_size", "trainer.strategy.pipeline_model_parallel_size",
@@ -364,6 +371,25 @@ def test_nemo_overrides_of_a_hand_worked_configuration() -> None:
         "trainer.strategy.sequence_parallel": "True", "data.micro_batch_size": "1", "data.global_batch_size": "1024",
         "data.seq_length": "4096", "model.config.recompute_granularity": "selective",
         "optim.config.use_distributed_optimizer": "True", "trainer.strategy.ddp.overlap_param_gather": "True"}
+
+
+def test_nemo_emits_the_default_profiles_tp_comm_overlap() -> None:
+    model, par = _llama70b_run(software="nemo-24.07")
+    assert par.tp_comm_overlap and "tp_comm_overlap" in par.assumed
+    launch = emit("nemo", model, par)
+    assert "model.config.tp_comm_overlap=True" in launch.arguments
+    # Userbuffers need the recipe's comm-overlap callback, which its performance mode adds
+    assert "performance_mode=True" in launch.header
+
+
+def test_megatron_flags_follow_overlap_grad_reduce() -> None:
+    model, par = _llama70b_run(overlap_grad_reduce=False)
+    assert "--overlap-grad-reduce" not in emit("megatron", model, par).arguments
+
+
+def test_nemo_overrides_follow_overlap_grad_reduce() -> None:
+    model, par = _llama70b_run(overlap_grad_reduce=False, tp_comm_overlap=False)
+    assert "trainer.strategy.ddp.overlap_grad_reduce=False" in emit("nemo", model, par).arguments
 
 
 def test_torchtitan_toml_of_a_hand_worked_fsdp_layout() -> None:
@@ -388,7 +414,7 @@ def test_torchtitan_toml_of_a_hand_worked_fsdp_layout() -> None:
 
 @pytest.mark.parametrize("target, settings, says", [
     ("torchtitan", dict(dp=2, zero=1), "torchtitan shards data parallelism with FSDP"),
-    ("torchtitan", dict(dp=2, tp=2, zero=3), "(--sp)"),
+    ("torchtitan", dict(dp=2, tp=2, zero=3, sp=False), "(--sp)"),     # (sp is on by default with tp > 1)
     ("megatron", dict(pp=2, dp=2, global_batch=4, schedule="gpipe"), "Megatron-LM has no GPipe schedule"),
     ("nemo", dict(cp=4, cp_comm="a2a+p2p", cp_a2a_size=2, seq_len=8192), "hierarchical context parallelism"),
     ("megatron", dict(dp=2, axis_order=("dp", "tp", "cp", "pp")), "maps ranks as tp, cp, dp, pp"),
@@ -414,6 +440,9 @@ def test_optimize_emits_the_winner_as_megatron_flags(run_cli) -> None:
     best = doc["best"]["config"]["parallel"]
     config, stages = _from_megatron(doc["launch"]["arguments"], 4)
     assert config == {k: best[k] for k in config}
+
+
+def test_optimize_emits_the_winner_as_nemo_overrides(run_cli) -> None:
     code, out, err = run_cli("optimize", "--model", "llama3-8b", "--layers", "4", "--cluster", "dgx-h100:4",
                              "--global-batch", "8", "--seq-len", "1024", "--budget", "12", "--quiet",
                              "--emit", "nemo")

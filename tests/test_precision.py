@@ -111,10 +111,11 @@ def test_fp8_gemms_read_quantized_operands(llama_tiny) -> None:
 def test_sequence_parallel_gathers_fp8_and_transposes_after_the_gather(llama_tiny) -> None:
     """Transformer Engine all-gathers the FP8 row-wise copy (half of BF16's bytes); the
     reductions of GEMM outputs stay BF16; per-tensor scaling transposes the gathered tensor in
-    the backward, so the transposes see the whole sequence."""
+    the backward, so the transposes see the whole sequence. (Each collective whole: without
+    tp_comm_overlap, which would cut those feeding or fed by a GEMM into chunks.)"""
     tp = 4
-    bf16 = synthesize(llama_tiny, _par(tp=tp, sp=True, dtype="bf16"), H100)
-    fp8 = synthesize(llama_tiny, _par(tp=tp, sp=True), H100)
+    bf16 = synthesize(llama_tiny, _par(tp=tp, sp=True, tp_comm_overlap=False, dtype="bf16"), H100)
+    fp8 = synthesize(llama_tiny, _par(tp=tp, sp=True, tp_comm_overlap=False), H100)
 
     def comm(w, key, coll):
         return sorted(r.comm_bytes for r in template_rows(w.role(0), key) if r.type == COLL and r.coll.value == coll

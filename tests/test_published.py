@@ -1,9 +1,11 @@
 """The shipped calibration against the published measurements transcribed in stage_cosim/validation.
 
 These are regression guards on the calibrated model: the measured step times come from the
-papers, the predictions from the simulator with the shipped per-family parameters. The bounds
-are the issue's targets where the model meets them (A100) and the documented level where it does
-not (H100, see docs/validation.md).
+papers, the predictions from the simulator with the shipped per-family parameters, each row run
+with its published layout alone (the switches it does not state are its software profile's
+defaults). Tests named ``test_pin_*`` check the calibration on the rows it was fitted to: they
+are regression pins, not evidence of accuracy (held-out figures: benchmarks/calibrate.py). The
+rest are checks on rows never fitted, guarded at the level docs/validation.md reports.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from stage_cosim.hardware import resolve_cluster
 from stage_cosim.validation.published import TrainingRun, korthikanti_table5, megatron_core_weak_scaling
 from stage_cosim.workload import synthesize
 
-# The levels docs/validation.md reports (regression guards, not targets): NeMo 24.07's FP8 rows with the
-# joint H100 fit (mean 2.73 %, worst 7.60 %), Llama 3 405B's rows (-16.2 % to -17.1 %).
-NEMO_MEAN, NEMO_WORST = 0.03, 0.08
-LLAMA3_BAND = (-0.20, -0.13)
+# The levels docs/validation.md reports (regression guards, not targets), published layout alone:
+# NeMo 24.07's FP8 rows with the joint H100 fit (mean 2.60 %, worst 8.22 %), Llama 3 405B's rows
+# (-18.7 % to -23.0 %; -16.2 % to -17.1 % while causal attention ran the whole score matrix).
+NEMO_MEAN, NEMO_WORST = 0.03, 0.09
+LLAMA3_BAND = (-0.25, -0.17)
 
 
 def relative_errors(runs: list[TrainingRun], cluster: str) -> list[float]:
@@ -31,14 +34,14 @@ def relative_errors(runs: list[TrainingRun], cluster: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_korthikanti_table5_a100() -> None:
+def test_pin_korthikanti_table5_fitted_rows() -> None:
     errors = [abs(e) for e in relative_errors(korthikanti_table5(), "dgx-a100")]
     assert sum(errors) / len(errors) <= 0.035
     assert max(errors) <= 0.08
 
 
 @pytest.mark.slow
-def test_megatron_core_weak_scaling_h100() -> None:
+def test_pin_megatron_core_weak_scaling_fitted_rows() -> None:
     errors = [abs(e) for e in relative_errors(megatron_core_weak_scaling(), "dgx-h100")]
     assert sum(errors) / len(errors) <= 0.065
     assert max(errors) <= 0.25      # the 32B row, the model's known outlier (docs/validation.md)
@@ -46,7 +49,9 @@ def test_megatron_core_weak_scaling_h100() -> None:
 
 def test_moe_rows_with_the_same_calibration() -> None:
     """Checks, not fits. Mixtral 8x7B on 64 H100 (its step time derived from 468 TFLOP/s with
-    Megatron-Core v0.9's formula) within the H100 table's level; DeepSeek-V3 FP8 on 2,048 H800 is
+    Megatron-Core v0.9's formula) at its documented level (-9.8 %: the causal kernel's skipped
+    half of the score matrix took it from -2.3 %, the end-to-end H100 fit having learnt the full
+    matrix's time); DeepSeek-V3 FP8 on 2,048 H800 is
     the known miss (docs/validation.md: DualPipe's overlap of the all-to-all and the pipeline, node-limited
     routing and the run's memory savings are not modelled), guarded at its documented level."""
     from stage_cosim.validation.published import moe_published
@@ -56,7 +61,7 @@ def test_moe_rows_with_the_same_calibration() -> None:
         cluster = resolve_cluster(run.cluster, run.gpus)
         result, _, _ = simulate(synthesize(run.model, run.parallel(), cluster.gpu), cluster)
         errors[run.name] = result.step_time_s / run.measured_step_s - 1
-    assert abs(errors["mixtral-8x7b"]) <= 0.065
+    assert abs(errors["mixtral-8x7b"]) <= 0.10
     assert 0.9 <= errors["deepseek-v3"] <= 1.4
 
 
@@ -107,7 +112,7 @@ def test_nemo_model_dimensions_reproduce_the_tables_model_flops() -> None:
 
 
 @pytest.mark.slow
-def test_nemo_fp8_rows_with_the_calibration() -> None:
+def test_pin_nemo_fp8_fitted_rows() -> None:
     """A regression guard on the shipped calibration (the FP8 GEMM curve is fitted to these rows
     together with Megatron-Core's BF16 table): the errors docs/validation.md reports."""
     from stage_cosim.validation.published import nemo2407_fp8_h100

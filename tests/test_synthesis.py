@@ -45,13 +45,28 @@ def test_flops_identical_across_factorizations(llama_small) -> None:
 
 
 def test_fused_attention_flops(llama_small) -> None:
-    """Flash attention's backward recomputes QK^T: 2.5x the forward executed, 2x counted."""
-    b, s, m = 1, 512, llama_small
+    """Flash attention's backward recomputes QK^T: 2.5x the forward executed, 2x counted.
+    (The kernel run over the full s x s score matrix: causal block skipping off.)"""
+    b, s, m = 1, 512, llama_small.with_overrides(causal_flops=False)
     w = synthesize(m, ParallelConfig(seq_len=s))
     fwd = [n for n in w.roles[0].nodes if n.name == "layer0.attention"]
     bwd = [n for n in w.roles[0].nodes if n.name == "layer0.attention.grad"]
     core = 4 * b * s * s * m.heads * m.head_dim
     assert fwd[0].flops == core and bwd[0].flops == core * 5 // 2 and bwd[0].model_flops == 2 * core
+
+
+def test_fused_attention_flops_skip_the_causal_mask_by_default(llama_small) -> None:
+    """The default: a flash kernel skips the masked blocks of the causal score matrix, so it
+    executes about s^2/2 of the s^2 scores, half the full matrix (1 - w/(2s) with window w = s).
+    Model FLOPs still count the whole matrix, as the published MFU formulas do."""
+    b, s, m = 1, 512, llama_small
+    assert m.causal_flops
+    w = synthesize(m, ParallelConfig(seq_len=s))
+    fwd = [n for n in w.roles[0].nodes if n.name == "layer0.attention"]
+    bwd = [n for n in w.roles[0].nodes if n.name == "layer0.attention.grad"]
+    core = 4 * b * s * s * m.heads * m.head_dim       # QK^T and PV over the full s x s
+    assert fwd[0].flops == core // 2 and bwd[0].flops == core * 5 // 4
+    assert fwd[0].model_flops == core and bwd[0].model_flops == 2 * core
 
 
 def _layer_tp_collectives(w, phase: str) -> Counter:
@@ -64,7 +79,7 @@ def _layer_tp_collectives(w, phase: str) -> Counter:
 def test_tensor_parallel_allreduce_per_layer(gpt_small, tp) -> None:
     """Megatron without sp: two all-reduces of the b*s*h activation forward, two backward."""
     b, s, h = 2, 1024, gpt_small.hidden
-    w = synthesize(gpt_small, ParallelConfig(tp=tp, micro_batch=b, seq_len=s))
+    w = synthesize(gpt_small, ParallelConfig(tp=tp, sp=False, micro_batch=b, seq_len=s))
     act = 2 * b * s * h
     assert _layer_tp_collectives(w, "fwd") == Counter({("AR", act): 2})
     assert _layer_tp_collectives(w, "bwd") == Counter({("AR", act): 2})
@@ -74,13 +89,28 @@ def test_tensor_parallel_allreduce_per_layer(gpt_small, tp) -> None:
 def test_sequence_parallel_collectives_per_layer(gpt_small, tp) -> None:
     """Korthikanti et al. sec. 4.2.2: forward g/g-bar become all-gather + reduce-scatter; the
     backward conjugates them and re-gathers the sequence-sharded inputs of the two
-    column-parallel GEMMs for their weight gradients."""
+    column-parallel GEMMs for their weight gradients. (The collectives not pipelined with their
+    GEMMs: tp_comm_overlap off, which would split each into chunks.)"""
     b, s, h = 2, 1024, gpt_small.hidden
-    w = synthesize(gpt_small, ParallelConfig(tp=tp, sp=True, micro_batch=b, seq_len=s))
+    w = synthesize(gpt_small, ParallelConfig(tp=tp, sp=True, tp_comm_overlap=False, micro_batch=b, seq_len=s))
     act = 2 * b * s * h
     # all-gather comm_size is the input shard, reduce-scatter's the full input (Chakra's convention)
     assert _layer_tp_collectives(w, "fwd") == Counter({("AG", act // tp): 2, ("RS", act): 2})
     assert _layer_tp_collectives(w, "bwd") == Counter({("AG", act // tp): 4, ("RS", act): 2})
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_default_tp_comm_overlap_pipelines_the_sp_collectives(gpt_small, tp) -> None:
+    """The defaults (software profile megatron-core-0.8): sequence parallelism with tp > 1, and its
+    collectives pipelined with their GEMMs (--tp-comm-overlap): each all-gather and
+    reduce-scatter above is cut with its GEMM into tp chunks, the same bytes in all."""
+    b, s, h = 2, 1024, gpt_small.hidden
+    par = ParallelConfig(tp=tp, micro_batch=b, seq_len=s)
+    assert par.sp and par.tp_comm_overlap and {"sp", "tp_comm_overlap"} <= set(par.assumed)
+    w = synthesize(gpt_small, par)
+    act = 2 * b * s * h
+    assert _layer_tp_collectives(w, "fwd") == Counter({("AG", act // tp // tp): 2 * tp, ("RS", act // tp): 2 * tp})
+    assert _layer_tp_collectives(w, "bwd") == Counter({("AG", act // tp // tp): 4 * tp, ("RS", act // tp): 2 * tp})
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])

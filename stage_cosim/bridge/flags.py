@@ -20,7 +20,7 @@ from stage_cosim.cli.options import (
 from stage_cosim.errors import UserError
 from stage_cosim.model.config import MODEL_SWITCHES
 
-MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES)
+MODEL_FLAGS = ("model", "arch", *MODEL_DIMENSIONS, *MODEL_SWITCHES, "cross_entropy_loss_fusion")
 PARALLEL_FLAGS = ("dp", "tp", "pp", "cp", "cp_comm", "cp_a2a_size", "cp_load_balance", "vp", "sp", "micro_batch",
                   "global_batch", "seq_len", "zero", "recompute", "schedule", "pp_layers", "axis_order", *PRECISION_FLAGS,
                   *MOE_PARALLEL, *MEGATRON_SWITCH_FLAGS)
@@ -49,6 +49,8 @@ def model_request(kw: dict[str, Any]) -> dict[str, Any]:
     for switch in MODEL_SWITCHES:
         if kw.get(switch) is not None:
             req[switch] = kw[switch]
+    if kw.get("cross_entropy_loss_fusion"):
+        req["cross_entropy"] = "fused"
     return req
 
 

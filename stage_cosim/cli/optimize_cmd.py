@@ -14,10 +14,11 @@ from tqdm import tqdm
 from stage_cosim.cli.emit import emit_option, print_launch, try_launch
 from stage_cosim.cli.optimize_serve import SERVE_FLAGS, serve_options
 from stage_cosim.cli.options import (
-    PRECISION_FLAGS, cluster_option, model_options, network_model_option, precision_options,
+    PRECISION_FLAGS, cluster_option, software_option, model_options, network_model_option, precision_options,
     resolve_model_options,
 )
 from stage_cosim.errors import UserError
+from stage_cosim.parallel.software import get_software
 from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, save_figure
 from stage_cosim.result import BREAKDOWN_KEYS
 from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
@@ -225,6 +226,7 @@ def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a har
               help="Fraction of HBM to keep free beyond everything modelled (the runtime memory included): "
                    "a margin for what is not.")
 @click.option("--allow-cross-domain-tp", is_flag=True, help="Let tensor-parallel groups span scale-up domains.")
+@software_option
 @network_model_option
 @click.option("--top", "top_k", type=int, default=5, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -233,7 +235,7 @@ def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a har
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | None, objective: str, price: float,
              seed: int, budget: int | None, workers: int, ray_address: str | None, headroom: float,
-             allow_cross_domain_tp: bool, network_model: str, top_k: int, as_json: bool, plot: Path | None,
+             allow_cross_domain_tp: bool, software: str | None, network_model: str, top_k: int, as_json: bool, plot: Path | None,
              quiet: bool, **kw) -> None:
     """Search tp, cp (with its exchange: p2p, all-gather, a2a, a2a+p2p and its group size), pp,
     dp, vp, micro-batch, sp, ZeRO, recomputation, for MoE models ep and expert-tp (and, with
@@ -256,7 +258,7 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
 
         ctx = click.get_current_context()
         given = [name for name in ("global_batch", "seq_len", "objective", "price", "headroom", "allow_cross_domain_tp",
-                                   "network_model", *PRECISION_FLAGS)
+                                   "software", "network_model", *PRECISION_FLAGS)
                  if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)]
         if given:
             raise UserError(given[0].replace("_", "-"), "is a training search option (not with --phase serve)")
@@ -291,8 +293,9 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
                                 allow_cross_domain_tp=allow_cross_domain_tp)
     precision = {k: kw.pop(k) for k in PRECISION_FLAGS}
     _check_fixed_precision(precision, c.gpu)
+    get_software(software)                               # an unknown profile: one line, before the search
     space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp,
-                          precision=precision)
+                          precision=precision, fixed={"software": software} if software else None)
     show = not quiet and sys.stderr.isatty()
     with tqdm(disable=not show, unit="eval", desc="optimize", dynamic_ncols=True) as bar:
         def progress(p: dict) -> None:

@@ -17,6 +17,7 @@ from stage_cosim.inference.config import (
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
+from stage_cosim.parallel.software import DEFAULT_SOFTWARE, get_software, software_names
 from stage_cosim.parallel.config import (
     CP_COMMS, DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, TOKEN_DISPATCHERS,
     ParallelConfig,
@@ -47,9 +48,14 @@ model_options = _compose(
     click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
                  help="Flash (fused) attention or materialized scores (unfused)."),
     click.option("--cross-entropy", "cross_entropy", type=click.Choice(["fused", "unfused"]), default=None,
-                 help="Loss kernels: Megatron's unfused vocabulary-parallel cross-entropy (default) or one fused kernel."),
+                 help="Loss kernels: Megatron's unfused vocabulary-parallel cross-entropy (default) or one fused "
+                      "kernel (the same as --cross-entropy-loss-fusion)."),
+    click.option("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion", is_flag=True, default=None,
+                 help="Megatron-LM's name for --cross-entropy fused."),
     click.option("--causal-flops/--full-attention-flops", "causal_flops", default=None,
-                 help="Count attention FLOPs over the causal half of the score matrix."),
+                 help="Fused attention skips the masked blocks of the causal score matrix, as every flash kernel "
+                      "does (default); --full-attention-flops runs and times the whole matrix (a what-if). "
+                      "MFU counts the whole matrix either way."),
     click.option("--moe-shared-expert-overlap/--no-moe-shared-expert-overlap", "moe_shared_expert_overlap",
                  default=None, help="Compute the shared experts while the routed tokens are dispatched "
                                     "(default: after the routed experts)."),
@@ -85,41 +91,55 @@ def precision_options(auto: bool = False) -> Callable:
     )
 
 
-# Megatron-Core's performance switches, under Megatron-LM's flag names. Unset, each keeps the
-# ParallelConfig default (shown by the report's "switches" line).
+software_option = click.option(
+    "--software", "software", default=None, metavar="PROFILE",
+    help=f"The framework release that runs the step ({', '.join(software_names())}; default {DEFAULT_SOFTWARE}): "
+         f"its defaults fill every switch left unset.")
+
+
+# Megatron-Core's performance switches, under Megatron-LM's flag names. Unset, each takes the
+# software profile's value (--software; the report's "switches" line says which were assumed).
 def megatron_switch_options() -> Callable:
     return _compose(
+    software_option,
     click.option("--tp-comm-overlap/--no-tp-comm-overlap", "tp_comm_overlap", default=None,
                  help="Pipeline the tensor-parallel collectives with their GEMMs (Transformer Engine's "
-                      "userbuffers; default off)."),
+                      "userbuffers; needs --sp; default: the profile's, on with tp > 1 in Megatron and NeMo)."),
+    click.option("--overlap-grad-reduce/--no-overlap-grad-reduce", "overlap_grad_reduce", default=None,
+                 help="Reduce the data-parallel gradients in buckets behind the backward, or all after it "
+                      "(default: the profile's, on in every recipe)."),
     click.option("--overlap-param-gather/--no-overlap-param-gather", "overlap_param_gather", default=None,
                  help="ZeRO 1/2: all-gather the updated parameters ahead of each block's next forward instead "
-                      "of right after the optimizer step (default on)."),
+                      "of right after the optimizer step (default: the profile's, on)."),
     click.option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", "grad_reduce_in_bf16", default=None,
-                 help="Reduce the data-parallel gradients in bf16 (half the bytes) or fp32 (default; the "
-                      "request and JSON field is grad_reduce_dtype)."),
+                 help="Reduce the data-parallel gradients in bf16 (half the bytes) or fp32 (default: the "
+                      "profile's; the request and JSON field is grad_reduce_dtype)."),
     click.option("--use-distributed-optimizer", "use_distributed_optimizer", is_flag=True, default=None,
                  help="Megatron's distributed optimizer: the same as --zero 1."),
     )
 
 
-MEGATRON_SWITCH_FLAGS = ("tp_comm_overlap", "overlap_param_gather", "grad_reduce_in_bf16", "use_distributed_optimizer")
+MEGATRON_SWITCH_FLAGS = ("software", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather",
+                         "grad_reduce_in_bf16", "use_distributed_optimizer")
 
 
 def megatron_switches(kw: dict[str, Any]) -> dict[str, Any]:
     """The ParallelConfig fields the Megatron switch flags set (popping them from ``kw``): only
-    those given. ``--use-distributed-optimizer`` is ZeRO 1, so it refuses another ``--zero``;
-    ``--tp-comm-overlap`` needs ``--sp``, as in Megatron-LM."""
-    given = {name: kw.pop(name, None) for name in ("tp_comm_overlap", "overlap_param_gather")}
-    out: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
-    if out.get("tp_comm_overlap") and (kw.get("tp") or 1) > 1 and not kw.get("sp"):
-        # Megatron-LM refuses it too: what overlaps is sp's all-gathers and reduce-scatters
-        raise UserError("tp-comm-overlap", "needs --sp: it overlaps sequence parallelism's all-gathers and "
-                                           "reduce-scatters with their GEMMs")
+    those given. ``--use-distributed-optimizer`` is ZeRO 1, so it refuses another ``--zero``; a
+    switch the software profile's framework lacks is refused."""
+    software = kw.pop("software", None)
+    profile = get_software(software)
+    given = {name: kw.pop(name, None) for name in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")}
     bf16 = kw.pop("grad_reduce_in_bf16", None)
+    distributed = kw.pop("use_distributed_optimizer", None)
+    profile.refuse_lacking({**given, "sp": kw.get("sp"), "grad_reduce_dtype": bf16,
+                            "use_distributed_optimizer": distributed})
+    out: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
+    if software is not None:
+        out["software"] = software
     if bf16 is not None:
         out["grad_reduce_dtype"] = "bf16" if bf16 else "fp32"
-    if kw.pop("use_distributed_optimizer", None):
+    if distributed:
         zero = kw.get("zero")
         if zero not in (None, 0, 1):
             raise UserError("use-distributed-optimizer", f"is ZeRO stage 1 (--zero 1), not --zero {zero}")
@@ -142,7 +162,9 @@ parallel_options = _compose(
                  help="Cut the sequence into 2*cp chunks so causal attention costs every cp rank the same "
                       "(default), or into cp contiguous chunks."),
     click.option("--vp", type=int, default=1, show_default=True, help="Virtual pipeline stages per device (interleaved 1F1B)."),
-    click.option("--sp/--no-sp", "sp", default=False, help="Megatron sequence parallelism over the tp axis."),
+    click.option("--sp/--no-sp", "sp", default=None,
+                 help="Megatron sequence parallelism over the tp axis (default: the software profile's, on with "
+                      "tp > 1 in every current recipe; an inference step runs without)."),
     click.option("--micro-batch", type=int, default=None,
                  help="Sequences per micro-batch (default 1; inference: the replica's requests over pp)."),
     click.option("--global-batch", type=int, default=None, help="Sequences per step (default dp * micro-batch)."),
@@ -179,6 +201,10 @@ def resolve_model_options(kw: dict[str, Any]) -> ModelConfig:
     arch = kw.pop("arch")
     dims = {d: kw.pop(d) for d in MODEL_DIMENSIONS}
     switches = {k: kw.pop(k) for k in MODEL_SWITCHES}
+    if kw.pop("cross_entropy_loss_fusion", None):
+        if switches["cross_entropy"] == "unfused":
+            raise UserError("cross-entropy-loss-fusion", "is --cross-entropy fused; it contradicts --cross-entropy unfused")
+        switches["cross_entropy"] = "fused"
     for name, value in dims.items():
         if value is not None and value <= 0:
             raise UserError(name.replace("_", "-"), f"must be a positive integer, got {value}")

@@ -40,12 +40,21 @@ def describe_precision(p: dict) -> str:
 
 
 def _switches_line(par: dict) -> str:
-    """The performance switches the step assumed, by Megatron-LM's flag names (each can be set)."""
-    def on(flag: str, value: bool) -> str:
-        return f"--{flag}" if value else f"--no-{flag}"
+    """The performance switches the step ran with, by their flag names (each can be set); a
+    ``*`` marks those taken from the software profile because the request left them unset."""
+    assumed = set(par.get("assumed") or ())
 
-    return " ".join((on("tp-comm-overlap", par["tp_comm_overlap"]), on("overlap-param-gather", par["overlap_param_gather"]),
-                     f"--grad-reduce-in-{par['grad_reduce_dtype']}"))
+    def flag(name: str, text: str) -> str:
+        return text + ("*" if name in assumed else "")
+
+    def on(name: str) -> str:
+        words = name.replace("_", "-")
+        return flag(name, f"--{words}" if par[name] else f"--no-{words}")
+
+    parts = [on("sp"), on("tp_comm_overlap"), on("overlap_grad_reduce"), on("overlap_param_gather"),
+             flag("grad_reduce_dtype", f"--grad-reduce-in-{par['grad_reduce_dtype']}")]
+    note = f"  (* {par.get('software')} default)" if assumed else f"  ({par.get('software')})"
+    return " ".join(parts) + note
 
 
 def _experts_line(par: dict) -> str:
@@ -83,10 +92,15 @@ def _cluster_line(cfg: dict) -> str | None:
     c = cfg.get("cluster")
     if not c:
         return None
+    from stage_cosim.hardware.cluster import cluster_from
+
     up, out = c["scale_up"], c["scale_out"]
-    per = min(up["gpus_per_domain"], c["num_gpus"])
+    per = cluster_from(c).domain
+    share = (f"{per} of {up['gpus_per_domain']} ({per // up['gpus_per_tray']} trays of a rack's "
+             f"{up['gpus_per_domain'] // up['gpus_per_tray']})" if up.get("gpus_per_tray") and per < up["gpus_per_domain"]
+             and c["num_gpus"] > per else f"{per}")
     return (f"{c['name']}: {c['num_gpus']:,} x {c['gpu']['name']} ({c['gpu']['hbm_GiB']:g} GiB HBM), "
-            f"{per} per scale-up domain at {up['bandwidth_GBps']:g} GB/s, "
+            f"{share} per scale-up domain at {up['bandwidth_GBps']:g} GB/s, "
             f"scale-out {out['bandwidth_GBps']:g} GB/s per GPU")
 
 

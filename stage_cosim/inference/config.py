@@ -35,7 +35,7 @@ WEIGHT_DTYPES = ("bf16", "fp8", "int4")
 # write it in FP8; or one computed from each tensor as it comes (an amax pass, then the cast).
 FP8_ACTIVATION_SCALES = ("static", "dynamic")
 # Training options that mean nothing in an inference step, with the value that leaves them off.
-TRAINING_ONLY = {"vp": 1, "sp": False, "zero": 0, "recompute": "none", "dtype": "bf16"}
+TRAINING_ONLY = {"vp": 1, "sp": False, "tp_comm_overlap": False, "zero": 0, "recompute": "none", "dtype": "bf16"}
 
 
 def attention_span(new: int, past: int, window: int | None) -> Fraction:
@@ -199,8 +199,15 @@ class InferenceConfig:
         (attention data parallelism needs experts)."""
         from dataclasses import replace
 
+        # (sequence parallelism and its tp overlap are training switches: a profile's default
+        # for them does not apply to an inference step, a request that sets them is refused)
         for key, off in TRAINING_ONLY.items():
-            require(getattr(parallel, key) == off, key, f"is a training option (an inference step has no backward), got {getattr(parallel, key)!r}")
+            if key not in parallel.assumed:
+                require(getattr(parallel, key) == off, key.replace("_", "-"),
+                        f"is a training option (an inference step has no backward), got {getattr(parallel, key)!r}")
+        assumed = {k: False for k in ("sp", "tp_comm_overlap") if k in parallel.assumed}
+        if assumed:
+            parallel = replace(parallel, **assumed)
         require(parallel.cp == 1 or self.phase == "prefill", "cp",
                 f"context parallelism shards a prefill's prompts; a decode step (one new token per request) "
                 f"runs with cp = 1, got {parallel.cp}")

@@ -94,8 +94,11 @@ def emit(target: str, model: ModelConfig, parallel: ParallelConfig, *, fp8_recip
     if target == "nemo":
         from stage_cosim.launch.nemo import nemo_overrides
 
-        return Launch(target, f"NeMo 2 overrides of a {model.name} recipe (nemo llm pretrain --factory RECIPE ...): "
-                              f"{on}", tuple(nemo_overrides(model, parallel, recipe)))
+        factory = "'RECIPE(performance_mode=True)'" if parallel.tp_comm_overlap else "RECIPE"
+        note = (" (tp_comm_overlap: the recipe's performance mode adds the MegatronCommOverlapCallback that sets up "
+                "its Userbuffers)" if parallel.tp_comm_overlap else "")
+        return Launch(target, f"NeMo 2 overrides of a {model.name} recipe (nemo llm pretrain --factory {factory} ...): "
+                              f"{on}{note}", tuple(nemo_overrides(model, parallel, recipe)))
     from stage_cosim.launch.torchtitan import torchtitan_toml
 
     return Launch(target, f"torchtitan job TOML keys (merge into the {model.name} job's file): {on}",

@@ -6,8 +6,9 @@ flags are generated from). How this project's settings map:
 * ZeRO 1 is Megatron's distributed optimizer; ZeRO 2 and 3 are Megatron-FSDP with the
   ``optim_grads`` and ``optim_grads_params`` sharding strategies (this project models their
   communication as PyTorch FSDP's SHARD_GRAD_OP and FULL_SHARD);
-* gradients are reduced in buckets behind the backward (``--overlap-grad-reduce``), and with
-  ZeRO 1 parameters gathered behind the next forward (``--overlap-param-gather``);
+* gradients are reduced in buckets behind the backward (``--overlap-grad-reduce``, unless the
+  configuration turns it off), and with ZeRO 1 parameters gathered behind the next forward
+  (``--overlap-param-gather``);
 * full recomputation recomputes every layer (uniform, one layer per checkpoint); selective is
   Megatron's selective granularity (the core attention);
 * an uneven split of the layers over the pipeline stages is written with the first and last
@@ -195,7 +196,8 @@ def parallel_args(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | Non
         a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
               "optim_grads" if par.zero == 2 else "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]
     if data_parallel:
-        a.append("--overlap-grad-reduce")
+        if par.overlap_grad_reduce:
+            a.append("--overlap-grad-reduce")
         if par.zero == 1 and par.overlap_param_gather:
             a.append("--overlap-param-gather")
         if par.grad_reduce_dtype == "bf16":

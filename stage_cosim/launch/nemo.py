@@ -31,8 +31,6 @@ def nemo_overrides(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | No
     refuse_what_megatron_core_lacks("nemo", par)
     if par.cp > 1 and par.cp_comm == "a2a+p2p":
         raise refuse("nemo", "recipes cannot set hierarchical context parallelism (--cp-comm a2a+p2p)")
-    if par.tp_comm_overlap:
-        raise refuse("nemo", "sets tp_comm_overlap with its MegatronCommOverlapCallback, not with an override")
     if tuple(par.axis_order) != DEFAULT_ORDER:
         raise refuse("nemo", f"maps ranks as tp, cp, dp, pp, not {', '.join(par.axis_order)} (--axis-order)")
     s, o = "trainer.strategy", {}
@@ -59,6 +57,9 @@ def nemo_overrides(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | No
         o[f"{s}.account_for_loss_in_pipeline_split"] = False
     o[f"{s}.context_parallel_size"] = par.cp
     o[f"{s}.sequence_parallel"] = par.sp
+    # (Userbuffers also need the recipe's MegatronCommOverlapCallback, which its performance
+    # mode adds: the emitted header says so)
+    o["model.config.tp_comm_overlap"] = par.tp_comm_overlap
     if model.is_moe:
         o[f"{s}.expert_model_parallel_size"] = par.ep
         o[f"{s}.expert_tensor_parallel_size"] = par.expert_tp
@@ -81,7 +82,7 @@ def nemo_overrides(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | No
         o[f"{s}.ddp.data_parallel_sharding_strategy"] = "optim_grads" if par.zero == 2 else "optim_grads_params"
         o[f"{s}.save_ckpt_format"] = "fsdp_dtensor"
         o[f"{s}.ddp.average_in_collective"] = False       # not with Megatron-FSDP (NeMo's recipes say)
-    o[f"{s}.ddp.overlap_grad_reduce"] = data_parallel
+    o[f"{s}.ddp.overlap_grad_reduce"] = data_parallel and par.overlap_grad_reduce
     o[f"{s}.ddp.overlap_param_gather"] = par.zero == 1 and data_parallel and par.overlap_param_gather
     o[f"{s}.ddp.grad_reduce_in_fp32"] = par.grad_reduce_dtype == "fp32"
     if par.dtype == "fp8":

@@ -64,6 +64,9 @@ def torchtitan_toml(model: ModelConfig, par: ParallelConfig) -> dict[str, dict[s
     if par.dp > 1:
         p["fsdp_reshard_after_forward"] = RESHARD[par.zero]
     p["tensor_parallel_degree"] = par.tp
+    if par.tp > 1:
+        # torchtitan's async TP is the tp collectives pipelined with their GEMMs (--tp-comm-overlap)
+        p["enable_async_tensor_parallel"] = par.tp_comm_overlap
     p["context_parallel_degree"] = par.cp
     if par.cp > 1:
         p["context_parallel_rotate_method"] = ROTATE_METHOD[par.cp_comm]

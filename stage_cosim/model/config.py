@@ -113,9 +113,12 @@ class ModelConfig:
     # "unfused" materializes the s x s score matrix (softmax and dropout as separate ops, as in
     # Megatron before flash attention); "fused" is one flash-attention kernel.
     attention: AttentionImpl = "fused"
-    # A causal attention kernel computes only the unmasked half of the score matrix (off: the
-    # full s x s, as the published closed forms count). Model FLOPs always count the full matrix.
-    causal_flops: bool = False
+    # A fused (flash) attention kernel skips the masked blocks of a causal score matrix, as every
+    # one does (FlashAttention-2/3, cuDNN, Transformer Engine): it executes and is timed for the
+    # unmasked part only. Off: the kernel runs the full s x s (a what-if). Model FLOPs, and so
+    # MFU, always count the full matrix, as the published formulas do; materialized (unfused)
+    # attention computes the full matrix either way.
+    causal_flops: bool = True
     # "unfused" is Megatron's default vocabulary-parallel cross-entropy: the logits are cast to
     # fp32 and streamed by separate max, subtract, exp, sum and divide kernels (about six passes
     # forward, two backward); "fused" is one kernel each way (Megatron's

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stage_cosim.errors import positive_int, require
 from stage_cosim.limits import MAX_RANKS, MAX_RANKS_TEXT
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.axes import DENSE, EXPERT, MESHES, expert_order
+from stage_cosim.parallel.software import DEFAULT_SOFTWARE, PROFILE_SWITCHES, get_software
 
 MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given on
 DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
@@ -50,7 +51,9 @@ class ParallelConfig:
     # costs every rank the same; False: cp contiguous chunks (the last rank works the most).
     cp_load_balance: bool = True
     vp: int = 1                        # virtual pipeline stages (model chunks) per device
-    sp: bool = False                   # Megatron sequence parallelism over the tp axis
+    # Megatron sequence parallelism over the tp axis (None: the software profile's default,
+    # on whenever tp > 1 in every current recipe).
+    sp: bool | None = None
     micro_batch: int = 1
     global_batch: int | None = None    # default: one micro-batch per data-parallel rank
     seq_len: int = 2048
@@ -60,13 +63,21 @@ class ParallelConfig:
     pp_layers: tuple[int, ...] | None = None   # layers per virtual stage, in pipeline order
     axis_order: tuple[str, ...] = DEFAULT_AXIS_ORDER
     dtype: str = "bf16"
+    # The framework release that runs the step (stage_cosim.parallel.software): the switches
+    # below left at None take its defaults, and their names are kept in ``assumed``.
+    software: str = DEFAULT_SOFTWARE
     # ZeRO 1/2: all-gather updated parameters ahead of each block's next forward (Megatron's
     # --overlap-param-gather) instead of right after the optimizer.
-    overlap_param_gather: bool = True
+    overlap_param_gather: bool | None = None
+    # Megatron's --overlap-grad-reduce: gradients reduced over dp in buckets behind the backward
+    # (off: every reduction after the stage's last backward).
+    overlap_grad_reduce: bool | None = None
     # Megatron-Core --tp-comm-overlap: tensor-parallel collectives pipelined with their GEMMs.
-    tp_comm_overlap: bool = False
-    # Data-parallel gradient reduction precision (Megatron's default for bf16 training: fp32).
-    grad_reduce_dtype: str = "fp32"
+    tp_comm_overlap: bool | None = None
+    # Data-parallel gradient reduction precision (fp32 or bf16).
+    grad_reduce_dtype: str | None = None
+    # The profile switches this configuration took from its software profile (not given).
+    assumed: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # FP8 training through Transformer Engine (dtype "fp8"): the recipe (None: the GPU's
     # default, delayed scaling on Hopper, MXFP8 on Blackwell), the format (e4m3 everywhere, or
     # hybrid: e5m2 gradients), FP8 dot-product attention, parameters kept and all-gathered in
@@ -99,6 +110,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vp", "micro_batch", "seq_len"):
             positive_int(getattr(self, name), name.replace("_", "-"))
+        self._take_profile_defaults()
         world = self.dp * self.tp * self.cp * self.pp
         # checked before anything is built for the ranks (the flag to blame: the largest degree)
         require(world <= MAX_RANKS, max(("dp", "tp", "pp", "cp"), key=lambda a: getattr(self, a)),
@@ -169,6 +181,22 @@ class ParallelConfig:
                     "entries must be non-negative integers")
             require(all(n > 0 for n in self.pp_layers[1:-1]), "pp-layers",
                     "only the first and last stage (which hold the embedding and the loss) may have 0 layers")
+
+    def _take_profile_defaults(self) -> None:
+        """Fill the switches left unset from the software profile, and note which."""
+        profile = get_software(self.software)
+        assumed = list(self.assumed)
+        for name in PROFILE_SWITCHES:                  # (sp first: tp_comm_overlap's default needs it)
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, profile.default(name, tp=self.tp, sp=bool(self.sp)))
+                if name not in assumed:
+                    assumed.append(name)
+        object.__setattr__(self, "assumed", tuple(assumed))
+        for name in ("sp", "tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather"):
+            require(isinstance(getattr(self, name), bool), name.replace("_", "-"),
+                    f"must be true or false, got {getattr(self, name)!r}")
+        require(not self.tp_comm_overlap or self.tp == 1 or self.sp, "tp-comm-overlap",
+                "needs sequence parallelism (--sp): it overlaps sp's all-gathers and reduce-scatters with their GEMMs")
 
     def _check_precision(self) -> None:
         """The precision choices that need no GPU to check (see stage_cosim.graph.precision for
@@ -380,10 +408,17 @@ class ParallelConfig:
                     f"{self.cp_comm} needs fused (flash) attention; with --attention unfused use all-gather")
 
     def with_overrides(self, **kw: Any) -> "ParallelConfig":
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+        """This configuration with the fields ``kw`` sets (None: unchanged). The switches its
+        software profile filled are filled again for the new configuration (``tp`` 1 -> 2 turns
+        the assumed sp on); a switch ``kw`` sets is no longer assumed. (``dataclasses.replace``
+        copies the filled values as they are.)"""
+        given = {k: v for k, v in kw.items() if v is not None}
+        refill = {name: None for name in self.assumed if name not in given}
+        return replace(self, **refill, **given, assumed=())
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["assumed"] = list(self.assumed)
         d["axis_order"] = list(self.axis_order)
         d["pp_layers"] = list(self.pp_layers) if self.pp_layers is not None else None
         d["num_microbatches"] = self.num_microbatches

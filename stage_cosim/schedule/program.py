@@ -847,7 +847,7 @@ def _order(schedule: str, pp: int, stage: int, num_microbatches: int, vp: int, i
 def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                  layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                  degrees: dict[str, int], overlap_param_gather: bool = False,
-                 tp_comm_overlap: bool = False, inference: bool = False,
+                 tp_comm_overlap: bool = False, overlap_grad_reduce: bool = True, inference: bool = False,
                  overlapped: ModelBlocks | None = None, block_cache: dict | None = None) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
     chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
@@ -871,7 +871,7 @@ def _overlapped_instances(stage: int, pp: int, vp: int, layers_per_vstage: tuple
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
                layers_per_vstage: tuple[int, ...], blocks: ModelBlocks, zero: int, tied_embeddings: bool,
                degrees: dict[str, int], overlap_param_gather: bool = False,
-               tp_comm_overlap: bool = False, inference: bool = False,
+               tp_comm_overlap: bool = False, overlap_grad_reduce: bool = True, inference: bool = False,
                overlapped: ModelBlocks | None = None, block_cache: dict | None = None) -> RoleGraph:
     """The graph of one pipeline stage: its passes in schedule order, then (training) the
     step-end reductions and the optimizer. An inference step is its forward passes alone;
@@ -960,7 +960,8 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
                                    [inst for c in range(vp) for inst in second[c]] if second is not None else [])
     else:
         _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings,
-                  degrees=degrees, gather_after_update=not gathered, flush=prev_sinks + sends)
+                  degrees=degrees, gather_after_update=not gathered, flush=prev_sinks + sends,
+                  overlap_grad_reduce=overlap_grad_reduce)
         memory = _memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
     return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start, b.deferred)
@@ -1014,12 +1015,14 @@ def _param_gathers(b: "_Builder", chunks: dict[int, list[_Instance]], tied: bool
 
 def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[int]], *, stage: int,
               pp: int, zero: int, tied: bool, degrees: dict[str, int], gather_after_update: bool = True,
-              flush: list[int] | None = None) -> None:
+              flush: list[int] | None = None, overlap_grad_reduce: bool = True) -> None:
     """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers.
 
     ``flush`` are the nodes that end the stage's pipeline schedule (the last pass's sinks and
     every pipeline send): the tied-embedding gradient all-reduce waits for them, as Megatron
-    reduces the embedding group's gradients only after the schedule has drained.
+    reduces the embedding group's gradients only after the schedule has drained. Without
+    ``overlap_grad_reduce`` every gradient reduction waits for them too (Megatron's default:
+    one reduction after the backward of the whole step).
     """
     syncs: list[int] = []
     per_block: dict[str, dict[tuple[tuple[str, ...], Collective], float]] = {}
@@ -1034,7 +1037,7 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
         for (axes, coll, _), nbytes in zip(ws.grad_collectives, inst.costs.weight_sync_bytes[j]):
             buckets[(axes, coll)] = buckets.get((axes, coll), 0.0) + nbytes
     for inst in instances:
-        deps = last_bwd.get(inst.label, [])
+        deps = last_bwd.get(inst.label, []) + ([] if overlap_grad_reduce else list(flush or []))
         if inst.label in tied_bytes:
             # Tied embeddings on two stages: sum the two copies' gradients first (Megatron's
             # embedding group), then reduce over dp like any other gradient. The group spans the
@@ -1042,7 +1045,8 @@ def _step_end(b: _Builder, instances: list[_Instance], last_bwd: dict[str, list[
             # issued earlier on the last stage, it would hold that rank's communication (one
             # operation at a time in ASTRA-sim) while the first stage still waits for its last
             # backward send, and the pipeline would never drain.
-            nid = b.add(f"{inst.label}.tied_grad_ar", COLL, deps + list(flush or []), coll=Collective.ALL_REDUCE,
+            nid = b.add(f"{inst.label}.tied_grad_ar", COLL, list(dict.fromkeys(deps + list(flush or []))),
+                        coll=Collective.ALL_REDUCE,
                         comm_bytes=_ceil(tied_bytes[inst.label]), group=EMBEDDING_GROUP,
                         phase="step", block=inst.label, category=EMBEDDING_GROUP)
             deps = [nid]

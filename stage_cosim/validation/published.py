@@ -36,10 +36,12 @@ class TrainingRun:
     micro_batch: int
     seq_len: int
     recompute: str
-    sp: bool
+    # sequence parallelism where the source states it (None: the software profile's default)
+    sp: bool | None
     measured_step_s: float
     zero: int = 0
-    tp_comm_overlap: bool = False
+    # the framework release the run used: its defaults are the switches the source leaves unstated
+    software: str | None = None
     # Mixture of Experts and precision
     ep: int = 1
     expert_tp: int | None = None
@@ -51,9 +53,7 @@ class TrainingRun:
     # Context parallelism and the rest of a recipe's settings (Megatron's names)
     cp: int = 1
     cp_comm: str = "p2p"
-    grad_reduce_dtype: str = "fp32"
     fp8_format: str = "hybrid"
-    fp8_amax_history_len: int = 1024
     pp_layers: tuple[int, ...] | None = None
     axis_order: tuple[str, ...] | None = None
 
@@ -63,12 +63,12 @@ class TrainingRun:
         return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, cp_comm=self.cp_comm, vp=self.vp,
                               micro_batch=self.micro_batch, global_batch=self.global_batch, seq_len=self.seq_len,
                               sp=self.sp, recompute=self.recompute, zero=self.zero,
-                              tp_comm_overlap=self.tp_comm_overlap, grad_reduce_dtype=self.grad_reduce_dtype,
+                              **({"software": self.software} if self.software else {}),
                               ep=self.ep, expert_tp=self.expert_tp, moe_token_dispatcher=self.moe_token_dispatcher,
                               dtype=self.dtype, fp8_recipe=self.fp8_recipe, fp8_dispatch=self.fp8_dispatch,
                               pp_layers=self.pp_layers,
                               **({"axis_order": self.axis_order} if self.axis_order else {}),
-                              **({"fp8_format": self.fp8_format, "fp8_amax_history_len": self.fp8_amax_history_len}
+                              **({"fp8_format": self.fp8_format}
                                  if self.dtype == "fp8" else {}))
 
 
@@ -81,7 +81,8 @@ def korthikanti_table5() -> list[TrainingRun]:
         runs.append(TrainingRun("korthikanti2022", f"{r['model']} {r['recompute']}", model, r["gpu"],
                                 int(r["gpus"]), int(r["tp"]), int(r["pp"]), int(r["dp"]), int(r["virtual_stages"]),
                                 int(r["global_batch"]), int(r["micro_batch"]), int(r["seq"]), r["recompute"],
-                                r["sequence_parallel"] == "true", float(r["measured_iter_s"])))
+                                r["sequence_parallel"] == "true", float(r["measured_iter_s"]),
+                                software="megatron-lm-2022"))
     return runs
 
 
@@ -94,8 +95,9 @@ def korthikanti_memory() -> dict[str, dict[str, float]]:
 def megatron_core_weak_scaling() -> list[TrainingRun]:
     """Rows of the Megatron-Core H100 table; the step time is derived from the measured TFLOP/s
     with the table's own FLOP formula. The models are GPT (4h MLP, untied embeddings, flash
-    attention); the runs used sequence parallelism, the distributed optimizer (ZeRO-1) and
-    tensor-, data- and pipeline-parallel communication overlap."""
+    attention). The table states the distributed optimizer (ZeRO-1); its sequence parallelism
+    and tensor-, data- and pipeline-parallel communication overlap are the megatron-core-0.8
+    profile's defaults, not set here."""
     runs = []
     for r in _rows("megatron_core_h100_weak_scaling.csv"):
         h, l, s, v = int(r["hidden"]), int(r["layers"]), int(r["seq"]), int(r["vocab"])
@@ -103,10 +105,10 @@ def megatron_core_weak_scaling() -> list[TrainingRun]:
         step = megatron_model_flops(gb, s, l, h, v) / (float(r["measured_tflops_per_gpu"]) * 1e12 * gpus)
         model = ModelConfig.build(f"gpt-{r['params_B']}b", "gpt", layers=l, hidden=h, heads=int(r["heads"]),
                                   vocab=v, max_seq=s, tied_embeddings=False, hidden_dropout=0.0,
-                                  attention_dropout=0.0, causal_flops=True)
+                                  attention_dropout=0.0)
         runs.append(TrainingRun("megatron-core-0.8", f"{r['params_B']}B", model, r["gpu"], gpus, int(r["tp"]),
-                                int(r["pp"]), int(r["dp"]), 1, gb, 1, s, "none", True, step, zero=1,
-                                tp_comm_overlap=True))
+                                int(r["pp"]), int(r["dp"]), 1, gb, 1, s, "none", None, step, zero=1,
+                                software="megatron-core-0.8"))
     return runs
 
 
@@ -133,8 +135,8 @@ def moe_published() -> list[TrainingRun]:
     Megatron-Core v0.9's formula; DeepSeek-V3's from its GPU-hours per trillion tokens. DeepSeek's
     FP8 recipe is the report's: 1x128 activation tiles and 128x128 weight blocks (``blockwise``),
     tokens dispatched in FP8 and combined in BF16. Not published, and taken as Megatron-Core's
-    recommended MoE settings: the distributed optimizer (ZeRO-1), no recomputation, sequence
-    parallelism where tp > 1."""
+    recommended MoE settings: the distributed optimizer (ZeRO-1), no recomputation; sequence
+    parallelism is the software profile's default."""
     from stage_cosim.model import get_preset
 
     runs = []
@@ -152,7 +154,7 @@ def moe_published() -> list[TrainingRun]:
             raise ValueError(f"moe_published.csv: unknown unit {r['measured_unit']!r}")
         fp8 = r["dtype"].startswith("fp8")
         runs.append(TrainingRun(r["source"], r["model"], model, r["gpu"], gpus, tp, int(r["pp"]), int(r["dp"]),
-                                int(r["vp"]), gb, int(r["mbs"]), s, "none", tp > 1, step, zero=1,
+                                int(r["vp"]), gb, int(r["mbs"]), s, "none", None, step, zero=1,
                                 ep=int(r["ep"]), expert_tp=int(r["etp"]), moe_token_dispatcher=r["dispatcher"],
                                 dtype="fp8" if fp8 else "bf16",
                                 fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None, fp8_dispatch=fp8,
@@ -162,9 +164,7 @@ def moe_published() -> list[TrainingRun]:
 
 def _nemo_model(r: dict[str, str], seq: int) -> ModelConfig:
     """A model of NeMo Framework 24.07's recipe (see data/SOURCES.md): its dimensions and the
-    switches that change a cost. Attention is Transformer Engine's fused (flash) kernel, which
-    skips the masked half of the causal score matrix (``causal_flops``), as the Megatron-Core
-    rows are modelled."""
+    loss kernel it uses. Attention is Transformer Engine's fused (flash) kernel."""
     bias = r["bias"] == "true"
     dropout = float(r["dropout"])
     return ModelConfig.build(
@@ -172,20 +172,23 @@ def _nemo_model(r: dict[str, str], seq: int) -> ModelConfig:
         heads=int(r["heads"]), kv_heads=int(r["kv_heads"]), vocab=int(r["vocab"]), max_seq=seq,
         tied_embeddings=r["tied_embeddings"] == "true", mlp=r["mlp"], norm=r["norm"], position=r["position"],
         rotary_percent=float(r["rotary_percent"]), attention_bias=bias, mlp_bias=bias, hidden_dropout=dropout,
-        attention_dropout=dropout, cross_entropy=r["cross_entropy"], attention="fused", causal_flops=True)
+        attention_dropout=dropout, cross_entropy=r["cross_entropy"], attention="fused")
 
 
 def nemo2407_fp8_h100() -> list[TrainingRun]:
     """NeMo Framework 24.07's FP8 pre-training benchmarks on DGX H100: the performance table's
     mapping (GPUs, global and micro-batch, sequence, tp, pp, cp, vp) and tokens/s per GPU, from
-    which the step time is gbs * seq / (tokens/s/GPU * GPUs). What the table does not state comes
-    from the same release's launcher recipes (nemo2407_recipes.csv): the model dimensions,
-    sequence parallelism, Userbuffers tp-communication overlap, recomputation, the gradient
-    reduction precision and the amax history. Every run used Transformer Engine's delayed
-    scaling (hybrid format: e4m3 forward, e5m2 gradients), Megatron-Core's Transformer Engine
-    layer (LayerNormLinear, Megatron's own activation, Linear) and Apex's distributed Adam, whose
-    sharded optimizer states and bucketed gradient reduce-scatter / parameter all-gather over
-    dp*cp are ZeRO-1's; the context-parallel attention of this release is the ring (p2p)."""
+    which the step time is gbs * seq / (tokens/s/GPU * GPUs). The model dimensions come from the
+    same release's launcher recipes (nemo2407_recipes.csv). Everything else is the published
+    layout, FP8 and the distributed optimizer (Apex's distributed Adam: sharded optimizer states,
+    bucketed gradient reduce-scatter and parameter all-gather over dp*cp, i.e. ZeRO-1); the
+    recipes' switches (sequence parallelism, Userbuffers overlap, the gradient reduction's
+    precision) are left to the nemo-24.07 software profile, and recomputation and the amax
+    history to the tool's defaults, as a user typing the table would. (Where a recipe differs
+    from its profile -- GPT-3 175B and Nemotron 340B without Userbuffers overlap, Nemotron 340B's
+    selective recomputation, Llama 2 13B/70B's amax history of 1 -- the difference is the tool's
+    error.) Transformer Engine's delayed scaling, hybrid format; the context-parallel attention
+    of this release is the ring (p2p)."""
     recipes = {r["model"]: r for r in _rows("nemo2407_recipes.csv")}
     runs = []
     for r in _rows("nemo2407_fp8_h100.csv"):
@@ -195,10 +198,9 @@ def nemo2407_fp8_h100() -> list[TrainingRun]:
         step = gb * s / (float(r["tokens_per_s_per_gpu"]) * gpus)
         runs.append(TrainingRun(
             r["source"], f"{r['model']} ({gpus})", _nemo_model(rec, s), "H100-SXM5-80GB", gpus, tp, pp,
-            gpus // (tp * pp * cp), int(r["vp"]), gb, int(r["mbs"]), s, rec["recompute"], rec["sp"] == "true",
-            step, zero=1, tp_comm_overlap=rec["tp_comm_overlap"] == "true", dtype="fp8", fp8_recipe="delayed",
-            cluster="dgx-h100", cp=cp, cp_comm="p2p", grad_reduce_dtype=rec["grad_reduce_dtype"],
-            fp8_format="hybrid", fp8_amax_history_len=int(rec["fp8_amax_history_len"])))
+            gpus // (tp * pp * cp), int(r["vp"]), gb, int(r["mbs"]), s, "none", None,
+            step, zero=1, software="nemo-24.07", dtype="fp8", fp8_recipe="delayed",
+            cluster="dgx-h100", cp=cp, cp_comm="p2p", fp8_format="hybrid"))
     return runs
 
 
@@ -225,19 +227,19 @@ def llama3_herd_table4() -> list[TrainingRun]:
     and last pipeline ranks: 126 layers = 16 x 8 - 2 chunks of one layer, so V = 8 chunks per
     rank. Not stated, and taken as Megatron's defaults: sequence parallelism with tp, micro-batch
     1, no recomputation (the paper trains 8K without activation checkpointing; ours fits 131K
-    without it too)."""
+    without it too); sequence parallelism is the software profile's default."""
     from stage_cosim.model import get_preset
 
     runs = []
     for r in _rows("llama3_herd_table4.csv"):
-        model = get_preset(r["model"]).with_overrides(causal_flops=True)
+        model = get_preset(r["model"])
         gpus, tp, cp, pp, dp, s = (int(r[k]) for k in ("gpus", "tp", "cp", "pp", "dp", "seq"))
         gb = int(r["batch_per_dp"]) * dp
         vp = 8
         step = palm_model_flops(model, gb, s) / (float(r["tflops_per_gpu"]) * 1e12 * gpus)
         runs.append(TrainingRun(
             r["source"], f"405B {gpus} GPUs, {s // 1024}K" + (f", cp{cp}" if cp > 1 else ""), model, "H100-SXM5-80GB",
-            gpus, tp, pp, dp, vp, gb, 1, s, "none", True, step, zero=2, cluster="dgx-h100", cp=cp,
+            gpus, tp, pp, dp, vp, gb, 1, s, "none", None, step, zero=2, cluster="dgx-h100", cp=cp,
             cp_comm="all-gather", pp_layers=(0,) + (1,) * model.layers + (0,), axis_order=("tp", "cp", "pp", "dp")))
     return runs
 
