@@ -29,7 +29,7 @@ import argparse
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import yaml
@@ -45,8 +45,9 @@ from stage_cosim.validation.published import (TrainingRun, korthikanti_table5, m
 from stage_cosim.workload import synthesize
 
 CLUSTER_OF = {"korthikanti2022": "dgx-a100", "megatron-core-0.8": "dgx-h100", "nemo24.07_fp8_h100": "dgx-h100"}
-FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}
-PRESET_OF_FAMILY = {"A100": "A100-80GB", "H100": "H100-SXM"}
+FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}          # the families with end-to-end tables
+FAMILIES = ("A100", "H100", "B200")
+PRESET_OF_FAMILY = {"A100": "A100-80GB", "H100": "H100-SXM", "B200": "B200"}
 PARAMS = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "memory_efficiency",
           "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency",
           "fp8_matmul_efficiency", "fp8_matmul_half_flops")
@@ -150,6 +151,10 @@ class ComponentFit:
     rows: tuple                       # the file's rows of the family's GPUs
     predict: Callable                 # (row, parameters) -> the model's figure for the row
     measured: Callable                # row -> the row's figure
+    # The rows measure an older kernel than the software profiles run (FlashAttention-2 where
+    # Megatron-Core and NeMo run cuDNN's fused attention): the fitted value is a floor for the
+    # parameter, not its value.
+    floor: bool = False
 
     def in_scope(self) -> list:
         return [r for r in self.rows if not getattr(r, "scope", "")]
@@ -164,8 +169,8 @@ def _gpu(row_gpu: str, params: dict[str, float]):
 
 
 def _nccl_predict(row: comp.NcclRow, params: dict[str, float]) -> float:
-    family = comp.FAMILY_OF_GPU[row.gpu]
-    cluster = resolve_cluster("dgx-a100" if family == "A100" else "dgx-h100", 8 * row.nodes)
+    preset = comp.CLUSTER_OF_GPU[row.gpu]
+    cluster = resolve_cluster(preset, row.gpus if row.nodes == 1 else 8 * row.nodes)
     cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
     return comp.nccl_busbw(row, CalibratedNetwork(cluster))
 
@@ -194,29 +199,39 @@ def component_fits(family: str) -> list[ComponentFit]:
                      _nccl_predict, lambda r: r.busbw_gbps),
         ComponentFit("attention_microbench.csv (FlashAttention-2)", ("attention_efficiency",),
                      mine(comp.attention_rows()),
-                     lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops),
+                     lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops, floor=True),
     ]
     return [f for f in fits if f.in_scope()]
 
 
-def fit_components(family: str, base: dict[str, float]) -> tuple[dict[str, float], list[ComponentFit]]:
+class Components(NamedTuple):
+    params: dict[str, float]          # every parameter: the pinned ones fitted, the rest as given
+    fits: list[ComponentFit]
+    values: dict[str, float]          # what each file's rows give its parameters (floors included)
+
+
+def fit_components(family: str, base: dict[str, float]) -> Components:
     """The parameters the family's microbenchmarks pin, fitted file by file (in order: the HBM
-    rate first, which the GEMM and attention rows' memory-bound parts use)."""
-    params = dict(base)
+    rate first, which the GEMM and attention rows' memory-bound parts use); a floor file's
+    value is kept apart, the parameter stays as given."""
+    params, values = dict(base), {}
     fits = component_fits(family)
     for f in fits:
         box = Box(f.params, BOUNDS)
         fixed = dict(params)
-        params |= fit_box(box, fixed, lambda v, f=f, fixed=fixed: f.errors(fixed | v), max_nfev=200)
-    return params, fits
+        fitted = fit_box(box, fixed, lambda v, f=f, fixed=fixed: f.errors(fixed | v), max_nfev=200)
+        values |= fitted
+        if not f.floor:
+            params |= fitted
+    return Components(params, fits, values)
 
 
 # -- 2. end to end ----------------------------------------------------------------------------------
 
 
-def end_to_end_box(family: str, pinned: dict[str, float], fits: list[ComponentFit]) -> Box:
+def end_to_end_box(family: str, comps: Components) -> Box:
     """What no microbenchmark of ``family`` pins, with the bounds the microbenchmarks imply."""
-    fitted = {p for f in fits for p in f.params}
+    fitted = {p for f in comps.fits if not f.floor for p in f.params}
     runs = runs_for(_cluster(family))
     names = ["kernel_overhead_us"]
     bounds = dict(BOUNDS)
@@ -225,11 +240,10 @@ def end_to_end_box(family: str, pinned: dict[str, float], fits: list[ComponentFi
     for p, used in uses.items():
         if used and p not in fitted:
             names.append(p)
-    if uses["attention_efficiency"] and "attention_efficiency" in fitted:
+    if "attention_efficiency" in names and "attention_efficiency" in comps.values:
         # the runs use cuDNN's fused attention (Transformer Engine), a newer kernel than the
         # FlashAttention-2 of the microbenchmark: at least as fast as it
-        names.append("attention_efficiency")
-        bounds["attention_efficiency"] = (pinned["attention_efficiency"], BOUNDS["attention_efficiency"][1])
+        bounds["attention_efficiency"] = (comps.values["attention_efficiency"], BOUNDS["attention_efficiency"][1])
     if "matmul_efficiency" in names:
         # no BF16 sweep: at most the best shape of the MAMF search (a ceiling)
         ceiling = max(r.tflops for r in comp.gemm_rows()
@@ -239,8 +253,9 @@ def end_to_end_box(family: str, pinned: dict[str, float], fits: list[ComponentFi
     return Box(tuple(names), bounds)
 
 
-def _cluster(family: str) -> str:
-    return {v: k for k, v in FAMILY_OF.items()}[family]
+def _cluster(family: str) -> str | None:
+    """The cluster of ``family``'s end-to-end tables (None: it has none)."""
+    return {v: k for k, v in FAMILY_OF.items()}.get(family)
 
 
 def derived(family: str, params: dict[str, float]) -> dict[str, float]:
@@ -269,9 +284,9 @@ def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None
     """The whole fit of ``cluster``'s family (components, then end to end without row ``exclude``)."""
     family = FAMILY_OF[cluster]
     base = dict(calibration()["default"]) | (calibration().get(family) or {}) | (start or {})
-    pinned, fits = fit_components(family, base)
+    comps = fit_components(family, base)
     runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
-    params = fit_end_to_end(family, pinned, end_to_end_box(family, pinned, fits), runs, max_nfev)
+    params = fit_end_to_end(family, comps.params, end_to_end_box(family, comps), runs, max_nfev)
     return {k: params[k] for k in PARAMS}
 
 
@@ -287,19 +302,28 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
     cluster = _cluster(family)
     base = dict(calibration()["default"]) | (calibration().get(family) or {})
     print(f"\n== {family} ==")
-    pinned, fits = fit_components(family, base)
+    comps = fit_components(family, base)
+    pinned, fits = comps.params, comps.fits
     on_bound: list[str] = []
     print("components (fitted to the microbenchmarks of the family's GPUs, then fixed):")
     for f in fits:
         box = Box(f.params, BOUNDS)
-        on_bound += box.on_bound(pinned)
-        values = ", ".join(f"{n} {pinned[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params)
+        on_bound += box.on_bound(comps.values)
+        values = ", ".join(f"{n} {comps.values[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params)
         out = [r for r in f.rows if getattr(r, "scope", "")]
-        print(f"  {f.file}: {values}")
-        print(f"      fitted rows: {_pct(f.errors(pinned))}"
-              + (f"; outside the model's scope: {len(out)} rows ({_pct(f.errors(pinned, out))}; "
+        print(f"  {f.file}: {values}" + (" (a floor for the kernels the profiles run)" if f.floor else ""))
+        print(f"      fitted rows: {_pct(f.errors(comps.values))}"
+              + (f"; outside the model's scope: {len(out)} rows ({_pct(f.errors(comps.values, out))}; "
                  f"{sorted({r.scope for r in out})[0]} ...)" if out else ""))
-    box = end_to_end_box(family, pinned, fits)
+    if cluster is None:
+        # (no end-to-end table: what no microbenchmark pins keeps its hand-set default)
+        unpinned = [p for p in PARAMS if p not in {q for f in fits if not f.floor for q in f.params}]
+        print(f"end to end: no published end-to-end table; not fitted, the defaults: "
+              f"{', '.join(f'{p} {pinned[p]:.4g}' for p in unpinned)}")
+        print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
+        # (only what the microbenchmarks pin is the family's; the rest stays the default section's)
+        return {k: pinned[k] for k in PARAMS if k not in unpinned}, len(on_bound)
+    box = end_to_end_box(family, comps)
     runs = runs_for(cluster)
     params = fit_end_to_end(family, pinned, box, runs)
     on_bound += box.on_bound(params)
@@ -329,12 +353,12 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", action="store_true", help="store the fit in hardware/data/calibration.yaml")
-    ap.add_argument("--family", choices=sorted(FAMILY_OF.values()), default=None, help="fit only this GPU family")
+    ap.add_argument("--family", choices=FAMILIES, default=None, help="fit only this GPU family")
     ap.add_argument("--loo", action="store_true", help="also leave-one-out per end-to-end row (refits once per row)")
     args = ap.parse_args()
     fitted = {k: v for k, v in calibration().items() if k != "default"}
     bound = 0
-    for family in FAMILY_OF.values():
+    for family in FAMILIES:
         if args.family and family != args.family:
             continue
         params, n = report_family(family, args.loo)

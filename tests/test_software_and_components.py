@@ -133,10 +133,11 @@ def test_component_fits_reproduce_their_microbenchmarks() -> None:
     from calibrate import fit_components
     from stage_cosim.hardware.gpu import calibration
 
-    worst_gemm = {"A100": 0.20, "H100": 0.61}
-    for family in ("A100", "H100"):
-        params, fits = fit_components(family, dict(calibration()["default"]) | calibration()[family])
-        for f in fits:
+    worst_gemm = {"A100": 0.20, "H100": 0.61, "B200": 0.16}
+    for family in ("A100", "H100", "B200"):
+        comps = fit_components(family, dict(calibration()["default"]) | calibration()[family])
+        params = comps.values
+        for f in comps.fits:
             errors = [abs(e) for e in f.errors(params)]
             if f.file.startswith("gemm"):
                 assert sum(errors) / len(errors) <= 0.10, (family, f.file)
@@ -196,3 +197,19 @@ def test_nvl72_refuses_what_trays_cannot_hold() -> None:
     # a DGX node is still taken whole
     with pytest.raises(UserError):
         resolve_cluster("dgx-h100:12")
+
+
+@pytest.mark.slow
+def test_shipped_blackwell_section_is_what_its_microbenchmarks_give() -> None:
+    """B200 and GB200 have no published end-to-end table: their section of the calibration is
+    exactly the component fit (calibrate.py --family B200 --write), to its four digits."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from calibrate import fit_components
+    from stage_cosim.hardware.gpu import calibration
+
+    shipped = calibration()["B200"]
+    comps = fit_components("B200", dict(calibration()["default"]))
+    assert set(shipped) == {"scale_up_efficiency", "fp8_matmul_efficiency", "fp8_matmul_half_flops"}
+    for name, value in shipped.items():
+        assert comps.params[name] == pytest.approx(value, rel=1e-3), name
+    assert get_gpu("GB200").fp8_matmul_efficiency == shipped["fp8_matmul_efficiency"]

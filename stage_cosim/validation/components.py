@@ -36,10 +36,15 @@ from stage_cosim.hardware.gpu import GPU
 # The GPU family (calibration section) of each GPU named in the microbenchmark files. H800 has
 # H100 SXM's SMs and clocks; H200 its SMs and NVLink with faster HBM (its HBM rows are its own).
 FAMILY_OF_GPU = {"A100-SXM4-80GB": "A100", "H100-SXM5-80GB": "H100", "H800-SXM": "H100", "H200-SXM-141GB": "H100",
-                 "A100 (SXM, variant not stated)": "A100"}
+                 "A100 (SXM, variant not stated)": "A100", "B200": "B200", "GB200-NVL72": "B200"}
 # Our GPU preset for a microbenchmark's GPU (peaks and HBM of that part).
 PRESET_OF_GPU = {"A100-SXM4-80GB": "A100-80GB", "A100 (SXM, variant not stated)": "A100-80GB",
-                 "H100-SXM5-80GB": "H100-SXM", "H800-SXM": "H800", "H200-SXM-141GB": "H200"}
+                 "H100-SXM5-80GB": "H100-SXM", "H800-SXM": "H800", "H200-SXM-141GB": "H200", "B200": "B200",
+                 "GB200-NVL72": "GB200"}
+# The cluster preset whose scale-up domain a microbenchmark's one-node rows ran in.
+CLUSTER_OF_GPU = {"A100-SXM4-80GB": "dgx-a100", "A100 (SXM, variant not stated)": "dgx-a100",
+                  "H100-SXM5-80GB": "dgx-h100", "H800-SXM": "dgx-h800", "H200-SXM-141GB": "dgx-h200",
+                  "B200": "dgx-b200", "GB200-NVL72": "gb200-nvl72"}
 # Input operand bytes per element of a GEMM dtype (outputs are 16-bit in every row here).
 _IN_BYTES = {"fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e4m3fn": 1, "fp8_e4m3_blockscaled_1x128_128x128": 1}
 _FORMAT = {"fp16": "bf16", "bf16": "bf16", "fp8_e4m3": "fp8", "fp8_e4m3fn": "fp8",
