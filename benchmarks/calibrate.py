@@ -175,6 +175,12 @@ def _nccl_predict(row: comp.NcclRow, params: dict[str, float]) -> float:
     return comp.nccl_busbw(row, CalibratedNetwork(cluster))
 
 
+def _alltoall_predict(row: comp.AllToAllRow, params: dict[str, float]) -> float:
+    cluster = resolve_cluster(comp.CLUSTER_OF_GPU[row.gpu], 8 * row.nodes)
+    cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
+    return comp.alltoall_gbps(row, CalibratedNetwork(cluster))
+
+
 def component_fits(family: str) -> list[ComponentFit]:
     def mine(rows: tuple) -> tuple:
         return tuple(r for r in rows if comp.FAMILY_OF_GPU[r.gpu] == family)
@@ -197,6 +203,8 @@ def component_fits(family: str) -> list[ComponentFit]:
         ComponentFit("nccl_busbw.csv (across nodes, one GPU each)", ("scale_out_efficiency",),
                      tuple(r for r in mine(comp.nccl_rows()) if r.per_node == 1 and r.nodes > 1),
                      _nccl_predict, lambda r: r.busbw_gbps),
+        ComponentFit("moe_alltoall_microbench.csv (DeepEP normal kernels: a check, fitted to nothing)", (),
+                     mine(comp.alltoall_rows()), _alltoall_predict, lambda r: r.gbps),
         ComponentFit("attention_microbench.csv (FlashAttention-2)", ("attention_efficiency",),
                      mine(comp.attention_rows()),
                      lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops, floor=True),
@@ -309,7 +317,8 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
     for f in fits:
         box = Box(f.params, BOUNDS)
         on_bound += box.on_bound(comps.values)
-        values = ", ".join(f"{n} {comps.values[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params)
+        values = ", ".join(f"{n} {comps.values[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params) \
+            or "with the parameters above"
         out = [r for r in f.rows if getattr(r, "scope", "")]
         print(f"  {f.file}: {values}" + (" (a floor for the kernels the profiles run)" if f.floor else ""))
         print(f"      fitted rows: {_pct(f.errors(comps.values))}"

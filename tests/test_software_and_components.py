@@ -128,7 +128,10 @@ def test_component_fits_reproduce_their_microbenchmarks() -> None:
     the GEMM sweeps are within 10 % on average, their smallest shapes off by more (a GEMM's wave
     and tile quantization, which a model of FLOPs and bytes alone does not have); across two
     nodes one scale-out efficiency cannot match NCCL's all-reduce and all-gather at once (14 %:
-    NCCL's all-reduce of two ranks is not a ring of the model's kind)."""
+    NCCL's all-reduce of two ranks is not a ring of the model's kind). DeepEP's all-to-all rows
+    are a check fitted to nothing, within 20 % (its RDMA bandwidth across 4 nodes, 58 GB/s, is
+    above the NIC's line rate: node-limited routing sends a token once per node and forwards it
+    over NVLink, which the model's all-to-all does not do)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from calibrate import fit_components
     from stage_cosim.hardware.gpu import calibration
@@ -143,7 +146,7 @@ def test_component_fits_reproduce_their_microbenchmarks() -> None:
                 assert sum(errors) / len(errors) <= 0.10, (family, f.file)
                 assert max(errors) <= worst_gemm[family], (family, f.file)
             else:
-                worst = 0.15 if "across nodes" in f.file else 0.10
+                worst = 0.15 if "across nodes" in f.file else 0.20 if f.file.startswith("moe") else 0.10
                 assert max(errors) <= worst, (family, f.file, max(errors))
             assert all(math.isfinite(params[p]) for p in f.params)
 

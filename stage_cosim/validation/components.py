@@ -16,6 +16,10 @@ out of scope with the reason:
   (the best shape of a sweep, a ceiling, not a typical GEMM), used only where a family has no
   sweep of a dtype (H100 BF16).
 * HBM: BabelStream kernels, each an achieved streaming bandwidth.
+* MoE all-to-all: DeepEP's normal (throughput) kernels, a check of the network model's
+  all-to-all against their bottleneck bandwidth (NVLink inside a node, RDMA across), fitted to
+  nothing. The low-latency kernels (128 tokens, a latency regime) and DeepEP v2's "logical"
+  bandwidth (which counts a rank's traffic to itself) are out of scope.
 * NCCL: ring (and NCCL-default on A100, which has no NVLS) all-reduce, all-gather and
   reduce-scatter bus bandwidth of 1 GiB and more, where latency does not matter. NVLS rows are
   out of scope: an all-reduce reduced inside the NVSwitch (busbw above the link rate) is not an
@@ -214,3 +218,48 @@ def attention_tflops(row: AttentionRow, gpu: GPU) -> float:
     """What the compute model gives a non-causal fused attention kernel of ``row``'s shape."""
     rows = math.ceil(row.seq / gpu.attention_block_rows) * gpu.attention_block_rows * row.batch * row.heads
     return ComputeModel(gpu).attention_rate("bf16", keys=row.seq, rows=rows) / 1e12
+
+
+@dataclass(frozen=True)
+class AllToAllRow:
+    gpu: str
+    op: str                # dispatch | combine
+    ep: int
+    nodes: int
+    tokens: int
+    hidden: int
+    topk: int
+    payload_bytes: int     # per element: FP8 dispatch 1, BF16 combine 2
+    gbps: float            # the bottleneck link's bandwidth, GB/s
+    domain: str            # NVLink | RDMA: which link is the bottleneck
+    scope: str
+
+    @property
+    def per_node(self) -> int:
+        return self.ep // self.nodes
+
+
+@lru_cache(maxsize=1)
+def alltoall_rows() -> tuple[AllToAllRow, ...]:
+    out = []
+    for r in _rows("moe_alltoall_microbench.csv"):
+        if r["gpu"] not in FAMILY_OF_GPU:
+            continue
+        scope = "" if "normal" in r["kernel"] else "low-latency kernels: a latency regime, not a bandwidth"
+        out.append(AllToAllRow(r["gpu"], r["op"], int(r["ep_size"]), int(r["nodes"]), int(r["tokens_per_batch"]),
+                               int(r["hidden"]), int(r["topk"]), 1 if r["payload_dtype"] == "fp8" else 2,
+                               float(r["bandwidth_gbps"]), r["bandwidth_domain"], scope))
+    return tuple(out)
+
+
+def alltoall_gbps(row: AllToAllRow, network) -> float:  # noqa: ANN001 (a CalibratedNetwork)
+    """The bottleneck link's bandwidth in the network model's all-to-all of ``row``'s tokens
+    (each sends its top-k copies of ``hidden`` elements): the bytes a rank sends over NVLink
+    (to the other ranks of its node) or over its NIC (to the other nodes), over the time."""
+    domain = network.domain
+    members = [node * domain + i for node in range(row.nodes) for i in range(row.per_node)]
+    n, m = len(members), row.per_node
+    nbytes = row.tokens * row.topk * row.hidden * row.payload_bytes
+    t = network.duration("ALL_TO_ALL", nbytes, members)
+    crossing = (m - 1) / n if row.domain == "NVLink" else (n - m) / n
+    return nbytes * crossing / t / 1e9
