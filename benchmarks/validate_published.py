@@ -11,7 +11,9 @@ gbs * seq / (tokens/s/GPU * GPUs)), the rows the shipped calibration was fitted 
 with the same parameters, never fitted: the Mixture-of-Experts rows (Mixtral 8x7B on 64 H100,
 DeepSeek-V3 FP8 on 2,048 H800) and Llama 3 405B's pre-training configurations (BF16, up to
 16,384 H100, cp16 at 131K tokens; the step time from the paper's TFLOP/s with PaLM's FLOP count).
-Held-out errors (leave-one-source-out, leave-one-out) are benchmarks/calibrate.py's.
+Then the PyTorch-native rows of torchtitan and torchao (checks, never fitted), with the rows the
+tool cannot express and why. Held-out errors (leave-one-source-out, leave-one-out) are
+benchmarks/calibrate.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate import predict  # noqa: E402
 from stage_cosim.validation.published import (  # noqa: E402
     TrainingRun, korthikanti_table5, llama3_herd_table4, megatron_core_weak_scaling, moe_published, nemo2407_fp8_h100,
+    torchtitan_benchmarks,
 )
 
 
@@ -51,6 +54,11 @@ def main() -> None:
     report("Megatron-Core 0.8 weak scaling (H100, BF16)", megatron_core_weak_scaling())
     report("NeMo Framework 24.07 (H100, FP8 delayed scaling)", nemo2407_fp8_h100())
     report("Llama 3 405B pre-training, Table 4 (H100, BF16; checks, not fitted)", llama3_herd_table4())
+    runs, unexpressed = torchtitan_benchmarks()
+    report("torchtitan / torchao (FSDP2, TP, PP, CP, Float8; checks, not fitted; the H100 rows ran at 500 W)", runs)
+    print(f"not expressible: {len(unexpressed)} of {len(runs) + len(unexpressed)} rows")
+    for u in unexpressed:
+        print(f"  {u.name}: {u.reason}")
     print("\nMixture of Experts (checks, not fitted: the same calibration)")
     print(f"{'run':<14} {'gpus':>5} {'tp':>3} {'ep':>3} {'pp':>3} {'vp':>3} {'dp':>4} {'precision':>9} "
           f"{'measured s':>11} {'predicted s':>12} {'error':>8}")

@@ -56,6 +56,9 @@ class TrainingRun:
     fp8_format: str = "hybrid"
     pp_layers: tuple[int, ...] | None = None
     axis_order: tuple[str, ...] | None = None
+    # switches the source states (None: the software profile's default)
+    tp_comm_overlap: bool | None = None
+    fp8_param_gather: bool = False
 
     def parallel(self) -> "ParallelConfig":  # noqa: F821
         from stage_cosim.parallel import ParallelConfig
@@ -64,6 +67,8 @@ class TrainingRun:
                               micro_batch=self.micro_batch, global_batch=self.global_batch, seq_len=self.seq_len,
                               sp=self.sp, recompute=self.recompute, zero=self.zero,
                               **({"software": self.software} if self.software else {}),
+                              tp_comm_overlap=self.tp_comm_overlap,
+                              **({"fp8_param_gather": True} if self.fp8_param_gather else {}),
                               ep=self.ep, expert_tp=self.expert_tp, moe_token_dispatcher=self.moe_token_dispatcher,
                               dtype=self.dtype, fp8_recipe=self.fp8_recipe, fp8_dispatch=self.fp8_dispatch,
                               pp_layers=self.pp_layers,
@@ -246,3 +251,82 @@ def llama3_herd_table4() -> list[TrainingRun]:
 
 def gpu_specs() -> list[dict[str, str]]:
     return _rows("gpu_specs.csv")
+
+
+# torchtitan's model names -> presets (Llama 3.1 8B and 70B have Llama 3's dimensions)
+_TORCHTITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3-8b": "llama3-8b", "llama3.1-70b": "llama3-70b",
+                      "llama3.1-405b": "llama3.1-405b"}
+_TORCHTITAN_CLUSTERS = {"H100": "dgx-h100", "H200": "dgx-h200", "B200": "dgx-b200"}
+
+
+@dataclass(frozen=True)
+class Unexpressed:
+    """A published row the tool cannot express, and why (reported, never dropped silently)."""
+
+    source: str
+    name: str
+    reason: str
+
+
+def torchtitan_benchmarks() -> tuple[list[TrainingRun], list[Unexpressed]]:
+    """PyTorch-native runs (torchtitan and torchao, 2024-12 to 2025-06): FSDP2 with tensor,
+    pipeline and context parallelism, Float8 linears and async TP, as published, and the rows
+    this tool cannot express with the reason. The step time is global batch * sequence /
+    (tokens/s per GPU * GPUs).
+
+    The mapping, torchtitan's semantics in this tool's words: FSDP over ``fsdp`` ranks is ZeRO 3
+    (ZeRO 2 with pipelining, where torchtitan does not reshard after the forward); the tp plan
+    shards norms over the sequence (sp) and async TP is the tp overlap; interleaved 1F1B has two
+    stages per rank and torchtitan's default micro-batch count is pp; context parallelism
+    all-gathers keys and values; Float8 tensorwise is the ``tensorwise`` recipe, its FSDP float8
+    all-gather FP8 parameter gather. Activation checkpointing: full as full; torchtitan's
+    selective (per-op: matmul outputs saved, the rest recomputed) as the model's selective
+    recomputation. Caveats the source states: the H100 rows ran on Meta Grand Teton H100s with
+    96 GB HBM2e at a 500 W power limit, whose peak is not published — they are predicted with
+    the H100 SXM preset (700 W) and the tool is expected to come out faster; sequence lengths
+    marked not stated are torchtitan's default 8192."""
+    runs, unexpressed = [], []
+    for i, r in enumerate(_rows("torchtitan_benchmarks.csv")):
+        name = f"{r['model']} {r['gpus']}x{r['gpu']} #{i}"
+        source = f"torchtitan:{r['run_group']}" if r.get("run_group") else "torchtitan"
+        run = _torchtitan_run(r, source, name)
+        if isinstance(run, str):
+            unexpressed.append(Unexpressed(source, name, run))
+        else:
+            runs.append(run)
+    return runs, unexpressed
+
+
+def _torchtitan_run(r: dict[str, str], source: str, name: str) -> "TrainingRun | str":
+    """One torchtitan row as a run, or why it cannot be one."""
+    from stage_cosim.model import get_preset
+
+    if r["model"] not in _TORCHTITAN_MODELS:
+        return f"model {r['model']!r} has no preset here"
+    if r["gpu"] not in _TORCHTITAN_CLUSTERS:
+        return f"no {r['gpu']} preset"
+    if r["torch_compile"] != "true":
+        return "eager PyTorch (no torch.compile): its unfused elementwise kernels are not modelled"
+    recipe = r["float8_recipe"]
+    if r["compute_dtype"] != "bf16" and not recipe.startswith("tensorwise"):
+        return f"float8 recipe {recipe.split(' ')[0]!r}: only tensorwise scaling is modelled"
+    ac = r["activation_checkpointing"].split(" ")[0]
+    if ac not in ("none", "full", "selective"):
+        return f"activation checkpointing {r['activation_checkpointing']!r}"
+    if int(r["dp_replicate"]) > 1:
+        return "HSDP (replicated FSDP groups) is not modelled"
+    gpus, tp, pp, cp = int(r["gpus"]), int(r["tp"]), int(r["pp"]), int(r["cp"])
+    dp = int(r["fsdp"])
+    local = int(r["local_batch"])
+    gb = int(r["global_batch"]) if r["global_batch"] else local * dp
+    s = int(r["seq_len"])
+    microbatches = pp if pp > 1 else 1        # torchtitan's default: pp micro-batches
+    fp8 = r["compute_dtype"] != "bf16"
+    return TrainingRun(
+        source, name, get_preset(_TORCHTITAN_MODELS[r["model"]]), r["gpu"], gpus, tp, pp, dp,
+        2 if r["pp_schedule"].startswith("Interleaved") else 1, gb, local // microbatches, s, ac, tp > 1,
+        gb * s / (float(r["tokens_per_s_per_gpu"]) * gpus), zero=3 if pp == 1 else 2, software="torchtitan-2024.12",
+        dtype="fp8" if fp8 else "bf16", fp8_recipe="tensorwise" if fp8 else None,
+        cluster=_TORCHTITAN_CLUSTERS[r["gpu"]], cp=cp, cp_comm="all-gather",
+        tp_comm_overlap=(r["async_tp"] == "true") if tp > 1 else None,
+        fp8_param_gather=fp8 and r["fsdp_float8_allgather"] == "true")
