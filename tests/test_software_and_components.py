@@ -216,3 +216,22 @@ def test_shipped_blackwell_section_is_what_its_microbenchmarks_give() -> None:
     for name, value in shipped.items():
         assert comps.params[name] == pytest.approx(value, rel=1e-3), name
     assert get_gpu("GB200").fp8_matmul_efficiency == shipped["fp8_matmul_efficiency"]
+
+
+def test_bridge_cache_key_follows_the_calibration_and_the_profiles(monkeypatch) -> None:
+    """A search request names no efficiencies and no switch defaults: the server's cache key
+    must change when either does, or an upgraded server answers from a stale cache."""
+    from stage_cosim.bridge import resolve
+    from stage_cosim.hardware import gpu
+
+    req = {"model": "llama3-8b", "cluster": "dgx-h100:8", "global_batch": 8, "seq_len": 1024}
+    before = resolve.digest_of({"defaults": resolve.defaults_fingerprint(), "request": req})
+    changed = {k: dict(v) for k, v in gpu.calibration().items()}
+    changed["H100"]["memory_efficiency"] = 0.5
+    resolve.defaults_fingerprint.cache_clear()
+    monkeypatch.setattr(gpu, "calibration", lambda: changed)
+    try:
+        after = resolve.digest_of({"defaults": resolve.defaults_fingerprint(), "request": req})
+    finally:
+        resolve.defaults_fingerprint.cache_clear()
+    assert before != after

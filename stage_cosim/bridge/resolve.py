@@ -23,6 +23,7 @@ checked with that function's own parsing (``checks.py``), so a bad setting never
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 from stage_cosim import __version__
@@ -97,6 +98,20 @@ def digest_of(value: Any) -> str:
     return hashlib.sha256(dumps(value).encode()).hexdigest()
 
 
+@lru_cache(maxsize=1)
+def defaults_fingerprint() -> str:
+    """A digest of the data every answer depends on beyond its request: the calibration and the
+    software profiles. A cached result keyed without it would outlive an upgrade that changes
+    either (a search's request names no efficiencies and no switch defaults)."""
+    from dataclasses import asdict
+
+    from stage_cosim.hardware.gpu import calibration
+    from stage_cosim.parallel.software import get_software, software_names
+
+    return digest_of({"calibration": calibration(),
+                      "software": {name: asdict(get_software(name)) for name in software_names()}})
+
+
 def _requests_in(req: Mapping[str, Any]) -> tuple[int, str]:
     """How many requests a serving simulation's stream holds, and the field that says so."""
     rows = req.get("requests")
@@ -130,7 +145,8 @@ def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_
             check_requests_fit(*_requests_in(req), limit_bytes=memory_bytes)
         else:
             _check_search_size(kind, req, model, memory_bytes)
-        return digest_of({"v": __version__, "kind": kind, "model": model.to_dict(), "request": req})
+        return digest_of({"v": __version__, "defaults": defaults_fingerprint(), "kind": kind,
+                          "model": model.to_dict(), "request": req})
     api.check_request(req)
     model, parallel = api.model_of(req), api.parallel_of(req)
     if not options.get("traces_upload"):          # an uploaded trace set is bounded by the upload limit
@@ -138,7 +154,8 @@ def _resolve(kind: str, req: dict[str, Any], options: Mapping[str, Any], memory_
         check_fits(model.layers, parallel.pp, parallel.num_microbatches, parallel.world_size,
                    materialized=kind == "synthesize" or bool(options.get("full") or options.get("timeline")),
                    limit_bytes=memory_bytes, rank_field=max(degrees, key=degrees.get))  # type: ignore[arg-type]
-    resolved: dict[str, Any] = {"v": __version__, "kind": kind, "model": model.to_dict(),
+    resolved: dict[str, Any] = {"v": __version__, "defaults": defaults_fingerprint(), "kind": kind,
+                                "model": model.to_dict(),
                                 "parallel": parallel.to_dict(), "options": dict(options)}
     if kind == "simulate":
         network = req.get("network_model") or "calibrated"
