@@ -249,10 +249,6 @@ def llama3_herd_table4() -> list[TrainingRun]:
     return runs
 
 
-def gpu_specs() -> list[dict[str, str]]:
-    return _rows("gpu_specs.csv")
-
-
 # torchtitan's model names -> presets (Llama 3.1 8B and 70B have Llama 3's dimensions)
 _TORCHTITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3-8b": "llama3-8b", "llama3.1-70b": "llama3-70b",
                       "llama3.1-405b": "llama3.1-405b"}
