@@ -23,7 +23,7 @@ from stage_cosim.hardware.cluster import Cluster, cluster_from
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective, workload_of
 from stage_cosim.search.optimize import OptimizeSettings, _key as _point_key, optimize
-from stage_cosim.parallel.config import FP8_OPTIONS, ParallelConfig
+from stage_cosim.parallel.config import PRECISION_FIELDS, ParallelConfig
 from stage_cosim.search.runner import run_job
 from stage_cosim.search.space import check, default_space
 
@@ -102,7 +102,7 @@ def _num(doc: dict, key: str, where: str) -> float:
     return float(v)
 
 
-PRECISION_KEYS = ("dtype", *FP8_OPTIONS)
+PRECISION_KEYS = PRECISION_FIELDS
 SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode",
                        "budget", "points", "inner_budget", "baseline_budget", "reuse_top", "candidates", "seed", "objective", "serving",
                        *PRECISION_KEYS})

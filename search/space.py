@@ -17,7 +17,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.parallel.config import DTYPES, FP8_OPTIONS, MESH_AXES
+from stage_cosim.parallel.config import CP_COMMS, DTYPES, FP8_OPTIONS, MESH_AXES
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,10 @@ class Dimension:
 
 
 CP_MIN_TOKENS = 4096
-# --cp-comm choices searched by default; a2a+p2p with each all-to-all group size of
-# ``cp_a2a_size`` (Megatron's --hierarchical-context-parallel-sizes: the all-to-alls inside a
+# --cp-comm choices searched by default: all of them; a2a+p2p with each all-to-all group size
+# of ``cp_a2a_size`` (Megatron's --hierarchical-context-parallel-sizes: the all-to-alls inside a
 # scale-up domain, the ring across)
-CP_SEARCHED = ("p2p", "all-gather", "a2a", "a2a+p2p")
+CP_SEARCHED = CP_COMMS
 
 
 def powers_of_two(limit: int) -> tuple[int, ...]:

@@ -19,6 +19,9 @@ from typing import Protocol, Sequence
 
 from stage_cosim.hardware.cluster import Cluster
 
+# The network models of the built-in simulator, by name (--network-model).
+NETWORK_MODELS = ("calibrated", "astra")
+
 
 class NetworkModel(Protocol):
     name: str

@@ -8,7 +8,7 @@ from typing import Callable, Hashable, NamedTuple
 from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
-from stage_cosim.adapters.roofline.network import CalibratedNetwork, NetworkModel
+from stage_cosim.adapters.roofline.network import NETWORK_MODELS, CalibratedNetwork, NetworkModel
 from stage_cosim.errors import UserError
 from stage_cosim.model.params import parameter_counts
 from stage_cosim.hardware.cluster import Cluster, check_fits
@@ -18,7 +18,6 @@ from stage_cosim.runtime import gc_paused
 from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, SEND
 from stage_cosim.workload import Workload
 
-NETWORK_MODELS = ("calibrated", "astra")
 INFERENCE_FLOPS = ("model FLOPs = matmul and attention FLOPs of the forward: the (query, key) pairs a causal "
                    "kernel computes, logits for each sequence's last token only")
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import click
 
+from stage_cosim.adapters.roofline.network import NETWORK_MODELS
 from stage_cosim.errors import UserError
 from stage_cosim.inference.config import (
     FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, PHASES, TRAIN, WEIGHT_DTYPES, InferenceConfig,
@@ -19,7 +20,8 @@ from stage_cosim.model.config import MODEL_SWITCHES
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel.software import DEFAULT_SOFTWARE, get_software, software_names
 from stage_cosim.parallel.config import (
-    CP_COMMS, DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, RECOMPUTE, SCHEDULES, TOKEN_DISPATCHERS,
+    CP_COMMS, DEFAULT_AXIS_ORDER, DTYPES, FP8_FORMATS, FP8_RECIPES, PRECISION_FIELDS, RECOMPUTE, SCHEDULES,
+    TOKEN_DISPATCHERS,
     ParallelConfig,
 )
 
@@ -62,8 +64,7 @@ model_options = _compose(
 )
 
 # The precision flags (ParallelConfig fields of the same names).
-PRECISION_FLAGS = ("dtype", "fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch",
-                   "fp8_amax_history_len", "te_layernorm_mlp")
+PRECISION_FLAGS = PRECISION_FIELDS
 
 
 def precision_options(auto: bool = False) -> Callable:
@@ -295,5 +296,5 @@ cluster_option = click.option(
 
 # The network model of the built-in simulator (simulate, compare, optimize).
 network_model_option = click.option(
-    "--network-model", type=click.Choice(["calibrated", "astra"]), default="calibrated", show_default=True,
+    "--network-model", type=click.Choice(NETWORK_MODELS), default="calibrated", show_default=True,
     help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")

@@ -16,8 +16,7 @@ from stage_cosim.cli.options import (
     inference_options, model_options, parallel_options, resolve_inference_options, resolve_model_options,
     resolve_parallel_options,
 )
-
-FORMATS = ("chakra", "json")        # stage_cosim.trace.writer.FORMATS (imported lazily: it pulls in synthesis)
+from stage_cosim.trace.formats import FORMATS
 
 GiB = 1 << 30
 

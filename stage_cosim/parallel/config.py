@@ -30,6 +30,8 @@ FP8_FORMATS = ("e4m3", "hybrid")
 # The ParallelConfig fields that only FP8 training reads.
 FP8_OPTIONS = ("fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch",
                "fp8_amax_history_len", "te_layernorm_mlp")
+# The precision fields: the number format and the FP8 options.
+PRECISION_FIELDS = ("dtype", *FP8_OPTIONS)
 VOCAB_PAD = 128                           # Megatron pads the vocabulary to a multiple of 128 * tp
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from stage_cosim.graph.ir import ATTENTION_KINDS  # noqa: F401  (the fused attention kernels' categories: re-exported)
 from stage_cosim.graph.precision import AMAX_TENSORS_BWD, AMAX_TENSORS_FWD
 from stage_cosim.parallel.axes import DENSE, group_name, mesh_axes, resolve_group
 from stage_cosim.schedule.pipeline import Pass, schedule_order
@@ -43,7 +44,6 @@ FIRST_FWD = "fwd_first"         # the template of a chunk's first forward, when 
 # kernels in another number format than BF16 carry it: "matmul_fp8", "attention_fp8",
 # "matmul_mxfp8".
 OP_KINDS = ("matmul", "attention", "vector")
-ATTENTION_KINDS = ("attention", "attention_grad")   # categories of the fused attention kernels
 
 
 def op_kind(category: str, matmul: bool | str) -> str:

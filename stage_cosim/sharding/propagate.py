@@ -48,12 +48,11 @@ from stage_cosim.graph.dims import DTYPE_BYTES, LABEL_SIZE, L, degree_symbol
 from stage_cosim.graph.ir import ATTENTION_KINDS, Block, Op, Tensor
 from stage_cosim.graph.precision import BF16, Precision, apply_precision
 from stage_cosim.parallel.axes import AXIS, BLOCK_AXES, data_parallel_axes, group_name
+from stage_cosim.parallel.config import RECOMPUTE
 from stage_cosim.sharding.placement import (
     PARTIAL, REPLICATE, Collective, Partial, Placement, Shard, collective_for,
 )
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-TOKEN_DISPATCHERS = ("alltoall", "allgather")
 # The expert axes over which each token dispatcher gathers the tokens before permuting them
 # (the others exchange permuted token slots).
 _GATHERED: dict[str, tuple[str, ...]] = {"alltoall": (), "allgather": ("ep", "expert_tp")}
@@ -90,8 +89,8 @@ class ShardingPolicy:
     def __post_init__(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0..3, got {self.zero}")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute}")
         if self.cp_ring < 1 or self.cp_a2a < 1:
             raise ValueError(f"cp_ring and cp_a2a must be positive, got {self.cp_ring}, {self.cp_a2a}")
 

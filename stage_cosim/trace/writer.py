@@ -21,12 +21,12 @@ from stage_cosim.errors import UserError
 from stage_cosim.schedule.program import COLL, COMP, RECV, SEND, Node, RoleGraph, op_kind
 from stage_cosim.trace import et_def_pb2 as pb
 from stage_cosim.trace.chakra import COLLECTIVE_CODES, SCHEMA_VERSION, attr_bytes, metadata_bytes
+from stage_cosim.trace.formats import FORMATS
 from stage_cosim.trace.traceset import GROUPS_FILE
 from stage_cosim.workload import Workload
 
 TRACE_PREFIX = "workload"
 MANIFEST_FILE = "manifest.json"
-FORMATS = ("chakra", "json")
 _NODE_TYPE = {COMP: pb.COMP_NODE, COLL: pb.COMM_COLL_NODE, SEND: pb.COMM_SEND_NODE, RECV: pb.COMM_RECV_NODE}
 
 # A hole in a template: ("pg", group kind) for a collective, ("dst"|"src", kind, shift) for a
