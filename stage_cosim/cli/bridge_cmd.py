@@ -269,7 +269,7 @@ def _local_params(command: click.Command) -> list[click.Parameter]:
 @_errors
 def remote_simulate(**kw: Any) -> None:
     """Simulate one training step on the server (the flags of 'stage-cosim simulate')."""
-    from stage_cosim.bridge.flags import (MODEL_FLAGS, PARALLEL_FLAGS, check_locally, model_request,
+    from stage_cosim.cli.remote_flags import (MODEL_FLAGS, PARALLEL_FLAGS, check_locally, model_request,
                                           parallel_request, passthrough)
     from stage_cosim.result import RoleResult, SimResult
 
@@ -322,7 +322,7 @@ remote_simulate.params[:0] = _local_params(simulate_cmd.simulate)
 @_errors
 def remote_synth(**kw: Any) -> None:
     """Synthesize traces on the server and download them (the flags of 'stage-cosim synth')."""
-    from stage_cosim.bridge.flags import check_locally, model_request, parallel_request
+    from stage_cosim.cli.remote_flags import check_locally, model_request, parallel_request
     from stage_cosim.trace.writer import atomic_directory
 
     model, parallel = check_locally(kw)
@@ -358,7 +358,7 @@ def remote_optimize(**kw: Any) -> None:
     the output flags (--json, --plot, --quiet) act here; progress shows the best so far.
     """
     from stage_cosim.bridge.client import localize
-    from stage_cosim.bridge.flags import MODEL_FLAGS, check_locally, model_request, param_default
+    from stage_cosim.cli.remote_flags import MODEL_FLAGS, check_locally, model_request, param_default
     from stage_cosim.bridge.resolve import SERVER_SETTINGS
 
     model, _ = check_locally(kw, parallel=False)
