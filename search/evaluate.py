@@ -108,7 +108,7 @@ def gpus_for_training_state(model: ModelConfig, cluster: Cluster, headroom: floa
     must fit in each GPU's HBM less ``headroom``; activations and the runtime only add to it."""
     import math
 
-    from stage_cosim.schedule.program import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+    from stage_cosim.schedule.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
     per_param = (1 if fp8_param_gather else WEIGHT_BYTES) + GRAD_BYTES + OPTIMIZER_BYTES
     usable = cluster.gpu.memory_bytes * (1 - headroom)

@@ -15,7 +15,8 @@ from stage_cosim.hardware.runtime import (
     Communicator, cublas_workspace_bytes, cuda_context_bytes, fragmentation_bytes, p2p_channels, ring_channels,
 )
 from stage_cosim.parallel.axes import DENSE, GROUP, GROUP_KINDS, PIPELINE_AXIS, mesh_axes, resolve_group
-from stage_cosim.schedule.program import COLL, RuntimeMemory, StageMemory
+from stage_cosim.schedule.memory import RuntimeMemory, StageMemory
+from stage_cosim.schedule.nodes import COLL
 
 if TYPE_CHECKING:
     from stage_cosim.hardware.cluster import Cluster

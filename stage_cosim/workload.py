@@ -24,9 +24,9 @@ from stage_cosim.parallel.axes import (
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.runtime import gc_paused  # noqa: F401 (also imported from here)
-from stage_cosim.schedule.program import (
-    COLL, COMP, PP_GROUP, RECV, SEND, ModelBlocks, RoleGraph, StageMemory, build_role, stage_memory,
-)
+from stage_cosim.schedule.memory import StageMemory
+from stage_cosim.schedule.nodes import COLL, COMP, PP_GROUP, RECV, SEND, RoleGraph
+from stage_cosim.schedule.program import ModelBlocks, build_role, stage_memory
 from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock, compiled_blocks, compiled_inference_blocks
 from stage_cosim.sharding.propagate import ShardingPolicy
 

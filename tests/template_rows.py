@@ -2,7 +2,7 @@
 
 Synthesis keeps a pass template's rows (``role.templates[key].rows``) as plain tuples, the hot
 loop's layout; tests read them through :class:`Row`, whose fields are named after the
-:class:`~stage_cosim.schedule.program.Node` attributes each one becomes when the pass is placed
+:class:`~stage_cosim.schedule.nodes.Node` attributes each one becomes when the pass is placed
 (``test_template_rows_read_as_the_nodes_they_become`` in test_fp8_validation.py checks this).
 """
 

@@ -9,7 +9,7 @@ import pytest
 
 from stage_cosim.model import ModelConfig
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COLL, COMP
+from stage_cosim.schedule.nodes import COLL, COMP
 from stage_cosim.workload import synthesize
 
 

@@ -17,7 +17,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.model import get_preset
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND
+from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND
 from stage_cosim.search.optimize import OptimizeSettings, optimize
 from stage_cosim.workload import synthesize
 

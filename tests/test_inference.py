@@ -12,7 +12,7 @@ from stage_cosim.inference import InferenceConfig
 from stage_cosim.inference.config import attention_span
 from stage_cosim.inference.summary import step_summary
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND
+from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND
 from stage_cosim.workload import synthesize
 
 LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (1, 4, 1)]     # (dp, tp, pp)
@@ -620,7 +620,7 @@ def test_cp_prefill_ring_bytes(llama_small, tp, cp) -> None:
     """Ring attention in the forward only: per layer a rank sends cp - 1 chunks of its cached
     keys and values, (cp - 1) * 2 * b * (S / cp) * (kv_heads / tp) * head_dim * bytes, and
     receives as many; nothing else of the layer goes over cp."""
-    from stage_cosim.schedule.program import RECV, SEND
+    from stage_cosim.schedule.nodes import RECV, SEND
 
     m = llama_small
     b, S = 2, 2048

@@ -13,7 +13,7 @@ import pytest
 from stage_cosim.errors import UserError
 from stage_cosim.model import PRESETS, ModelConfig
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COLL, COMP
+from stage_cosim.schedule.nodes import COLL, COMP
 from stage_cosim.workload import synthesize
 
 # A small Mixtral-like model: 8 experts, top-2, GQA; the vocabulary a multiple of 128 * 2 so

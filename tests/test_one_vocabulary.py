@@ -46,3 +46,33 @@ def test_every_choice_tuple_is_defined_once() -> None:
             continue
         duplicates[value] = [places[0] for places in objects.values()]
     assert not duplicates, f"defined more than once (import one definition instead): {duplicates}"
+
+
+def test_the_cli_help_is_the_config_docstrings() -> None:
+    """Every ParallelConfig field is documented once, in its attribute docstring, and the flag
+    of the same name shows that text as its help (flags, config files, JSON and docs share it)."""
+    from dataclasses import fields
+
+    from stage_cosim.cli.simulate_cmd import simulate
+    from stage_cosim.fielddocs import field_docs
+    from stage_cosim.parallel import ParallelConfig
+
+    docs = field_docs(ParallelConfig)
+    assert {f.name for f in fields(ParallelConfig)} == set(docs)
+    flags = {p.name: p for p in simulate.params}
+    shown = [name for name in docs if name in flags]
+    assert len(shown) >= 30
+    for name in shown:
+        assert docs[name] in (flags[name].help or ""), name
+
+
+def test_choice_tuples_are_their_literal_types() -> None:
+    """A field typed with a Literal offers exactly its choices (the tuple is derived, not typed
+    twice)."""
+    from typing import get_args
+
+    from stage_cosim.parallel import config
+
+    assert config.CP_COMMS == get_args(config.CpComm) == ("p2p", "all-gather", "a2a", "a2a+p2p")
+    assert config.RECOMPUTE == get_args(config.Recompute)
+    assert config.FP8_RECIPES == get_args(config.Fp8Recipe)

@@ -15,7 +15,7 @@ from stage_cosim.hardware import resolve_cluster
 from stage_cosim.hardware.gpu import get_gpu
 from stage_cosim.model import ModelConfig
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COLL, COMP, FIRST_FWD
+from stage_cosim.schedule.nodes import COLL, COMP, FIRST_FWD
 from stage_cosim.workload import synthesize
 from template_rows import template_rows
 

@@ -15,7 +15,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware import get_gpu, resolve_cluster
 from stage_cosim.model import ModelConfig, get_preset
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COMP
+from stage_cosim.schedule.nodes import COMP
 from stage_cosim.workload import synthesize
 
 

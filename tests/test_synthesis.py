@@ -8,7 +8,7 @@ import pytest
 
 from stage_cosim.errors import UserError
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.schedule.program import COLL, COMP
+from stage_cosim.schedule.nodes import COLL, COMP
 from stage_cosim.workload import synthesize
 
 FACTORIZATIONS = [(1, 1, 1, 1), (2, 2, 2, 1), (1, 4, 2, 2), (2, 1, 4, 2), (4, 2, 1, 1), (1, 2, 4, 1)]

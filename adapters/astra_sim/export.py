@@ -34,7 +34,7 @@ from stage_cosim.adapters.roofline.astra_model import COLLECTIVES, AstraSystem
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
-from stage_cosim.schedule.program import COMP, RoleGraph, op_kind
+from stage_cosim.schedule.nodes import COMP, RoleGraph, op_kind
 from stage_cosim.trace.writer import GROUPS_FILE, atomic_directory, write_traces
 from stage_cosim.workload import Workload
 

@@ -272,7 +272,7 @@ def trace_set_uses(ts: TraceSet, n_ranks: int) -> dict[tuple[str, tuple[str, ...
 def workload_uses(w) -> dict[tuple[str, tuple[str, ...]], list[int]]:  # noqa: ANN001
     """:func:`trace_set_uses` of a synthesized workload's export (every rank of a pipeline stage
     uses groups of the same kinds)."""
-    from stage_cosim.schedule.program import COLL as R_COLL
+    from stage_cosim.schedule.nodes import COLL as R_COLL
 
     out: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     n = w.world_size
@@ -400,7 +400,7 @@ class _StageOf(Mapping[int, int]):
 def role_program(role, dur: Sequence[int]) -> tuple[Program, list[tuple[str, object]]]:  # noqa: ANN001
     """A role graph as a replay program, and each hole's symbolic target: ("pg", group kind)
     or ("peer", (kind, shift)): the pipeline's neighbour, or the cp ring's."""
-    from stage_cosim.schedule.program import COLL as R_COLL, COMP as R_COMP, SEND as R_SEND
+    from stage_cosim.schedule.nodes import COLL as R_COLL, COMP as R_COMP, SEND as R_SEND
 
     nodes = role.nodes
     n = len(nodes)
@@ -440,7 +440,7 @@ def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: AN
     whole microseconds with the rounding error carried (replay), or the binary's roofline."""
     from stage_cosim.adapters.astra_sim.export import replay_durations
     from stage_cosim.adapters.roofline.compute import ComputeModel
-    from stage_cosim.schedule.program import COMP as R_COMP
+    from stage_cosim.schedule.nodes import COMP as R_COMP
 
     if system.roofline_enabled:
         def roofline(role) -> list[int]:  # noqa: ANN001

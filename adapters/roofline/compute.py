@@ -92,14 +92,14 @@ class ComputeModel:
         """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector;
         with the number format where it is not BF16: matmul_fp8 …) and, for attention, the keys
         each query sees in it and its rows of work (in ``groups``)."""
-        from stage_cosim.schedule.program import parse_op_kind
+        from stage_cosim.schedule.nodes import parse_op_kind
 
         base, fmt = parse_op_kind(op_kind)
         return self.duration_s(flops, nbytes, fmt, base == "attention", groups, keys)
 
     def node_duration_s(self, node) -> float:  # noqa: ANN001 (a role graph's Node)
         """The time of one compute node of a role graph."""
-        from stage_cosim.schedule.program import op_kind
+        from stage_cosim.schedule.nodes import op_kind
 
         return self.duration_of(node.flops, node.mem_bytes, op_kind(node.category, node.matmul), node.groups,
                                 node.keys)

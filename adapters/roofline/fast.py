@@ -26,9 +26,10 @@ from stage_cosim.adapters.roofline.breakdown import charge, intervals
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.adapters.roofline.network import NetworkModel
+from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.result import BREAKDOWN_KEYS
-from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, RECV, SEND, RoleGraph
+from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND, RoleGraph
 from stage_cosim.workload import Workload
 
 WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own

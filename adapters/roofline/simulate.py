@@ -10,12 +10,13 @@ from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
 from stage_cosim.adapters.roofline.network import NETWORK_MODELS, CalibratedNetwork, NetworkModel
 from stage_cosim.errors import UserError
+from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.model.params import parameter_counts
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.result import RoleResult, SimResult, fp8_mfu
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.runtime import gc_paused
-from stage_cosim.schedule.program import ATTENTION_KINDS, COLL, COMP, SEND
+from stage_cosim.schedule.nodes import COLL, COMP, SEND
 from stage_cosim.workload import Workload
 
 INFERENCE_FLOPS = ("model FLOPs = matmul and attention FLOPs of the forward: the (query, key) pairs a causal "

@@ -30,7 +30,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.result import RoleResult, SimResult
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND
+from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND
 from stage_cosim.trace import traceset
 from stage_cosim.trace.traceset import NodeTable, TraceSet
 from stage_cosim.trace.validate import validate

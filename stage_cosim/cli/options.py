@@ -12,6 +12,7 @@ import click
 
 from stage_cosim.adapters.roofline.network import NETWORK_MODELS
 from stage_cosim.errors import UserError
+from stage_cosim.fielddocs import field_docs
 from stage_cosim.inference.config import (
     FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, PHASES, TRAIN, WEIGHT_DTYPES, InferenceConfig,
 )
@@ -67,35 +68,37 @@ model_options = _compose(
 PRECISION_FLAGS = PRECISION_FIELDS
 
 
+def _doc(name: str) -> str:
+    """The help of the flag of ParallelConfig field ``name``: the field's docstring."""
+    return field_docs(ParallelConfig)[name]
+
+
 def precision_options(auto: bool = False) -> Callable:
     """--dtype and the FP8 options (``auto``: the search may pick bf16 or fp8 itself)."""
     dtypes = DTYPES + (("auto",) if auto else ())
     return _compose(
         click.option("--dtype", type=click.Choice(dtypes), default="bf16", show_default=True,
-                     help="Training precision: bf16, or fp8 (Transformer Engine FP8 GEMMs in the layers)"
-                          + ("; auto: search both and report the best of each" if auto else "") + "."),
+                     help=_doc("dtype") + (" auto: search both and report the best of each." if auto else "")),
         click.option("--fp8-recipe", type=click.Choice(FP8_RECIPES), default=None,
-                     help="FP8 scaling recipe (default: delayed on Hopper, mxfp8 on Blackwell)."),
+                     help=_doc("fp8_recipe")),
         click.option("--fp8-format", type=click.Choice(FP8_FORMATS), default="hybrid", show_default=True,
-                     help="e4m3 everywhere, or hybrid (e5m2 gradients)."),
+                     help=_doc("fp8_format")),
         click.option("--fp8-attention/--no-fp8-attention", default=False,
-                     help="Fused attention in FP8 too (Transformer Engine's FP8 dot-product attention)."),
+                     help=_doc("fp8_attention")),
         click.option("--fp8-param-gather/--no-fp8-param-gather", default=False,
-                     help="Keep parameters in FP8 and all-gather them in FP8 (needs --zero 1-3)."),
+                     help=_doc("fp8_param_gather")),
         click.option("--fp8-dispatch/--no-fp8-dispatch", default=False,
-                     help="Send the MoE token dispatch in FP8."),
+                     help=_doc("fp8_dispatch")),
         click.option("--fp8-amax-history-len", type=int, default=1024, show_default=True,
-                     help="Amax history length of delayed scaling."),
+                     help=_doc("fp8_amax_history_len")),
         click.option("--te-layernorm-mlp/--no-te-layernorm-mlp", default=False,
-                     help="The MLP is Transformer Engine's LayerNormMLP (its activation writes FP8 itself), "
-                          "as in NeMo's GPT recipes; default: Megatron-Core's MLP."),
+                     help=_doc("te_layernorm_mlp")),
     )
 
 
 software_option = click.option(
     "--software", "software", default=None, metavar="PROFILE",
-    help=f"The framework release that runs the step ({', '.join(software_names())}; default {DEFAULT_SOFTWARE}): "
-         f"its defaults fill every switch left unset.")
+    help=_doc("software") + f" Profiles: {', '.join(software_names())} (default {DEFAULT_SOFTWARE}).")
 
 
 # Megatron-Core's performance switches, under Megatron-LM's flag names. Unset, each takes the
@@ -104,17 +107,13 @@ def megatron_switch_options() -> Callable:
     return _compose(
     software_option,
     click.option("--tp-comm-overlap/--no-tp-comm-overlap", "tp_comm_overlap", default=None,
-                 help="Pipeline the tensor-parallel collectives with their GEMMs (Transformer Engine's "
-                      "userbuffers; needs --sp; default: the profile's, on with tp > 1 in Megatron and NeMo)."),
+                 help=_doc("tp_comm_overlap")),
     click.option("--overlap-grad-reduce/--no-overlap-grad-reduce", "overlap_grad_reduce", default=None,
-                 help="Reduce the data-parallel gradients in buckets behind the backward, or all after it "
-                      "(default: the profile's, on in every recipe)."),
+                 help=_doc("overlap_grad_reduce")),
     click.option("--overlap-param-gather/--no-overlap-param-gather", "overlap_param_gather", default=None,
-                 help="ZeRO 1/2: all-gather the updated parameters ahead of each block's next forward instead "
-                      "of right after the optimizer step (default: the profile's, on)."),
+                 help=_doc("overlap_param_gather")),
     click.option("--grad-reduce-in-bf16/--grad-reduce-in-fp32", "grad_reduce_in_bf16", default=None,
-                 help="Reduce the data-parallel gradients in bf16 (half the bytes) or fp32 (default: the "
-                      "profile's; the request and JSON field is grad_reduce_dtype)."),
+                 help=_doc("grad_reduce_dtype") + " (The request and JSON field is grad_reduce_dtype.)"),
     click.option("--use-distributed-optimizer", "use_distributed_optimizer", is_flag=True, default=None,
                  help="Megatron's distributed optimizer: the same as --zero 1."),
     )
@@ -149,50 +148,46 @@ def megatron_switches(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 parallel_options = _compose(
-    click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel degree."),
-    click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
-    click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel degree."),
-    click.option("--cp", type=int, default=1, show_default=True,
-                 help="Context-parallel degree (the sequence split over cp ranks)."),
+    click.option("--dp", type=int, default=1, show_default=True, help=_doc("dp")),
+    click.option("--tp", type=int, default=1, show_default=True, help=_doc("tp")),
+    click.option("--pp", type=int, default=1, show_default=True, help=_doc("pp")),
+    click.option("--cp", type=int, default=1, show_default=True, help=_doc("cp")),
     click.option("--cp-comm", "cp_comm", type=click.Choice(CP_COMMS), default="p2p", show_default=True,
-                 help="How attention exchanges keys and values over cp: ring (p2p), all-gather, "
-                      "Ulysses all-to-all (a2a), or a2a inside groups of --cp-a2a-size with a ring across."),
+                 help=_doc("cp_comm")),
     click.option("--cp-a2a-size", "cp_a2a_size", type=int, default=None,
-                 help="With --cp-comm a2a+p2p: cp ranks of each all-to-all group."),
+                 help=_doc("cp_a2a_size")),
     click.option("--cp-load-balance/--no-cp-load-balance", "cp_load_balance", default=True,
-                 help="Cut the sequence into 2*cp chunks so causal attention costs every cp rank the same "
-                      "(default), or into cp contiguous chunks."),
-    click.option("--vp", type=int, default=1, show_default=True, help="Virtual pipeline stages per device (interleaved 1F1B)."),
+                 help=_doc("cp_load_balance")),
+    click.option("--vp", type=int, default=1, show_default=True, help=_doc("vp")),
     click.option("--sp/--no-sp", "sp", default=None,
-                 help="Megatron sequence parallelism over the tp axis (default: the software profile's, on with "
-                      "tp > 1 in every current recipe; an inference step runs without)."),
+                 help=_doc("sp")),
     click.option("--micro-batch", type=int, default=None,
-                 help="Sequences per micro-batch (default 1; inference: the replica's requests over pp)."),
-    click.option("--global-batch", type=int, default=None, help="Sequences per step (default dp * micro-batch)."),
-    click.option("--seq-len", type=int, default=2048, show_default=True, help="Sequence length."),
-    click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3."),
+                 help=_doc("micro_batch") + " Default 1; inference: the replica's requests over pp."),
+    click.option("--global-batch", type=int, default=None, help=_doc("global_batch")),
+    click.option("--seq-len", type=int, default=2048, show_default=True, help=_doc("seq_len")),
+    click.option("--zero", type=int, default=0, show_default=True, help=_doc("zero")),
     click.option("--recompute", type=click.Choice(RECOMPUTE), default="none", show_default=True,
-                 help="Activation recomputation."),
+                 help=_doc("recompute")),
     click.option("--schedule", type=click.Choice(SCHEDULES), default=None,
-                 help="Pipeline schedule (default 1f1b, interleaved when --vp > 1)."),
+                 help=_doc("schedule")),
     click.option("--pp-layers", default=None, metavar="N,N,...",
-                 help="Layers per pipeline stage (pp*vp entries), instead of an even split."),
+                 help=_doc("pp_layers")),
     click.option("--axis-order", default=",".join(DEFAULT_AXIS_ORDER), show_default=True,
-                 help="Mesh axes innermost first (rank mapping)."),
+                 help=_doc("axis_order")),
     precision_options(),
     megatron_switch_options(),
     click.option("--ep", type=int, default=1, show_default=True,
-                 help="Expert-parallel degree (expert layers re-factor the tp*cp*dp ranks as expert-tp x ep x edp)."),
+                 help=_doc("ep")),
     click.option("--expert-tp", "expert_tp", type=int, default=None,
-                 help="Tensor-parallel degree inside each expert (default: tp)."),
+                 help=_doc("expert_tp")),
     click.option("--moe-token-dispatcher", "moe_token_dispatcher", type=click.Choice(TOKEN_DISPATCHERS),
-                 default="alltoall", show_default=True, help="How routed tokens reach their experts."),
+                 default="alltoall", show_default=True, help=_doc("moe_token_dispatcher")),
     click.option("--moe-capacity-factor", "moe_capacity_factor", type=float, default=None,
-                 help="Drop tokens beyond this multiple of an expert's balanced share (default: dropless)."),
+                 help=_doc("moe_capacity_factor")),
     click.option("--moe-pad-to-capacity/--no-moe-pad-to-capacity", "moe_pad_to_capacity", default=False,
-                 help="Pad every expert's tokens to its capacity."),
+                 help=_doc("moe_pad_to_capacity")),
     click.option("--moe-imbalance", "moe_imbalance", type=float, default=1.0, show_default=True,
-                 help="Tokens on the busiest expert rank over the mean (1: balanced routing)."),
+                 help=_doc("moe_imbalance")),
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from stage_cosim.errors import positive_int, require
 from stage_cosim.limits import MAX_RANKS, MAX_RANKS_TEXT
@@ -14,19 +14,30 @@ from stage_cosim.parallel.software import DEFAULT_SOFTWARE, PROFILE_SWITCHES, ge
 
 MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given on
 DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
-TOKEN_DISPATCHERS = ("alltoall", "allgather")
+
+# Each vocabulary once, as the type of its field; the tuple of choices is derived from it.
+Schedule = Literal["1f1b", "gpipe", "interleaved"]
+TokenDispatcher = Literal["alltoall", "allgather"]
 # How attention exchanges keys and values over cp (Megatron's --cp-comm-type): a ring of
 # send/recv steps, an all-gather of K and V, DeepSpeed-Ulysses all-to-alls, or all-to-alls
 # inside groups of --cp-a2a-size ranks with a ring across them.
-CP_COMMS = ("p2p", "all-gather", "a2a", "a2a+p2p")
-RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("bf16", "fp8")
+CpComm = Literal["p2p", "all-gather", "a2a", "a2a+p2p"]
+Recompute = Literal["none", "selective", "full"]
+Dtype = Literal["bf16", "fp8"]
 # Megatron-LM's --fp8-recipe choices (Transformer Engine recipes): per-tensor delayed scaling
 # (amax history), per-tensor current scaling, MXFP8 (32-element blocks, Blackwell) and
 # DeepSeek-V3's blockwise scaling (1x128 activation tiles, 128x128 weight blocks).
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-FP8_FORMATS = ("e4m3", "hybrid")
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
+Fp8Format = Literal["e4m3", "hybrid"]
+GradReduceDtype = Literal["fp32", "bf16"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+TOKEN_DISPATCHERS: tuple[str, ...] = get_args(TokenDispatcher)
+CP_COMMS: tuple[str, ...] = get_args(CpComm)
+RECOMPUTE: tuple[str, ...] = get_args(Recompute)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+FP8_RECIPES: tuple[str, ...] = get_args(Fp8Recipe)
+FP8_FORMATS: tuple[str, ...] = get_args(Fp8Format)
+GRAD_REDUCE_DTYPES: tuple[str, ...] = get_args(GradReduceDtype)
 # The ParallelConfig fields that only FP8 training reads.
 FP8_OPTIONS = ("fp8_recipe", "fp8_format", "fp8_attention", "fp8_param_gather", "fp8_dispatch",
                "fp8_amax_history_len", "te_layernorm_mlp")
@@ -41,73 +52,100 @@ def _finite_number(x: object) -> bool:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees per mesh axis plus the execution choices that go with them."""
+    """Degrees per mesh axis plus the execution choices that go with them. Each field's
+    docstring is its flag's help text (``--micro-batch`` is ``micro_batch``)."""
 
     dp: int = 1
+    """Data-parallel degree."""
     tp: int = 1
+    """Tensor-parallel degree."""
     pp: int = 1
-    cp: int = 1                        # context parallelism: the sequence split over cp ranks
-    cp_comm: str = "p2p"
-    cp_a2a_size: int | None = None     # a2a+p2p: ranks of each all-to-all group (the ring runs across)
-    # The sequence in 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal attention
-    # costs every rank the same; False: cp contiguous chunks (the last rank works the most).
+    """Pipeline-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split over cp ranks)."""
+    cp_comm: CpComm = "p2p"
+    """How attention exchanges keys and values over cp: a ring (p2p), an all-gather, Ulysses
+    all-to-alls (a2a), or all-to-alls inside groups of --cp-a2a-size with a ring across."""
+    cp_a2a_size: int | None = None
+    """With --cp-comm a2a+p2p: cp ranks of each all-to-all group (the ring runs across them)."""
     cp_load_balance: bool = True
-    vp: int = 1                        # virtual pipeline stages (model chunks) per device
-    # Megatron sequence parallelism over the tp axis (None: the software profile's default,
-    # on whenever tp > 1 in every current recipe).
+    """Cut the sequence into 2*cp chunks, rank i holding chunks i and 2*cp-1-i, so causal
+    attention costs every cp rank the same (default); off: cp contiguous chunks (the last rank
+    works the most)."""
+    vp: int = 1
+    """Virtual pipeline stages (model chunks) per device (interleaved 1F1B)."""
     sp: bool | None = None
+    """Megatron sequence parallelism over the tp axis (default: the software profile's, on
+    whenever tp > 1 in every current recipe; an inference step runs without)."""
     micro_batch: int = 1
-    global_batch: int | None = None    # default: one micro-batch per data-parallel rank
+    """Sequences per micro-batch."""
+    global_batch: int | None = None
+    """Sequences per step (default: one micro-batch per data-parallel rank)."""
     seq_len: int = 2048
+    """Sequence length."""
     zero: int = 0
-    recompute: str = "none"
-    schedule: str | None = None        # default: 1f1b, or interleaved when vp > 1
-    pp_layers: tuple[int, ...] | None = None   # layers per virtual stage, in pipeline order
+    """ZeRO stage 0-3 (1: Megatron's distributed optimizer; 2, 3: FSDP sharding gradients, then
+    parameters too)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, Megatron's selective (the attention core) or full."""
+    schedule: Schedule | None = None
+    """Pipeline schedule (default 1f1b, interleaved when vp > 1)."""
+    pp_layers: tuple[int, ...] | None = None
+    """Layers per virtual pipeline stage, in pipeline order (pp*vp entries), instead of an even
+    split."""
     axis_order: tuple[str, ...] = DEFAULT_AXIS_ORDER
-    dtype: str = "bf16"
-    # The framework release that runs the step (stage_cosim.parallel.software): the switches
-    # below left at None take its defaults, and their names are kept in ``assumed``.
+    """Mesh axes innermost first (the rank mapping)."""
+    dtype: Dtype = "bf16"
+    """Training precision: bf16, or fp8 (Transformer Engine FP8 GEMMs in the layers)."""
     software: str = DEFAULT_SOFTWARE
-    # ZeRO 1/2: all-gather updated parameters ahead of each block's next forward (Megatron's
-    # --overlap-param-gather) instead of right after the optimizer.
+    """The framework release that runs the step (a software profile): its defaults fill every
+    switch left unset (sp, tp-comm-overlap, overlap-grad-reduce, overlap-param-gather, the
+    gradient reduction's precision), and the report marks them as assumed."""
     overlap_param_gather: bool | None = None
-    # Megatron's --overlap-grad-reduce: gradients reduced over dp in buckets behind the backward
-    # (off: every reduction after the stage's last backward).
+    """ZeRO 1/2: all-gather the updated parameters ahead of each block's next forward instead of
+    right after the optimizer step (Megatron's --overlap-param-gather; default: the profile's)."""
     overlap_grad_reduce: bool | None = None
-    # Megatron-Core --tp-comm-overlap: tensor-parallel collectives pipelined with their GEMMs.
+    """Reduce the data-parallel gradients in buckets behind the backward, or all after the
+    stage's last backward (Megatron's --overlap-grad-reduce; default: the profile's)."""
     tp_comm_overlap: bool | None = None
-    # Data-parallel gradient reduction precision (fp32 or bf16).
-    grad_reduce_dtype: str | None = None
-    # The profile switches this configuration took from its software profile (not given).
+    """Pipeline the tensor-parallel collectives with their GEMMs (Megatron-Core's
+    --tp-comm-overlap, Transformer Engine's userbuffers; needs sp; default: the profile's, on
+    with tp > 1 in Megatron and NeMo)."""
+    grad_reduce_dtype: GradReduceDtype | None = None
+    """Precision of the data-parallel gradient reduction (default: the profile's)."""
     assumed: tuple[str, ...] = field(default=(), compare=False, repr=False)
-    # FP8 training through Transformer Engine (dtype "fp8"): the recipe (None: the GPU's
-    # default, delayed scaling on Hopper, MXFP8 on Blackwell), the format (e4m3 everywhere, or
-    # hybrid: e5m2 gradients), FP8 dot-product attention, parameters kept and all-gathered in
-    # FP8 (ZeRO/FSDP), MoE token dispatch in FP8, the amax history of delayed scaling, and
-    # whether the MLP is Transformer Engine's LayerNormMLP (its activation writes FP8 itself).
-    fp8_recipe: str | None = None
-    fp8_format: str = "hybrid"
+    """The switches this configuration took from its software profile (not given)."""
+    fp8_recipe: Fp8Recipe | None = None
+    """FP8 scaling recipe (default: the GPU's, delayed on Hopper, mxfp8 on Blackwell)."""
+    fp8_format: Fp8Format = "hybrid"
+    """e4m3 everywhere, or hybrid (e5m2 gradients)."""
     fp8_attention: bool = False
+    """Fused attention in FP8 too (Transformer Engine's FP8 dot-product attention)."""
     fp8_param_gather: bool = False
+    """Keep parameters in FP8 and all-gather them in FP8 (needs ZeRO 1-3)."""
     fp8_dispatch: bool = False
+    """Send the MoE token dispatch in FP8."""
     fp8_amax_history_len: int = 1024
+    """Amax history length of delayed scaling."""
     te_layernorm_mlp: bool = False
+    """The MLP is Transformer Engine's LayerNormMLP (its activation writes FP8 itself), as in
+    NeMo's GPT recipes; default: Megatron-Core's MLP."""
     # -- Mixture of Experts (Megatron-Core's MoE parallel folding) -------------------------------
-    # Expert layers re-factor the tp*cp*dp ranks of a stage as expert_tp x ep x edp: ep shares
-    # out the experts, expert_tp (default: tp) shards each expert, the expert-data-parallel
-    # degree edp is what is left.
     ep: int = 1
+    """Expert-parallel degree: expert layers re-factor the tp*cp*dp ranks of a stage as
+    expert-tp x ep x edp (ep shares out the experts, edp is what is left)."""
     expert_tp: int | None = None
-    # How routed tokens reach their experts: all-to-all over ep (then all-gather over
-    # expert_tp), or all-gather over ep and expert_tp (and reduce-scatter back).
-    moe_token_dispatcher: str = "alltoall"
-    # Token dropping: each expert takes at most capacity_factor x its balanced share (None:
-    # dropless); with pad_to_capacity every expert computes exactly that many.
+    """Tensor-parallel degree inside each expert (default: tp)."""
+    moe_token_dispatcher: TokenDispatcher = "alltoall"
+    """How routed tokens reach their experts: all-to-all over ep (then all-gather over
+    expert-tp), or all-gather over ep and expert-tp (and reduce-scatter back)."""
     moe_capacity_factor: float | None = None
+    """Drop tokens beyond this multiple of an expert's balanced share (default: dropless)."""
     moe_pad_to_capacity: bool = False
-    # Tokens on the busiest expert rank over the mean (1: balanced routing, the steady state
-    # of aux-loss or bias balancing); every rank waits for that one at each exchange.
+    """Pad every expert's tokens to its capacity (needs --moe-capacity-factor)."""
     moe_imbalance: float = 1.0
+    """Tokens on the busiest expert rank over the mean (1: balanced routing, the steady state of
+    aux-loss or bias balancing); every rank waits for that one at each exchange."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "vp", "micro_batch", "seq_len"):
@@ -145,8 +183,8 @@ class ParallelConfig:
         require(self.zero in (0, 1, 2, 3), "zero", f"must be 0, 1, 2 or 3, got {self.zero!r}")
         require(self.recompute in RECOMPUTE, "recompute", f"must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         self._check_precision()
-        require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad-reduce-dtype",
-                f"must be fp32 or bf16, got {self.grad_reduce_dtype!r}")
+        require(self.grad_reduce_dtype in GRAD_REDUCE_DTYPES, "grad-reduce-dtype",
+                f"must be one of {', '.join(GRAD_REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
         require(self.global_batch % (self.dp * self.micro_batch) == 0, "global-batch",
                 f"must be divisible by dp*micro-batch = {self.dp}*{self.micro_batch}, got {self.global_batch}")
         schedule = self.schedule or ("interleaved" if self.vp > 1 else "1f1b")

@@ -50,7 +50,7 @@ from stage_cosim.inference.config import BatchShape, InferenceConfig, Sequence
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.runtime import gc_paused
-from stage_cosim.schedule.program import _ceil
+from stage_cosim.schedule.nodes import ceil_int
 
 DEFAULT_RESOLUTION = 1 / 32
 _ATTENTION_INPUTS = frozenset((T, W))
@@ -263,14 +263,14 @@ class StepTimer:
             # the graph's symbols, as BatchShape.symbols binds them
             t, w = kv[k.window] / b, float(pairs[k.window]) / n
             flops, nbytes, groups = k.cost(b, n / b, t, w)
-            total += k.layers * duration(_ceil(flops), _ceil(nbytes), k.matmul, k.attention, max(1, round(groups)),
-                                         _ceil(w * k.key_share))
+            total += k.layers * duration(ceil_int(flops), ceil_int(nbytes), k.matmul, k.attention, max(1, round(groups)),
+                                         ceil_int(w * k.key_share))
         return total
 
     def _attention_kernels(self, shape: BatchShape) -> list[_AttentionKernel]:
         """The kernels whose costs depend on ``t`` or ``w``, per kind of layer, with their cost
         expressions compiled over (b, s, t, w) for this instance's numbers."""
-        from stage_cosim.schedule.program import ATTENTION_KINDS
+        from stage_cosim.graph.ir import ATTENTION_KINDS
         from stage_cosim.workload import step_symbol_values
 
         w = self.workload(shape)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence, Union
 from google.protobuf.internal.encoder import _VarintBytes
 
 from stage_cosim.errors import UserError
-from stage_cosim.schedule.program import COLL, COMP, RECV, SEND, Node, RoleGraph, op_kind
+from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND, Node, RoleGraph, op_kind
 from stage_cosim.trace import et_def_pb2 as pb
 from stage_cosim.trace.chakra import COLLECTIVE_CODES, SCHEMA_VERSION, attr_bytes, metadata_bytes
 from stage_cosim.trace.formats import FORMATS
