@@ -74,8 +74,9 @@ def main() -> None:
         return
 
     from stage_cosim.adapters.astra_sim.export import export
-    from stage_cosim.adapters.roofline.astra import replay_files, replay_workload
-    from stage_cosim.adapters.roofline.simulate import astra_system, simulate
+    from stage_cosim.adapters.astra_sim.analytical import replay_files, replay_workload
+    from stage_cosim.adapters.astra_sim.simulate import astra_system
+    from stage_cosim.adapters.simulate import simulate
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.model import resolve_model
     from stage_cosim.parallel import ParallelConfig
@@ -152,8 +153,8 @@ def splits_cost(values: list[int], n: int) -> None:
     import tracemalloc
 
     from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
-    from stage_cosim.adapters.roofline import astra_model
-    from stage_cosim.adapters.roofline.astra_model import COLLECTIVES, AstraSystem, CollectiveModel, Network
+    from stage_cosim.adapters.astra_sim import astra_model
+    from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES, AstraSystem, CollectiveModel, Network
 
     from stage_cosim.hardware.network import NetworkDim
     from stage_cosim.trace.chakra import TraceNode, write_trace_file

@@ -96,7 +96,7 @@ def check_request(req: Mapping[str, Any]) -> None:
 
 def simulate(req: Mapping[str, Any]) -> dict[str, Any]:
     """Simulate one training step; returns ``SimResult.to_dict()`` (what ``simulate --json`` prints)."""
-    from stage_cosim.adapters.roofline.simulate import simulate as run
+    from stage_cosim.adapters.simulate import simulate as run
     from stage_cosim.workload import synthesize
 
     check_request(req)

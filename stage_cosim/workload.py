@@ -28,7 +28,7 @@ from stage_cosim.schedule.memory import StageMemory
 from stage_cosim.schedule.nodes import COLL, COMP, PP_GROUP, RECV, SEND, RoleGraph
 from stage_cosim.schedule.program import ModelBlocks, build_role, stage_memory
 from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock, compiled_blocks, compiled_inference_blocks
-from stage_cosim.sharding.propagate import ShardingPolicy
+from stage_cosim.sharding.steps import ShardingPolicy
 
 
 class Workload:

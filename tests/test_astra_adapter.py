@@ -19,9 +19,9 @@ from stage_cosim.adapters.astra_sim.config_files import (
 from stage_cosim.adapters.astra_sim.export import AstraSettings, export
 from stage_cosim.adapters.astra_sim.parse import parse_output
 from stage_cosim.adapters.astra_sim.run import AstraSimError, run
-from stage_cosim.adapters.roofline.astra import simulate_run_dir
+from stage_cosim.adapters.astra_sim.analytical import simulate_run_dir
 from stage_cosim.adapters.roofline.compute import ComputeModel
-from stage_cosim.adapters.roofline.simulate import simulate
+from stage_cosim.adapters.simulate import simulate
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.model import get_preset
@@ -220,7 +220,7 @@ def _p2p(n_id: int, t: int, peer: int, size: int) -> TraceNode:
 
 def _write_run_dir(d: Path, ranks: dict[int, list[TraceNode]], dims: list[NetworkDim], *,
                    splits: int = 4, opt: str = "baseline", groups: dict | None = None) -> None:
-    from stage_cosim.adapters.roofline.astra_model import AstraSystem
+    from stage_cosim.adapters.astra_sim.astra_model import AstraSystem
 
     (d / "traces").mkdir(parents=True)
     for r, nodes in ranks.items():

@@ -22,7 +22,7 @@ from stage_cosim.adapters.astra_sim.config_files import (read_memory_json, read_
                                                          read_system_json, system_json_dict,
                                                          write_memory_json, write_network_yml,
                                                          write_system_json)
-from stage_cosim.adapters.roofline.astra_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL,
+from stage_cosim.adapters.astra_sim.astra_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL,
                                                        COLLECTIVES, REDUCE_SCATTER, AstraSystem,
                                                        Network, chunking, collective_finish_times,
                                                        collective_time, compute_duration_ns,

@@ -16,9 +16,10 @@ import pytest
 
 from astra_inputs import BINARY, coll, comp, p2p, replay_args, run_binary, system, write_inputs
 from stage_cosim.adapters.astra_sim.export import AstraSettings, export
-from stage_cosim.adapters.roofline.astra import replay_workload
-from stage_cosim.adapters.roofline.astra_model import COLLECTIVES
-from stage_cosim.adapters.roofline.simulate import astra_system, simulate
+from stage_cosim.adapters.astra_sim.analytical import replay_workload
+from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES
+from stage_cosim.adapters.astra_sim.simulate import astra_system
+from stage_cosim.adapters.simulate import simulate
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.model import ModelConfig
@@ -412,7 +413,7 @@ def test_the_old_tied_embedding_order_is_caught(run_cli, tmp_path) -> None:
 
 def test_astra_model_deadlock_is_one_line(run_cli, tmp_path) -> None:
     """A deadlocking workload is refused by the export (before writing) and by the astra model."""
-    from stage_cosim.adapters.roofline.astra_replay import Deadlock
+    from stage_cosim.adapters.astra_sim.astra_replay import Deadlock
     from stage_cosim.errors import UserError
 
     w, cluster = _tied_workload(pp=2, vp=1)

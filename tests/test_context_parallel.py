@@ -69,7 +69,7 @@ def test_ring_work_summed_over_the_cp_ranks_is_the_whole_attention(balanced, for
     """Rank by rank, the ring's steps (the graph is the last rank's) add up to the cp = 1
     kernel: with contiguous chunks rank i does (i + 1/2) of cp/2 blocks' average, so the sum over
     ranks is still the whole causal triangle."""
-    from stage_cosim.sharding.propagate import ring_steps
+    from stage_cosim.sharding.context_parallel import ring_steps
 
     cp = 4
     phase, kind = ("fwd", "attention") if forward else ("bwd", "attention_grad")
@@ -500,7 +500,7 @@ def test_ring_traces_replay_one_rank_per_stage(par, symmetric, tmp_path, run_cli
                          ids=["plain", "zero3-full", "sp-zero1-interleaved", "fp8-delayed-gpipe"])
 def test_traces_validate_and_astra_model_runs(variant, extra, tmp_path) -> None:
     from stage_cosim.adapters.astra_sim.export import export
-    from stage_cosim.adapters.roofline.astra import simulate_run_dir
+    from stage_cosim.adapters.astra_sim.analytical import simulate_run_dir
     from stage_cosim.trace.validate import load_trace_set, validate_trace_set
 
     model = get_preset("llama3-8b").with_overrides(layers=4)
@@ -521,7 +521,7 @@ def test_traces_validate_and_astra_model_runs(variant, extra, tmp_path) -> None:
 def test_real_astra_sim_finishes_every_rank_as_the_model_says(variant, tmp_path) -> None:
     from stage_cosim.adapters.astra_sim.export import export
     from stage_cosim.adapters.astra_sim.run import run
-    from stage_cosim.adapters.roofline.astra import simulate_run_dir
+    from stage_cosim.adapters.astra_sim.analytical import simulate_run_dir
 
     model = get_preset("llama3-8b").with_overrides(layers=4)
     par = ParallelConfig(tp=2, cp=4, pp=2, seq_len=S, global_batch=4, **variant)
@@ -637,7 +637,7 @@ def test_moe_with_cp_exports_finish(tmp_path) -> None:
     """Experts beside the cp ring: the export validates, the astra model runs it, and with
     ASTRA_SIM_BIN the real binary finishes every rank at the model's times."""
     from stage_cosim.adapters.astra_sim.export import export
-    from stage_cosim.adapters.roofline.astra import simulate_run_dir
+    from stage_cosim.adapters.astra_sim.analytical import simulate_run_dir
     from stage_cosim.model import ModelConfig
     from stage_cosim.trace.validate import load_trace_set, validate_trace_set
 

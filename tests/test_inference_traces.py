@@ -10,8 +10,8 @@ import pytest
 
 from stage_cosim.adapters.astra_sim.export import export
 from stage_cosim.adapters.astra_sim.run import run
-from stage_cosim.adapters.roofline.astra import simulate_run_dir
-from stage_cosim.adapters.roofline.simulate import simulate, simulate_traces
+from stage_cosim.adapters.astra_sim.analytical import simulate_run_dir
+from stage_cosim.adapters.simulate import simulate, simulate_traces
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.inference import InferenceConfig
 from stage_cosim.model import ModelConfig, get_preset

@@ -39,7 +39,7 @@ def test_activation_formula_one_layer(gpt_small) -> None:
     s, b, h, a = 1024, 2, m.hidden, m.heads
     w = synthesize(m, ParallelConfig(micro_batch=b, seq_len=s))
     from stage_cosim.sharding.numeric import compiled_blocks
-    from stage_cosim.sharding.propagate import ShardingPolicy
+    from stage_cosim.sharding.steps import ShardingPolicy
     from stage_cosim.graph.dims import degree_symbol, model_values
     layer = compiled_blocks(m.switches(), ShardingPolicy()).layer
     values = model_values(m, b, s) | {degree_symbol(a): d for a, d in ParallelConfig().degrees().items()}

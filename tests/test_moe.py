@@ -222,7 +222,7 @@ def test_real_astra_sim_runs_moe_exports(tmp_path: Path) -> None:
     """All-to-all collectives on the ep groups validate, every rank of the real binary finishes,
     and the built-in astra model agrees with it."""
     from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
-    from stage_cosim.adapters.roofline.simulate import simulate
+    from stage_cosim.adapters.simulate import simulate
     from stage_cosim.hardware.cluster import resolve_cluster
 
     m = TINY.with_overrides(layers=2)

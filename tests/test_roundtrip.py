@@ -13,7 +13,7 @@ import json
 import pytest
 
 from stage_cosim.adapters.astra_sim.export import AstraSettings, export
-from stage_cosim.adapters.roofline.simulate import simulate, simulate_traces
+from stage_cosim.adapters.simulate import simulate, simulate_traces
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.trace.writer import atomic_directory, write_traces

@@ -1,1 +1,3 @@
-"""Drive a user's ASTRA-sim build: export run directories, run the binary, parse its output."""
+"""ASTRA-sim: drive a user's build (export run directories, run the binary, parse its output),
+and reproduce its analytical backend exactly (the ``astra`` network model), on top of the
+simulator (:mod:`stage_cosim.adapters.roofline`)."""

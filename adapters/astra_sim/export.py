@@ -30,7 +30,7 @@ from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write
 from stage_cosim.adapters.astra_sim.layout import (  # noqa: F401 (part of this module's interface)
     BINARY_ENV, COMPUTE_MODES, DEFAULT_BINARY, RUN_SH, TRACE_DIR, TRACE_PREFIX, command,
 )
-from stage_cosim.adapters.roofline.astra_model import COLLECTIVES, AstraSystem
+from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES, AstraSystem
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
@@ -182,8 +182,8 @@ def check_runs(w: Workload, cluster: Cluster, system: AstraSystem) -> list[str]:
     a collective — and the deadlocks of its one-communication-operation-at-a-time rule, by
     replaying the export (one rank per pipeline stage where exact) before writing it. Returns
     warnings: what the binary runs to the end but then trips on (its double free on exit)."""
-    from stage_cosim.adapters.roofline.astra import deadlock_message, exit_warnings, replay_workload, workload_uses
-    from stage_cosim.adapters.roofline.astra_replay import Deadlock
+    from stage_cosim.adapters.astra_sim.analytical import deadlock_message, exit_warnings, replay_workload, workload_uses
+    from stage_cosim.adapters.astra_sim.astra_replay import Deadlock
 
     for role in w.roles:
         for n in role.nodes:

@@ -17,7 +17,7 @@ DEFAULT_BINARY = "AstraSim_Analytical_Congestion_Unaware"
 
 # The binary frees one object twice when it exits after some workloads (a rank running one
 # collective on two communicator groups under a one-entry implementation list: see
-# ``exit_warnings`` in adapters/roofline/astra.py), and then may die of the heap corruption after
+# ``exit_warnings`` in adapters/astra_sim/analytical.py), and then may die of the heap corruption after
 # printing every result, or before its log has printed them all. run.sh keeps the output (streamed,
 # and in log/output.txt) and, when every rank printed its "finished" line before the process died
 # of a signal, says so and exits 0; when some did not and it died of an abort, a segfault or a

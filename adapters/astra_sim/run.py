@@ -129,7 +129,7 @@ def _run_once(binary: str, run_dir: Path, ranks: int, timeout_s: float) -> Astra
         out = parse_output(text)
         if not out.missing(ranks) and not out.critical:
             # Every rank's result was printed before the process died: the binary's double free
-            # on exit (see ``exit_warnings`` in adapters/roofline/astra.py) corrupts the heap
+            # on exit (see ``exit_warnings`` in adapters/astra_sim/analytical.py) corrupts the heap
             # after the simulation is over, so the results stand.
             return AstraRun(out, proc.returncode, text,
                             f"every rank finished, then ASTRA-sim was killed by {sig} on exit (its double free "

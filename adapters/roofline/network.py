@@ -7,8 +7,9 @@ Two models share one interface (:class:`NetworkModel`):
   hierarchical (intra-domain, then inter-domain) decomposition, achievable bus bandwidth per
   link type, and one stream per kind of parallelism so tp, dp and pp traffic overlap each other
   and compute.
-* ``AstraNetwork`` (:mod:`stage_cosim.adapters.roofline.astra`) — ASTRA-sim's
-  congestion-unaware analytical backend, reproduced exactly.
+* ``astra`` (:mod:`stage_cosim.adapters.astra_sim.analytical`) — ASTRA-sim's
+  congestion-unaware analytical backend, reproduced exactly. It runs its own replay, in the
+  ASTRA-sim package, which builds on this one: :mod:`stage_cosim.adapters.simulate` picks it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Protocol, Sequence
 
 from stage_cosim.hardware.cluster import Cluster
 
-# The network models of the built-in simulator, by name (--network-model).
+# The network models of the built-in simulator, by name (--network-model): the engine's, and
+# ASTRA-sim's (its package's; stage_cosim.adapters.simulate dispatches).
 NETWORK_MODELS = ("calibrated", "astra")
 
 

@@ -1,4 +1,9 @@
-"""The roofline backend: a Workload (or a trace directory) on a Cluster -> SimResult."""
+"""The roofline backend: a Workload (or a trace directory) on a Cluster -> SimResult.
+
+The engine's network models (``calibrated``); the ``astra`` model runs ASTRA-sim's own replay
+(:mod:`stage_cosim.adapters.astra_sim.simulate`), and :mod:`stage_cosim.adapters.simulate` picks
+between them.
+"""
 
 from __future__ import annotations
 
@@ -35,17 +40,10 @@ class Simulation(NamedTuple):
 
 def make_network(name: str, cluster: Cluster) -> NetworkModel:
     """The network model the event-driven engine runs with (the ``astra`` model runs ASTRA-sim's
-    own replay instead: :mod:`stage_cosim.adapters.roofline.astra`)."""
+    own replay instead: :mod:`stage_cosim.adapters.astra_sim.simulate`)."""
     if name == "calibrated":
         return CalibratedNetwork(cluster)
     raise UserError("network-model", f"must be one of {', '.join(NETWORK_MODELS)}, got {name!r}")
-
-
-def astra_system(cluster: Cluster, settings=None, compute: str = "replay"):  # noqa: ANN001, ANN201
-    """The system.json the exporter writes for ``cluster`` with these settings."""
-    from stage_cosim.adapters.astra_sim.export import AstraSettings, system_for
-
-    return system_for(cluster, compute, settings or AstraSettings())
 
 
 # -- programs from a synthesized workload ------------------------------------------------------
@@ -194,21 +192,13 @@ def stages_symmetric(w: Workload, network: NetworkModel,
 
 
 def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
-                        astra_settings=None, compute_mode: str = "replay",  # noqa: ANN001
-                        progress: Callable[[str, int, int], None] | None = None
-                        ) -> Simulation:
+                        progress: Callable[[str, int, int], None] | None = None) -> Simulation:
     """Every rank's step, node by node: one rank per pipeline stage where
     :func:`stages_symmetric` proves it stands exactly for every rank of its stage (the result
     is then the per-rank replay's), else every rank replayed. ``config.ranks_replayed`` says
     which. ``progress(phase, done, total)``: what is being done."""
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
-    if network_model == "astra":
-        # ASTRA-sim's replay checks the same for its own network model (every rank, one per
-        # stage where exact)
-        result, rep, programs = _simulate_astra(w, cluster, True, astra_settings, compute_mode, views=True)
-        result.config["ranks_replayed"] = len(programs or ()) or w.world_size
-        return Simulation(result, rep, programs)
     with gc_paused():
         network = make_network(network_model, cluster)
         if progress is not None:
@@ -234,24 +224,16 @@ def breakdown(prog: AgentProgram, rep: Replay, a: int, step: float, pipelined: b
 # -- the backend -------------------------------------------------------------------------------
 
 def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
-             symmetric: bool = True, exact: bool | None = None, astra_settings=None,  # noqa: ANN001
-             compute_mode: str = "replay") -> Simulation:
-    """Simulate one training step.
+             symmetric: bool = True, exact: bool | None = None) -> Simulation:
+    """Simulate one training step with the engine's network model (``calibrated``).
 
     ``symmetric``: one rank per pipeline stage stands for all its ranks. ``exact``: replay
-    every node of the step (default only where needed: the astra network model, whose single
-    communication slot per rank couples passes, and full per-rank replays); otherwise each
+    every node of the step (default only where needed: full per-rank replays); otherwise each
     pass template is simulated once and the pipeline is replayed pass by pass (fast path).
-    Replay and programs are returned for exact runs (timelines), None otherwise (for the astra
-    model, which always replays every node: when ``exact`` is True).
-
-    The ``astra`` model predicts what ASTRA-sim prints for this workload's export with the
-    same ``astra_settings`` (every system.json field) and ``compute_mode``, to the nanosecond.
+    Replay and programs are returned for exact runs (timelines), None otherwise.
     """
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
-    if network_model == "astra":
-        return Simulation(*_simulate_astra(w, cluster, symmetric, astra_settings, compute_mode, views=exact is True))
     # the stages' graphs (built on first use), the programs and the replay's events are many
     # small acyclic objects: the cycle collector would only rescan them
     with gc_paused():
@@ -288,56 +270,12 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
         finish_of = dict(enumerate(finishes))
         bd_of = dict(enumerate(totals))
         step = max(finishes)
-    return _result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step), rep, programs
+    return step_result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step), rep, programs
 
 
-def _simulate_astra(w: Workload, cluster: Cluster, symmetric: bool, settings, compute_mode: str,  # noqa: ANN001
-                    views: bool) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
-    """The astra model: ASTRA-sim's replay of this workload's export. ``views``: also return the
-    replay as engine programs and times (timelines)."""
-    from stage_cosim.adapters.roofline.astra import deadlock_message, engine_view, replay_workload
-    from stage_cosim.adapters.roofline.astra_replay import Deadlock
-    from stage_cosim.adapters.roofline.breakdown import charge
-
-    from stage_cosim.adapters.astra_sim.export import check_compute_mode
-
-    check_compute_mode(w, compute_mode)
-    system = astra_system(cluster, settings, compute_mode)
-    try:
-        done = replay_workload(w, cluster, system, symmetric=symmetric, record=True)
-    except Deadlock as d:
-        raise UserError("workload", deadlock_message(d)) from None
-    out = done.outcome
-    assert out.start is not None and out.end is not None
-    step_ns = max(out.finish)
-    waiting = "pipeline_bubble" if w.parallel.pp > 1 else "idle"
-    finish_of: dict[int, float] = {}
-    bd_of: dict[int, dict[str, float]] = {}
-    for a, ag in enumerate(done.agents):
-        stage = w.role_of(ag.rank)
-        if stage in bd_of:
-            continue
-        finish_of[stage] = out.finish[a] * 1e-9
-        cats = ag.prog.breakdown_categories
-        ns = charge(((s, e, c) for s, e, c in zip(out.start[a], out.end[a], cats) if c is not None),
-                    0, step_ns, waiting)
-        bd_of[stage] = {k: v * 1e-9 for k, v in ns.items()}
-    result = _result(w, cluster, "astra", done.symmetric, True, finish_of, bd_of, step_ns * 1e-9)
-    result.config["astra_sim"] = {"compute": compute_mode, "system": _system_doc(system)}
-    if not views:
-        return result, None, None
-    programs, rep = engine_view(done)
-    return result, rep, programs
-
-
-def _system_doc(system) -> dict:  # noqa: ANN001
-    from stage_cosim.adapters.astra_sim.config_files import system_json_dict
-
-    return system_json_dict(system)
-
-
-def _result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool,
-            finish_of: dict[int, float], bd_of: dict[int, dict[str, float]], step: float) -> SimResult:
+def step_result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool,
+                finish_of: dict[int, float], bd_of: dict[int, dict[str, float]], step: float) -> SimResult:
+    """The step's result from each pipeline stage's finish and breakdown (seconds)."""
     par = w.parallel
     roles = []
     for stage in sorted(finish_of):

@@ -10,22 +10,29 @@ kernel, flash attention, ``aten::softmax`` ...), and where the name says nothing
 arithmetic intensity (see :func:`op_kind_of`).
 
 Ranks with equal traces (one pipeline stage) are simulated once where that is exact (see
-:mod:`astra_replay`); communicator groups are named by their kind (tp, dp, embedding) when the
+:mod:`classes`); communicator groups are named by their kind (tp, dp, embedding) when the
 trace set's manifest says which ids are which, so that streams and breakdowns are those of
 the direct simulation.
+
+This is the ``calibrated`` network model's replay; :func:`load` and :func:`trace_result` are also
+the ``astra`` model's (:mod:`stage_cosim.adapters.astra_sim.simulate`), which replays the trace set
+as ASTRA-sim would.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
-from stage_cosim.adapters.roofline.astra_model import Network, replay_ns
-from stage_cosim.adapters.roofline.astra_replay import K_COLL, symmetric as is_symmetric, target_of
+from stage_cosim.adapters.roofline.classes import (
+    K_COLL, Classes, Topology, membership, replay_ns, symmetric as is_symmetric, target_of, trace_classes,
+)
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
+from stage_cosim.adapters.roofline.network import CalibratedNetwork
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.parallel.mesh import DeviceMesh
@@ -174,10 +181,10 @@ def send_kinds(manifest: dict):  # noqa: ANN201 (rank, peer -> kind)
     return kind
 
 
-def _symmetric_here(cl, reps: dict[int, int], members_of, net: Network) -> bool:  # noqa: ANN001
+def _symmetric_here(cl, reps: dict[int, int], members_of, net: Topology) -> bool:  # noqa: ANN001
     """Whether one rank per class stands exactly for its class in this engine.
 
-    The rule of :func:`astra_replay.symmetric`, but a representative may also send to and
+    The rule of :func:`classes.symmetric`, but a representative may also send to and
     receive from ranks of its own class: the ring of context parallelism round a stage's cp
     ranks, whose ranks differ only in their peers. Its agent then pairs with itself, its own
     send to the next rank standing for the previous rank's send to it — exact here, where the
@@ -187,8 +194,6 @@ def _symmetric_here(cl, reps: dict[int, int], members_of, net: Network) -> bool:
     ranks differ: a send that becomes ready at the instant the slot frees goes before or after
     another operation depending on the order of simultaneous events, which follows rank order;
     its replay keeps one agent per rank there.)"""
-    from stage_cosim.adapters.roofline.astra_replay import K_COLL, Classes
-
     def link(a: int, b: int) -> tuple[tuple[int, int], ...]:
         return tuple((d, net.dims[d].hops(x, y)) for d, (x, y) in enumerate(zip(net.coords[a], net.coords[b]))
                      if x != y)
@@ -214,16 +219,14 @@ def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds:
                    ) -> tuple[list[AgentProgram], dict[Hashable, int], object]:
     """Engine programs of a trace set: one per class where that is exact, else one per rank.
     Returns the programs, how many agents take part in each group, and rank -> agent."""
-    from stage_cosim.adapters.roofline.astra import _members_of, trace_classes
-
     n = len(ts.class_of)
-    members_of = _members_of(ts.groups, n)
+    members_of = membership(ts.groups, n)
     secs = kernel_seconds(ts, compute)
     agents: list[int] = list(range(n))
     agent_of = {r: r for r in range(n)}
     if symmetric and len(ts.classes) < n:
         cl, reps = trace_classes(ts, members_of)
-        if _symmetric_here(cl, reps, members_of, Network(cluster.network_dims())):
+        if _symmetric_here(cl, reps, members_of, Topology(cluster.network_dims())):
             order = sorted(reps)
             agents = [reps[c] for c in order]
             index = {c: a for a, c in enumerate(order)}
@@ -241,14 +244,21 @@ def agent_programs(ts: TraceSet, cluster: Cluster, compute: ComputeModel, kinds:
     return programs, participants, agent_of.__getitem__
 
 
-def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", *,
-                    comm_groups: Path | None = None, astra_settings=None,  # noqa: ANN001
-                    compute_mode: str = "replay", symmetric: bool = True
-                    ) -> tuple[SimResult, Replay, list[AgentProgram]]:
-    """Simulate a trace directory (an export's run directory, a trace directory, or either with
-    the group file given), validated first."""
-    from stage_cosim.adapters.roofline.simulate import breakdown
+@dataclass
+class Loaded:
+    """A trace set read and checked for a cluster: the directory given, where its files are, its
+    traces, its manifest (empty where it has none) and its groups' kinds (:func:`group_kinds`)."""
 
+    directory: Path
+    located: traceset.Located
+    ts: TraceSet
+    manifest: dict
+    kinds: dict[str, str]
+
+
+def load(directory: Path, cluster: Cluster, comm_groups: Path | None = None) -> Loaded:
+    """Read a trace directory (an export's run directory, a trace directory, or either with the
+    group file given) and validate it, for ``cluster``."""
     located = traceset.locate(directory, comm_groups)
     ts = traceset.read(located)
     problems = validate(ts, 5)
@@ -259,24 +269,39 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     if n != cluster.num_gpus:
         raise UserError("cluster", f"has {cluster.num_gpus} GPUs but the traces have {n} ranks")
     manifest = _manifest(located)
-    kinds = group_kinds(manifest)
-    compute = ComputeModel(cluster.gpu)
-    warnings: list[str] = []
-    astra_files: list[str] = []
-    if network_model == "astra":
-        programs, rep = _astra(ts, located, cluster, compute, astra_settings, compute_mode, symmetric, astra_files)
-    elif network_model == "calibrated":
-        from stage_cosim.adapters.roofline.network import CalibratedNetwork
+    return Loaded(directory, located, ts, manifest, group_kinds(manifest))
 
-        programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, kinds, symmetric,
-                                                               send_kinds(manifest))
-        try:
-            rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
-        except DeadlockError as exc:
-            raise UserError("traces", f"the traces never finish: {exc}") from None
-        warnings += astra_deadlock_warning(ts, located)
-    else:
+
+def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", *,
+                    comm_groups: Path | None = None, symmetric: bool = True,
+                    checks: Sequence[Callable[[TraceSet, traceset.Located], list[str]]] = ()
+                    ) -> tuple[SimResult, Replay, list[AgentProgram]]:
+    """Simulate a trace directory (an export's run directory, a trace directory, or either with
+    the group file given), validated first. ``checks``: what else to say about traces that ran,
+    each a list of warnings (:func:`stage_cosim.adapters.simulate.simulate_traces` passes
+    ASTRA-sim's: whether its binary would finish them)."""
+    loaded = load(directory, cluster, comm_groups)
+    ts = loaded.ts
+    compute = ComputeModel(cluster.gpu)
+    if network_model != "calibrated":
         raise UserError("network-model", f"must be calibrated or astra, got {network_model!r}")
+    programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, loaded.kinds, symmetric,
+                                                           send_kinds(loaded.manifest))
+    try:
+        rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
+    except DeadlockError as exc:
+        raise UserError("traces", f"the traces never finish: {exc}") from None
+    warnings = [w for check in checks for w in check(ts, loaded.located)]
+    return trace_result(loaded, cluster, network_model, programs, rep, {"warnings": warnings} if warnings else {})
+
+
+def trace_result(loaded: Loaded, cluster: Cluster, network_model: str, programs: list[AgentProgram], rep: Replay,
+                 extra: Mapping[str, object]) -> tuple[SimResult, Replay, list[AgentProgram]]:
+    """The result of a trace set's replay (``extra``: more entries of its config)."""
+    from stage_cosim.adapters.roofline.simulate import breakdown
+
+    ts, manifest = loaded.ts, loaded.manifest
+    n = len(ts.class_of)
     step = max(rep.finish)
     par = manifest.get("parallel") or {}
     tokens = par.get("global_batch", 0) * par.get("seq_len", 0)
@@ -295,79 +320,13 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
         roles.append(RoleResult(stage, rep.finish[a], bd["compute"], bd, int(mem.get("total", 0)), mem))
     critical = max(roles, key=lambda r: r.finish_s)
     peak_mem = max((r.peak_memory_bytes for r in roles), default=0)
-    config = {"traces": str(directory), "cluster": cluster.to_dict(), "num_gpus": cluster.num_gpus,
+    config = {"traces": str(loaded.directory), "cluster": cluster.to_dict(), "num_gpus": cluster.num_gpus,
               "network_model": network_model, "symmetric": len(programs) < n, "model": manifest.get("model"),
               "parallel": par or None, "model_flops_per_step": model_flops, "executed_flops_per_step": executed,
-              "compute": "trace durations" if carries_durations(ts) else "GPU model"}
-    if astra_files:
-        config["astra_files"] = astra_files
-    if warnings:
-        config["warnings"] = warnings
+              "compute": "trace durations" if carries_durations(ts) else "GPU model", **extra}
     result = SimResult(step_time_s=step, tokens_per_s=tokens / step if tokens else 0.0,
                        mfu=model_flops / (step * peak), hfu=executed / (step * peak), peak_memory_bytes=peak_mem,
                        memory_capacity_bytes=cluster.gpu.memory_bytes,
                        fits_in_memory=peak_mem <= cluster.gpu.memory_bytes, breakdown=critical.breakdown,
                        config=config, roles=roles)
     return result, rep, programs
-
-
-def astra_inputs(located: traceset.Located, cluster: Cluster, settings, compute_mode: str,  # noqa: ANN001
-                 used: list[str] | None = None):  # noqa: ANN201 (AstraSystem, list[NetworkDim])
-    """The system and network the astra model runs a trace set under: the run directory's own
-    system.json and network.yml where they are (what the binary would run), with the settings
-    given explicitly on the command line put over the file's; else the export's defaults for the
-    cluster with those settings."""
-    from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
-    from stage_cosim.adapters.astra_sim.export import AstraSettings, apply_settings
-    from stage_cosim.adapters.roofline.simulate import astra_system
-
-    settings = settings or AstraSettings()
-    run_dir = located.run_dir
-    if run_dir is None:
-        return astra_system(cluster, settings, compute_mode), cluster.network_dims()
-    network_file = run_dir / "network.yml"
-    dims = read_network_yml(network_file) if network_file.is_file() else cluster.network_dims()
-    system = apply_settings(read_system_json(run_dir / "system.json"), cluster, compute_mode, settings, len(dims))
-    if used is not None:
-        used += [str(run_dir / "system.json")] + ([str(network_file)] if network_file.is_file() else [])
-    return system, dims
-
-
-def astra_deadlock_warning(ts: TraceSet, located: traceset.Located) -> list[str]:
-    """Whether ASTRA-sim would deadlock on these traces (one communication operation at a time
-    per rank, issued in id order), under the run directory's files or a nominal network: the
-    calibrated model runs them (real clusters overlap their communication streams), but the
-    simulator they were written for would not."""
-    from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
-    from stage_cosim.adapters.roofline.astra import NOMINAL_NOTE, deadlock_message, nominal, replay_trace_set
-    from stage_cosim.adapters.roofline.astra_replay import Deadlock
-
-    run_dir = located.run_dir
-    try:
-        if run_dir is not None and (run_dir / "network.yml").is_file():
-            system, dims, where = read_system_json(run_dir / "system.json"), read_network_yml(run_dir / "network.yml"), ""
-        else:
-            (system, dims), where = nominal(len(ts.class_of)), NOMINAL_NOTE
-        replay_trace_set(ts, system, dims)
-    except Deadlock as d:
-        return [f"ASTRA-sim would never finish these traces: {deadlock_message(d)}{where}; the calibrated model "
-                f"overlaps communication as real clusters do and finishes them"]
-    except UserError:
-        return []          # an input the simulator cannot run at all: validate says which
-    return []
-
-
-def _astra(ts: TraceSet, located: traceset.Located, cluster: Cluster, compute: ComputeModel, settings,  # noqa: ANN001
-           compute_mode: str, symmetric: bool, used: list[str]) -> tuple[list[AgentProgram], Replay]:
-    """The astra model on a trace set: the simulator's own compute rule where the traces carry
-    durations (or system.json asks for its roofline); our GPU model's, in ns, where they do not."""
-    from stage_cosim.adapters.roofline.astra import engine_view, replay_checked
-
-    system, dims = astra_inputs(located, cluster, settings, compute_mode, used)
-    durations = None
-    if not system.roofline_enabled and not carries_durations(ts):
-        secs = kernel_seconds(ts, compute)
-        durations = [[max(1, round(s * 1e9)) if typ == 4 else 0 for s, typ in zip(secs[c], t.types)]
-                     for c, t in enumerate(ts.classes)]
-    done = replay_checked(ts, system, dims, "traces", symmetric=symmetric, record=True, durations=durations)
-    return engine_view(done)

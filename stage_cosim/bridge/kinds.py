@@ -52,7 +52,7 @@ def simulate(req: dict[str, Any], options: Mapping[str, Any], out: Path) -> dict
     if not (traces or full or timeline):
         return api.simulate(req)
     # Beyond api.simulate's vocabulary: the calls of `stage-cosim simulate` for these flags.
-    from stage_cosim.adapters.roofline.simulate import simulate_traces
+    from stage_cosim.adapters.simulate import simulate_traces
     from stage_cosim.adapters.roofline.timeline import timeline_events, write_timeline
     from stage_cosim.workload import synthesize as synth_workload
 
@@ -86,17 +86,17 @@ def _replay(workload: Any, cluster: Any, network_model: str, full: bool, timelin
     """(result, replay, programs) as ``stage-cosim simulate`` computes them for --full and --timeline:
     every rank replayed node by node (``simulate_every_rank``, where the simulator has it); else
     the usual replay, and for a timeline a node-level replay of its own, whose record it draws."""
-    from stage_cosim.adapters.roofline import simulate as roofline
+    from stage_cosim.adapters import simulate as simulator
 
-    every_rank = getattr(roofline, "simulate_every_rank", None)
+    every_rank = getattr(simulator, "simulate_every_rank", None)
     if full and every_rank is not None:
         return every_rank(workload, cluster, network_model)
     if full:
-        return roofline.simulate(workload, cluster, network_model, symmetric=False, exact=True if timeline else None)
+        return simulator.simulate(workload, cluster, network_model, symmetric=False, exact=True if timeline else None)
     exact = True if timeline and network_model == "astra" else None
-    result, rep, programs = roofline.simulate(workload, cluster, network_model, exact=exact)
+    result, rep, programs = simulator.simulate(workload, cluster, network_model, exact=exact)
     if timeline and rep is None:
-        _, rep, programs = roofline.simulate(workload, cluster, network_model, exact=True)
+        _, rep, programs = simulator.simulate(workload, cluster, network_model, exact=True)
     return result, rep, programs
 
 

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         module, _, func = args.init.partition(":")
         getattr(importlib.import_module(module), func)()
     # warm: the first job should not pay the imports (about 0.3 s)
-    import stage_cosim.adapters.roofline.simulate  # noqa: F401
+    import stage_cosim.adapters.simulate  # noqa: F401
     import stage_cosim.api  # noqa: F401
     import stage_cosim.workload  # noqa: F401
 

@@ -32,7 +32,7 @@ def with_astra_options(f):  # noqa: ANN001, ANN201
 
 def settings_from(kw: dict):  # noqa: ANN201
     from stage_cosim.adapters.astra_sim.export import AstraSettings
-    from stage_cosim.adapters.roofline.astra_model import MAX_DATASET_SPLITS
+    from stage_cosim.adapters.astra_sim.astra_model import MAX_DATASET_SPLITS
     from stage_cosim.errors import UserError
 
     splits, chunks = kw.pop("dataset_splits"), kw.pop("active_chunks")

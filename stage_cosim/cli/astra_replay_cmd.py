@@ -41,7 +41,7 @@ def replay_cmd(ctx: click.Context, workload: str, system_file: Path, network_fil
     import json
     import sys
 
-    from stage_cosim.adapters.roofline.astra import replay_files
+    from stage_cosim.adapters.astra_sim.analytical import replay_files
     from stage_cosim.errors import UserError
 
     for key, (flag, default) in _BINARY_DEFAULTS.items():

@@ -149,7 +149,7 @@ def print_table(runs: list[str], docs: list[dict[str, Any]], t: dict[str, Any]) 
 def compare(cluster: str, network_model: str, runs: tuple[str, ...], as_json: bool, **kw) -> None:
     """Put two or more configurations side by side: step time, throughput, MFU, memory by
     category, time by category, and each one's difference from the first."""
-    from stage_cosim.adapters.roofline.simulate import simulate as run
+    from stage_cosim.adapters.simulate import simulate as run
     from stage_cosim.cli.simulate_cmd import warn_positions
 
     if len(runs) < 2:

@@ -334,7 +334,7 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
              quiet: bool, backend: str, astra_bin: str | None, keep: Path | None, timeout: float, compute_mode: str,
              **kw) -> None:
     """Simulate one training step with the built-in analytical simulator (or ASTRA-sim)."""
-    from stage_cosim.adapters.roofline.simulate import simulate as run, simulate_every_rank, simulate_traces
+    from stage_cosim.adapters.simulate import simulate as run, simulate_every_rank, simulate_traces
     from stage_cosim.files import FIGURE_SUFFIXES, check_output
     from stage_cosim.hardware import resolve_cluster
     from stage_cosim.workload import synthesize

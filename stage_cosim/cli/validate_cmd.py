@@ -26,7 +26,7 @@ def validate(path: Path, comm_groups: Path | None, system_file: Path | None, net
     PATH is a trace directory or an exported run directory. Exit status 1 if anything is
     wrong."""
     from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
-    from stage_cosim.adapters.roofline.astra import check
+    from stage_cosim.adapters.astra_sim.analytical import check
     from stage_cosim.errors import UserError
     from stage_cosim.trace.traceset import locate, manifest_ranks, missing_files, read
 

@@ -4,7 +4,7 @@ A block (the embedding, one transformer layer, the output head) is a list of for
 program order. Every op kind knows its FLOPs and bytes as sympy expressions of its tensors'
 sizes (:mod:`stage_cosim.graph.cost`), how to differentiate itself
 (:mod:`stage_cosim.graph.autodiff`) and how sharding flows through it
-(:mod:`stage_cosim.sharding.propagate`). Nothing here knows about ranks or meshes.
+(:mod:`stage_cosim.sharding.rules`). Nothing here knows about ranks or meshes.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ class BlockBuilder:
         keys = [k] if rotary_key is None else [k, rotary_key]
         extra = [sinks] if sinks is not None else []
         # keys and values run over the key sequence: sharding the queries' sequence (cp) leaves
-        # them to be gathered, as the rules say, or exchanged (sharding.propagate)
+        # them to be gathered, as the rules say, or exchanged (sharding.context_parallel)
         self._add(Op(name, "attention", [q, *keys, v, *extra], [out, lse], spec=f"{qk},{vd}",
                      unsharded="".join(sorted({qk, vd})), key_inputs=tuple(range(1, len(keys) + 2)),
                      saves=[q, *keys, v, out, lse], attention_core=True, causal=causal, softcap=softcap))

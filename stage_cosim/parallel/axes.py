@@ -4,7 +4,7 @@ Every stage of the flow reads these tables instead of naming axes itself: shardi
 axis which label it shards and whether it holds weight replicas, synthesis asks which
 communicator groups exist, the schedule which group reduces a weight's gradient, the simulator
 where a group's exposed time is charged. A new parallelism is a row here (and, if it needs
-one, its rule in :mod:`stage_cosim.sharding.propagate`), not a branch in every stage.
+one, its rule in :mod:`stage_cosim.sharding.rules`), not a branch in every stage.
 
 One set of ranks carries two named meshes, as Megatron-Core's MoE parallel folding does: the
 *dense* mesh (tp, dp, pp) that attention and dense MLPs run on, and the *expert* mesh
@@ -59,7 +59,7 @@ AXES: tuple[MeshAxis, ...] = (
     # Context parallelism: every op runs on its own piece of the sequence; weights are
     # replicated over cp, so their gradients are reduced over dp and cp together (Megatron's
     # data-parallel group "with context parallel"). Attention, whose keys and values span the
-    # whole sequence, exchanges them (sharding.propagate: the attention exchange).
+    # whole sequence, exchanges them (sharding.context_parallel: the attention exchange).
     MeshAxis("cp", "dense", shards="s", data_parallel=True, tokens="s", keys="t",
              meaning="context parallelism over the sequence"),
     MeshAxis("dp", "dense", shards="b", data_parallel=True, tokens="b", meaning="data parallelism over the batch"),

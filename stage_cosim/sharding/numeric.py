@@ -16,7 +16,8 @@ from stage_cosim.graph.dims import B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE
 from stage_cosim.graph.transformer import build_blocks
 from stage_cosim.model.config import ArchSwitches
 from stage_cosim.parallel.axes import BLOCK_AXES
-from stage_cosim.sharding.propagate import ShardedBlock, ShardingPolicy, shard_block, shard_forward
+from stage_cosim.sharding.propagate import shard_block, shard_forward
+from stage_cosim.sharding.steps import ShardedBlock, ShardingPolicy
 
 SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE, T)
                                   + tuple(degree_symbol(a) for a in BLOCK_AXES))

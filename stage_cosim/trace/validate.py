@@ -4,7 +4,7 @@ The checks here need only the traces: node types, attributes and their integer f
 dependencies, cycles, communicator groups, the order of collectives in every group, and the
 pairing of sends with receives. What also depends on ASTRA-sim's system and network files
 (message sizes per phase, implementations, the deadlocks of its one-operation-at-a-time rule)
-is checked by :mod:`stage_cosim.adapters.roofline.astra_replay` on top of these.
+is checked by :mod:`stage_cosim.adapters.astra_sim.astra_replay` on top of these.
 
 A class of ranks with identical traces (:mod:`stage_cosim.trace.traceset`) is checked once; a
 problem in it is reported for its first rank, with the number of ranks sharing it.

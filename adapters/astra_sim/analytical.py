@@ -19,17 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from stage_cosim.adapters.roofline.astra_model import (
-    COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, replay_ns, roofline_ns,
+from stage_cosim.adapters.astra_sim.astra_model import (
+    COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, roofline_ns,
 )
-from stage_cosim.adapters.roofline.astra_replay import (
-    ALL, K_COLL, K_RECV, K_SEND, Agent, Classes, Deadlock, Outcome, Program, _Asymmetric, choose_representatives,
-    durations_ns, expand, make_agent, program_of, replay, symmetric as is_symmetric, target_of,
+from stage_cosim.adapters.astra_sim.astra_replay import (
+    Agent, Deadlock, Outcome, Program, _Asymmetric, durations_ns, expand, make_agent, program_of, replay,
+)
+from stage_cosim.adapters.roofline.classes import (
+    ALL, K_COLL, K_RECV, K_SEND, Classes, membership, replay_ns, symmetric as is_symmetric, target_of, trace_classes,
 )
 from stage_cosim.errors import UserError
 from stage_cosim.runtime import gc_paused
 from stage_cosim.hardware.network import NetworkDim
-from stage_cosim.trace.traceset import COLL, RECV, SEND, TraceSet
+from stage_cosim.trace.traceset import COLL, TraceSet
 from stage_cosim.trace.validate import Problem, validate
 
 # A nominal machine for checking traces whose system and network are not given: every
@@ -63,45 +65,6 @@ class Replayed:
 
 # -- any trace set -------------------------------------------------------------------------------
 
-def _members_of(groups: Mapping[str, Sequence[int]] | None, n: int) -> Callable[[object], Sequence[int]]:
-    everyone = tuple(range(n))
-    groups = groups or {}
-
-    def members_of(g: object) -> Sequence[int]:
-        return everyone if g == ALL else groups.get(str(g), ())
-
-    return members_of
-
-
-_HOLE_KIND = {COLL: K_COLL, SEND: K_SEND, RECV: K_RECV}
-
-
-def trace_classes(ts: TraceSet, members_of: Callable[[object], Sequence[int]]) -> tuple[Classes, dict[int, int]]:
-    """The trace set's classes for the symmetry check, and each class's representative."""
-    kinds = [[_HOLE_KIND[t.types[i]] for i in t.holes] for t in ts.classes]
-    reps: dict[int, int] = {}
-
-    def targets(r: int) -> Iterable[tuple[int, object]]:
-        c = ts.class_of[r]
-        try:
-            seen = set(zip(kinds[c], ts.values_of(r)))
-        except TypeError:              # an unhashable attribute value: take every rank apart
-            return [(K_SEND, -1)]
-        return {(k, target_of(v, k)) for k, v in seen}
-
-    def pairs(r: int) -> Iterable[tuple[int, object, object]]:
-        c = ts.class_of[r]
-        try:
-            seen = set(zip(kinds[c], ts.values_of(reps[c]), ts.values_of(r)))
-        except TypeError:
-            return [(K_SEND, -1, -2)]   # never equivalent
-        return [(k, target_of(a, k), target_of(b, k)) for k, a, b in seen]
-
-    cl = Classes(ts.class_of, len(ts.class_of), pairs, targets)
-    reps.update(choose_representatives(cl, members_of))
-    return cl, reps
-
-
 @gc_paused()
 def replay_trace_set(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim], *,
                      symmetric: bool = True, record: bool = False,
@@ -112,7 +75,7 @@ def replay_trace_set(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDi
     net = Network(list(dims))
     programs = [program_of(t, durations[c] if durations is not None else durations_ns(t, system))
                 for c, t in enumerate(ts.classes)]
-    members_of = _members_of(ts.groups, net.n_ranks)
+    members_of = membership(ts.groups, net.n_ranks)
 
     def one_per_class() -> tuple[list[Agent], Callable[[int], int]] | None:
         cl, reps = trace_classes(ts, members_of)
@@ -175,7 +138,7 @@ def input_problems(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim]
         except UserError as exc:
             out.append(Problem(r0, None, f"{exc.parameter}: {exc.rule}"))
     model = CollectiveModel(net, system)
-    members_of = _members_of(ts.groups, n)
+    members_of = membership(ts.groups, n)
     seen: set[tuple] = set()
     for r in ranks:
         c = ts.class_of[r]
@@ -246,7 +209,7 @@ def check(ts: TraceSet, system: AstraSystem | None, dims: Sequence[NetworkDim] |
 def trace_set_uses(ts: TraceSet, n_ranks: int) -> dict[tuple[str, tuple[str, ...]], list[int]]:
     """(collective, the communicator groups smaller than the network it runs on) -> the ranks
     that run it on two or more such groups (see :func:`exit_warnings`)."""
-    members_of = _members_of(ts.groups, n_ranks)
+    members_of = membership(ts.groups, n_ranks)
     full: dict[object, bool] = {}
     out: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for r in ts.ranks:
@@ -466,7 +429,7 @@ def replay_workload(w, cluster, system: AstraSystem, *, symmetric: bool = True, 
     durations = workload_durations(w, cluster, system)
     built = [role_program(role, durations(role)) for role in w.roles]
     groups = w.communicator_groups()
-    members_of = _members_of(groups, n)
+    members_of = membership(groups, n)
 
     def resolve(rank: int, sym: tuple[str, object]) -> object:
         kind, key = sym

@@ -13,7 +13,8 @@ Two things make it fast enough to stand in for the simulator on real exports:
   their peers are as far away. One rank per class is simulated; the others are checked to be
   such copies before (groups' shapes, peers' distances) and while replaying (every member of a
   collective that a simulated rank stands for must finish when that rank does). Where the
-  check fails, every rank is replayed.
+  check fails, every rank is replayed. The classes and the check before are the simulator's
+  own (:mod:`stage_cosim.adapters.roofline.classes`), shared with its trace-set replay.
 * **no per-event objects** — programs are columns of ints; events are tuples on one heap;
   collectives are memoised by shape.
 
@@ -27,18 +28,18 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from stage_cosim.adapters.roofline.astra_model import (
-    BROADCAST_CODE, COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, replay_ns, roofline_ns,
+from stage_cosim.adapters.astra_sim.astra_model import (
+    BROADCAST_CODE, COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, roofline_ns,
 )
+from stage_cosim.adapters.roofline.classes import ALL, K_COLL, K_COMP, K_RECV, K_SEND, replay_ns, target_of
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.trace.traceset import COLL, COMP, RECV, SEND, NodeTable
 
-K_COMP, K_COLL, K_SEND, K_RECV, K_TIMED = 0, 1, 2, 3, 4   # K_TIMED: a broadcast (its duration, comm slot)
+K_TIMED = 4        # a broadcast (its duration, comm slot)
 _KIND = {COMP: K_COMP, COLL: K_COLL, SEND: K_SEND, RECV: K_RECV}
-ALL = "0"          # the communicator "group" of every rank
 
 
 class Deadlock(Exception):
@@ -144,13 +145,6 @@ def program_of(table: NodeTable, dur: Sequence[int]) -> Program:
                    categories=cats)
 
 
-def target_of(value: tuple[str, object] | None, node_kind: int) -> object:
-    """A hole's value as the replay uses it: a group id, or a peer rank."""
-    if node_kind == K_COLL:
-        return ALL if value is None else (str(value[1]) or ALL)
-    return -1 if value is None else int(value[1])  # type: ignore[call-overload]
-
-
 @dataclass
 class Agent:
     """A simulated rank: its program and its own groups and peers (``target``)."""
@@ -166,94 +160,6 @@ def make_agent(rank: int, prog: Program, values: Sequence[tuple[str, object] | N
     for k, v in zip(prog.hole_index, values):
         target[k] = target_of(v, kind[k])
     return Agent(rank, prog, target)
-
-
-# -- symmetry -------------------------------------------------------------------------------
-
-@dataclass
-class Classes:
-    """Ranks by class, each class's representative, and how to see a rank's groups and peers
-    next to its representative's (``pairs(rank)``: (node kind, representative's target, own))."""
-
-    class_of: Mapping[int, int]
-    n_ranks: int
-    pairs: Callable[[int], Iterable[tuple[int, object, object]]]
-    targets: Callable[[int], Iterable[tuple[int, object]]]
-
-
-def choose_representatives(cl: Classes, members_of: Callable[[object], Sequence[int]]) -> dict[int, int]:
-    """One rank per class, chosen so that representatives talk to representatives: starting
-    from rank 0, each representative's groups and peers name the representatives of the classes
-    they reach."""
-    rep: dict[int, int] = {}
-    for start in range(cl.n_ranks):
-        c0 = cl.class_of[start]
-        if c0 in rep:
-            continue
-        rep[c0] = start
-        todo = [start]
-        while todo:
-            r = todo.pop()
-            for kind, t in cl.targets(r):
-                for m in (members_of(t) if kind == K_COLL else (t,)):
-                    if isinstance(m, int) and 0 <= m < cl.n_ranks and cl.class_of[m] not in rep:
-                        rep[cl.class_of[m]] = m
-                        todo.append(m)
-    return rep
-
-
-def symmetric(cl: Classes, rep: Mapping[int, int], members_of: Callable[[object], Sequence[int]],
-              net: Network) -> bool:
-    """Whether one rank per class stands exactly for its class (see the module docstring)."""
-    shapes: dict[object, tuple] = {}
-    model = CollectiveModel(net, AstraSystem())
-
-    def group_shape(g: object) -> tuple:
-        found = shapes.get(g)
-        if found is None:
-            members = tuple(members_of(g))
-            classes = tuple(cl.class_of.get(m, -1) for m in members)
-            found = shapes[g] = (classes, model.shape(members) if members else ())
-        return found
-
-    def link(a: int, b: int) -> tuple[int, int] | None:
-        ca, cb = net.coords[a], net.coords[b]
-        for d, (x, y) in enumerate(zip(ca, cb)):
-            if x != y:
-                return d, net.dims[d].hops(x, y)
-        return None
-
-    rep_set = set(rep.values())
-    # representatives talk only to representatives
-    for r in rep_set:
-        for kind, t in cl.targets(r):
-            if kind == K_COLL:
-                members = members_of(t)
-                for m in members:
-                    if rep.get(cl.class_of.get(m, -1)) not in members:
-                        return False
-            elif not (isinstance(t, int) and 0 <= t < cl.n_ranks and rep.get(cl.class_of[t]) == t):
-                return False
-    # every other rank is a copy of its representative
-    checked: set[tuple] = set()
-    for r in range(cl.n_ranks):
-        c = cl.class_of[r]
-        if rep[c] == r:
-            continue
-        for kind, tr, tm in cl.pairs(r):
-            key = (kind, tr, tm) if kind == K_COLL else (kind, rep[c], tr, r, tm)
-            if key in checked:
-                continue
-            checked.add(key)
-            if kind == K_COLL:
-                if group_shape(tr) != group_shape(tm):
-                    return False
-            else:
-                if not (isinstance(tm, int) and 0 <= tm < cl.n_ranks):
-                    return False
-                if cl.class_of[tm] != cl.class_of[tr] or link(rep[c], tr) != link(r, tm):  # type: ignore[arg-type]
-                    return False
-    return True
 
 
 # -- the replay -------------------------------------------------------------------------------

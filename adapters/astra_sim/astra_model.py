@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping, MutableMapping, Sequence
 
+from stage_cosim.adapters.roofline.classes import Topology, group_shape, replay_ns
 from stage_cosim.errors import UserError, require
-from stage_cosim.hardware.network import NetworkDim, coordinates
+from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.trace.chakra import TraceNode
 
 # -- vocabulary ---------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def _require_int(value: object, key: str, minimum: int) -> None:
 
 # -- §1, §2: one message, one reduction -----------------------------------------------------------
 
-class Network:
+class Network(Topology):
     """The network dimensions with each rank's coordinates precomputed, and a delay cache.
 
     Message delays are looked up millions of times in large collectives, so they are memoised
@@ -152,11 +153,7 @@ class Network:
     """
 
     def __init__(self, dims: Sequence[NetworkDim]) -> None:
-        require(len(dims) >= 1, "network", "needs at least one dimension")
-        self.dims: tuple[NetworkDim, ...] = tuple(dims)
-        self.n_ranks = math.prod(d.npus for d in self.dims)
-        self.coords: list[tuple[int, ...]] = [tuple(coordinates(r, list(self.dims)))
-                                              for r in range(self.n_ranks)]
+        super().__init__(dims)
         self._bpns = [d.bytes_per_ns for d in self.dims]
         self._cache: dict[tuple[int, int, int], int] = {}
         self._rings: dict[int, tuple[tuple[int, ...], ...]] = {}
@@ -660,24 +657,10 @@ class CollectiveModel:
         return found
 
     def shape(self, members: tuple[int, ...]) -> tuple:
-        """What the pair delays of a group depend on: per member and network dimension, the
-        coordinate relabelled by first appearance (Switch, FullyConnected: only equality
-        matters) or shifted by the first member's (Ring: distances matter). Groups of equal
-        shape have equal delays between the members at equal positions."""
+        """What the pair delays of a group depend on (:func:`group_shape`), memoised."""
         found = self._shapes.get(members)
         if found is None:
-            rows = []
-            labels: list[dict[int, int]] = [{} for _ in self.net.dims]
-            first = self.net.coords[members[0]]
-            for r in members:
-                row = []
-                for d, (dim, x) in enumerate(zip(self.net.dims, self.net.coords[r])):
-                    if dim.topology == "Ring":
-                        row.append((x - first[d]) % dim.npus)
-                    else:
-                        row.append(labels[d].setdefault(x, len(labels[d])))
-                rows.append(tuple(row))
-            found = self._shapes[members] = tuple(rows)
+            found = self._shapes[members] = group_shape(self.net, members)
         return found
 
     def finish_times(self, collective: str, size: int, members: tuple[int, ...] | None,
@@ -832,11 +815,6 @@ def compute_duration_ns(node: TraceNode, system: AstraSystem) -> int:
     return roofline_ns(_int_attr(node, "num_ops", 0), _int_attr(node, "tensor_size", 0), system, node.id)
 
 
-def replay_ns(duration_micros: int) -> int:
-    """A replayed compute node's time: whole microseconds, and 1 ns for 0 (§7)."""
-    return duration_micros * 1000 if duration_micros else 1
-
-
 def roofline_ns(num_ops: int, tensor_size: int, system: AstraSystem, node_id: int | None = None) -> int:
     """The simulator's roofline time of a compute node (roofline-enabled 1)."""
     where = f"node {node_id} " if node_id is not None else ""
@@ -867,7 +845,7 @@ def simulate_astra(ranks: Mapping[int, Sequence[TraceNode]], groups: Mapping[str
     max(posted, arrival); a collective starts on each rank when that rank issues it and couples
     the ranks of its group. Inputs the simulator would abort or hang on are a UserError.
     """
-    from stage_cosim.adapters.roofline.astra import replay_checked
+    from stage_cosim.adapters.astra_sim.analytical import replay_checked
     from stage_cosim.trace.traceset import from_nodes
 
     ts = from_nodes({r: list(ns) for r, ns in ranks.items()}, {str(k): list(v) for k, v in groups.items()})
