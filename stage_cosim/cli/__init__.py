@@ -28,8 +28,8 @@ COMMANDS = {
     "models": "stage_cosim.cli.models_cmd.models",
     "clusters": "stage_cosim.cli.clusters_cmd.clusters",
     "serve-sim": "stage_cosim.cli.serve_sim_cmd.serve_sim",
-    "serve": "stage_cosim.cli.bridge_cmd.serve",
-    "remote": "stage_cosim.cli.bridge_cmd.remote",
+    "serve": "stage_cosim.cli.serve_cmd.serve",
+    "remote": "stage_cosim.cli.remote_cmd.remote",
 }
 
 
