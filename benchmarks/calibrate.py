@@ -168,17 +168,20 @@ def _gpu(row_gpu: str, params: dict[str, float]):
     return get_gpu(comp.PRESET_OF_GPU[row_gpu]).with_overrides(**params)
 
 
+def _network(row: "comp.NcclRow | comp.AllToAllRow", params: dict[str, float]) -> CalibratedNetwork:
+    """The network of the preset a communication microbenchmark ran on, with ``params``: one
+    domain of the row's GPUs, or 8-GPU nodes."""
+    gpus = row.per_node if row.nodes == 1 else 8 * row.nodes
+    cluster = resolve_cluster(comp.CLUSTER_OF_GPU[row.gpu], gpus)
+    return CalibratedNetwork(replace(cluster, gpu=cluster.gpu.with_overrides(**params)))
+
+
 def _nccl_predict(row: comp.NcclRow, params: dict[str, float]) -> float:
-    preset = comp.CLUSTER_OF_GPU[row.gpu]
-    cluster = resolve_cluster(preset, row.gpus if row.nodes == 1 else 8 * row.nodes)
-    cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
-    return comp.nccl_busbw(row, CalibratedNetwork(cluster))
+    return comp.nccl_busbw(row, _network(row, params))
 
 
 def _alltoall_predict(row: comp.AllToAllRow, params: dict[str, float]) -> float:
-    cluster = resolve_cluster(comp.CLUSTER_OF_GPU[row.gpu], 8 * row.nodes)
-    cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
-    return comp.alltoall_gbps(row, CalibratedNetwork(cluster))
+    return comp.alltoall_gbps(row, _network(row, params))
 
 
 def component_fits(family: str) -> list[ComponentFit]:

@@ -178,11 +178,15 @@ def nccl_rows() -> tuple[NcclRow, ...]:
     return tuple(out)
 
 
+def _members(row: "NcclRow | AllToAllRow", domain: int) -> list[int]:
+    """The ranks of a row's collective: ``per_node`` GPUs in each of ``nodes`` scale-up domains."""
+    return [node * domain + i for node in range(row.nodes) for i in range(row.per_node)]
+
+
 def nccl_busbw(row: NcclRow, network) -> float:  # noqa: ANN001 (a CalibratedNetwork)
     """nccl-tests' bus bandwidth (GB/s) the network model gives ``row``'s collective: its ranks
     are ``per_node`` GPUs in each of ``nodes`` scale-up domains."""
-    domain = network.domain
-    members = [node * domain + i for node in range(row.nodes) for i in range(row.per_node)]
+    members = _members(row, network.domain)
     n = len(members)
     # our sizes: an all-gather's per-rank shard; every other collective's per-rank buffer
     nbytes = row.nbytes // n if row.collective == "all_gather" else row.nbytes
@@ -256,8 +260,7 @@ def alltoall_gbps(row: AllToAllRow, network) -> float:  # noqa: ANN001 (a Calibr
     """The bottleneck link's bandwidth in the network model's all-to-all of ``row``'s tokens
     (each sends its top-k copies of ``hidden`` elements): the bytes a rank sends over NVLink
     (to the other ranks of its node) or over its NIC (to the other nodes), over the time."""
-    domain = network.domain
-    members = [node * domain + i for node in range(row.nodes) for i in range(row.per_node)]
+    members = _members(row, network.domain)
     n, m = len(members), row.per_node
     nbytes = row.tokens * row.topk * row.hidden * row.payload_bytes
     t = network.duration("ALL_TO_ALL", nbytes, members)
