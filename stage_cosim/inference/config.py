@@ -205,7 +205,7 @@ class InferenceConfig:
             if key not in parallel.assumed:
                 require(getattr(parallel, key) == off, key.replace("_", "-"),
                         f"is a training option (an inference step has no backward), got {getattr(parallel, key)!r}")
-        assumed = {k: False for k in ("sp", "tp_comm_overlap") if k in parallel.assumed}
+        assumed = {k: off for k, off in TRAINING_ONLY.items() if k in parallel.assumed}
         if assumed:
             parallel = replace(parallel, **assumed)
         require(parallel.cp == 1 or self.phase == "prefill", "cp",
