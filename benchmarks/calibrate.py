@@ -4,6 +4,8 @@
     python benchmarks/calibrate.py --write         # and store it in hardware/data/calibration.yaml
     python benchmarks/calibrate.py --family A100   # one family
     python benchmarks/calibrate.py --loo           # also leave-one-out per end-to-end row (slow)
+    python benchmarks/calibrate.py --training-factor gemm|tensor-core
+        # an experiment, never written: one factor on the tensor cores' microbenchmark rates
 
 1. **Components first.** Every parameter a microbenchmark pins is fitted to the microbenchmark
    rows of the family's own GPUs (stage_cosim/validation/components.py), and fixed:
@@ -362,12 +364,58 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
     return {k: params[k] for k in PARAMS}, len(on_bound)
 
 
+def training_factor_experiment(family: str, scope: str) -> None:
+    """An experiment, never written: the family's end-to-end fit with one factor on the tensor
+    cores' microbenchmark efficiencies (``scope`` "gemm": the BF16 GEMM at its MAMF ceiling and the
+    FP8 GEMM at its cuBLASLt fit, both times the factor; "tensor-core": attention too) instead of
+    free GEMM efficiencies. Prints the fit, its parameters on a bound and leave-one-source-out."""
+    cluster = _cluster(family)
+    comps = fit_components(family, dict(calibration()["default"]) | (calibration().get(family) or {}))
+    box0 = end_to_end_box(family, comps)
+    ceiling = box0.bounds["matmul_efficiency"][1]
+    names = ("training_factor", "attention_efficiency", "kernel_overhead_us", "scale_out_efficiency")
+    box = Box(names, box0.bounds | {"training_factor": (0.3, 1.0)})
+    start = {"training_factor": 0.8, "attention_efficiency": 0.5, "kernel_overhead_us": 3.0,
+             "scale_out_efficiency": 0.9}
+
+    def params(v: dict[str, float]) -> dict[str, float]:
+        f = v["training_factor"]
+        p = comps.params | {"matmul_efficiency": ceiling * f,
+                            "fp8_matmul_efficiency": comps.params["fp8_matmul_efficiency"] * f,
+                            "attention_efficiency": v["attention_efficiency"] * (f if scope == "tensor-core" else 1.0),
+                            "kernel_overhead_us": v["kernel_overhead_us"],
+                            "scale_out_efficiency": v["scale_out_efficiency"]}
+        return {k: x for k, x in derived(family, p).items() if k in PARAMS}
+
+    def errors(v: dict[str, float], runs: list[TrainingRun]) -> np.ndarray:
+        p = params(v)
+        return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
+
+    runs = runs_for(cluster)
+    v = fit_box(box, start, lambda q: errors(q, runs), 40)
+    print(f"\n== {family}: one training factor on the {scope} microbenchmark efficiencies (an experiment) ==")
+    print("  " + ", ".join(f"{n} {v[n]:.4g} [{box.bounds[n][0]:.3g}, {box.bounds[n][1]:.3g}]" for n in names))
+    for source in dict.fromkeys(r.source for r in runs):
+        own = [r for r in runs if r.source == source]
+        held = fit_box(box, v, lambda q, rest=[r for r in runs if r.source != source]: errors(q, rest), 40)
+        print(f"  {source}: fitted {_pct(errors(v, own))}; leave-one-source-out {_pct(errors(held, own))}")
+    print(f"  on a bound: {', '.join(box.on_bound(v)) or 'none'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", action="store_true", help="store the fit in hardware/data/calibration.yaml")
     ap.add_argument("--family", choices=FAMILIES, default=None, help="fit only this GPU family")
     ap.add_argument("--loo", action="store_true", help="also leave-one-out per end-to-end row (refits once per row)")
+    ap.add_argument("--training-factor", choices=("gemm", "tensor-core"), default=None,
+                    help="an experiment, never written: fit the H100 rows with one factor on the tensor cores' "
+                         "microbenchmark efficiencies (GEMMs, or GEMMs and attention)")
     args = ap.parse_args()
+    if args.training_factor:
+        if args.write:
+            ap.error("--training-factor is an experiment; it writes nothing (leave out --write)")
+        training_factor_experiment(args.family or "H100", args.training_factor)
+        return
     fitted = {k: v for k, v in calibration().items() if k != "default"}
     bound = 0
     for family in FAMILIES:
