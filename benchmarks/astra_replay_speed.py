@@ -153,16 +153,19 @@ def splits_cost(values: list[int], n: int) -> None:
     import tracemalloc
 
     from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
-    from stage_cosim.adapters.astra_sim import astra_model
-    from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES, AstraSystem, CollectiveModel, Network
+    from stage_cosim.adapters.astra_sim import astra_collectives, astra_system
+    from stage_cosim.adapters.astra_sim.astra_collectives import CollectiveModel
+    from stage_cosim.adapters.astra_sim.astra_network import Network
+    from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVES, AstraSystem
 
     from stage_cosim.hardware.network import NetworkDim
     from stage_cosim.trace.chakra import TraceNode, write_trace_file
 
-    bounds = astra_model.MAX_DATASET_SPLITS, astra_model.MAX_CHUNK_COPIES
-    # time values beyond the bounds too
-    astra_model.MAX_DATASET_SPLITS = max(values + [bounds[0]])
-    astra_model.MAX_CHUNK_COPIES = max(bounds[1], max(values) * n)
+    bounds = astra_system.MAX_DATASET_SPLITS, astra_system.MAX_CHUNK_COPIES
+    # time values beyond the bounds too (each bound where it is read: AstraSystem checks the
+    # splits, CollectiveModel the chunk copies)
+    astra_system.MAX_DATASET_SPLITS = max(values + [bounds[0]])
+    astra_collectives.MAX_CHUNK_COPIES = max(bounds[1], max(values) * n)
     dims = [NetworkDim("Switch", n, 50, 500)]
     binary = os.environ.get("ASTRA_SIM_BIN")
     print(f"one 1 MiB ALL_REDUCE on {n} ranks (bounds: {bounds[0]} splits, {bounds[1]:,} chunk copies); "

@@ -1,7 +1,7 @@
 """Fit each GPU family's efficiency parameters, bottom-up, and say how well the fit holds out.
 
     python benchmarks/calibrate.py                 # fit and print (about 5 minutes on 2 cores)
-    python benchmarks/calibrate.py --write         # and store it in hardware/data/calibration.yaml
+    python benchmarks/calibrate.py --write         # and store it in the GPU records (hardware/data/gpus)
     python benchmarks/calibrate.py --family A100   # one family
     python benchmarks/calibrate.py --loo           # also leave-one-out per end-to-end row (slow)
     python benchmarks/calibrate.py --training-factor gemm|tensor-core
@@ -23,6 +23,11 @@
 3. **Held out**: leave-one-source-out (refit without a source, predict it) where a family has
    several sources, leave-one-out per row with --loo; and a last line ``parameters on a bound:
    N``. A parameter on its bound is a mechanism the model lacks, not a bound to widen.
+
+``--write`` stores what the fit gives a family in every GPU record of that family
+(hardware/data/gpus/<preset>.yaml, efficiencies.default): each fitted value with its source
+(``microbenchmark fit: <file>, rows of <GPUs>``, ``end-to-end fit: <tables>``, ``derived: ...``);
+what the fit does not pin keeps its value and source. A run writes all its records or none.
 """
 
 from __future__ import annotations
@@ -34,13 +39,12 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
-import yaml
 from scipy.optimize import least_squares
 
 from stage_cosim.adapters.roofline.network import CalibratedNetwork
 from stage_cosim.adapters.roofline.simulate import simulate
 from stage_cosim.hardware import resolve_cluster
-from stage_cosim.hardware.gpu import calibration, get_gpu
+from stage_cosim.hardware.gpu import family_efficiencies, get_gpu, parse_record, record_header, render_record
 from stage_cosim.validation import components as comp
 from stage_cosim.validation.published import (TrainingRun, korthikanti_table5, megatron_core_weak_scaling,
                                               nemo2407_fp8_h100)
@@ -60,6 +64,7 @@ BOUNDS = {"matmul_efficiency": (0.3, 1.0), "matmul_half_flops": (1e7, 1e12), "at
           "scale_out_efficiency": (0.3, 1.0), "fp8_matmul_efficiency": (0.3, 1.0),
           "fp8_matmul_half_flops": (1e7, 1e12)}
 LOG_PARAMS = {"matmul_half_flops", "fp8_matmul_half_flops"}
+RECORDS = Path(__file__).resolve().parents[1] / "hardware" / "data" / "gpus"
 
 
 # -- end-to-end rows ------------------------------------------------------------------------------
@@ -217,6 +222,12 @@ def component_fits(family: str) -> list[ComponentFit]:
     return [f for f in fits if f.in_scope()]
 
 
+def component_sources(comps: "Components") -> dict[str, str]:
+    """The source --write records beside each parameter the components pin (floors pin none)."""
+    return {p: f"microbenchmark fit: {f.file}, rows of {' + '.join(sorted({r.gpu for r in f.in_scope()}))}"
+            for f in comps.fits if not f.floor for p in f.params}
+
+
 class Components(NamedTuple):
     params: dict[str, float]          # every parameter: the pinned ones fitted, the rest as given
     fits: list[ComponentFit]
@@ -271,6 +282,10 @@ def _cluster(family: str) -> str | None:
     return {v: k for k, v in FAMILY_OF.items()}.get(family)
 
 
+# The source --write records beside a parameter derived(family, ...) sets.
+DERIVED = {"H100": {"matmul_half_flops": "derived: the FP8 GEMM's half size, at the same time per GEMM"}}
+
+
 def derived(family: str, params: dict[str, float]) -> dict[str, float]:
     """Parameters that follow from others: without a BF16 GEMM sweep, the BF16 half size is
     the FP8 one's in time (a GEMM reaches half its rate after the same fixed time whatever its
@@ -296,7 +311,7 @@ def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None
         max_nfev: int = 40, verbose: bool = False) -> dict[str, float]:
     """The whole fit of ``cluster``'s family (components, then end to end without row ``exclude``)."""
     family = FAMILY_OF[cluster]
-    base = dict(calibration()["default"]) | (calibration().get(family) or {}) | (start or {})
+    base = family_efficiencies(family) | (start or {})
     comps = fit_components(family, base)
     runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
     params = fit_end_to_end(family, comps.params, end_to_end_box(family, comps), runs, max_nfev)
@@ -311,12 +326,15 @@ def _pct(errs) -> str:
     return f"mean |error| {100 * errs.mean():.1f} %, worst {100 * errs.max():.1f} % ({len(errs)} rows)"
 
 
-def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
+def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, str], int]:
+    """Fit ``family`` and print the report: every parameter's value, the source of each one the
+    fit pins (what --write stores), and how many are on a bound."""
     cluster = _cluster(family)
-    base = dict(calibration()["default"]) | (calibration().get(family) or {})
+    base = family_efficiencies(family)
     print(f"\n== {family} ==")
     comps = fit_components(family, base)
     pinned, fits = comps.params, comps.fits
+    sources = component_sources(comps)
     on_bound: list[str] = []
     print("components (fitted to the microbenchmarks of the family's GPUs, then fixed):")
     for f in fits:
@@ -336,11 +354,13 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
               f"{', '.join(f'{p} {pinned[p]:.4g}' for p in unpinned)}")
         print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
         # (only what the microbenchmarks pin is the family's; the rest stays the default section's)
-        return {k: pinned[k] for k in PARAMS if k not in unpinned}, len(on_bound)
+        return {k: pinned[k] for k in PARAMS if k not in unpinned}, sources, len(on_bound)
     box = end_to_end_box(family, comps)
     runs = runs_for(cluster)
     params = fit_end_to_end(family, pinned, box, runs)
     on_bound += box.on_bound(params)
+    tables = ", ".join(dict.fromkeys(r.source for r in runs))
+    sources |= {p: f"end-to-end fit: {tables}" for p in box.names} | DERIVED.get(family, {})
     print("end to end (only what no microbenchmark pins):")
     print("  " + ", ".join(f"{n} {params[n]:.4g} [{box.bounds[n][0]:.3g}, {box.bounds[n][1]:.3g}]" for n in box.names))
     by_source: dict[str, list[int]] = {}
@@ -361,7 +381,7 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], int]:
             errs.append(predict(r, held) / r.measured_step_s - 1)
         print(f"  leave-one-out: {_pct(errs)}")
     print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
-    return {k: params[k] for k in PARAMS}, len(on_bound)
+    return {k: params[k] for k in PARAMS}, sources, len(on_bound)
 
 
 def training_factor_experiment(family: str, scope: str) -> None:
@@ -370,7 +390,7 @@ def training_factor_experiment(family: str, scope: str) -> None:
     FP8 GEMM at its cuBLASLt fit, both times the factor; "tensor-core": attention too) instead of
     free GEMM efficiencies. Prints the fit, its parameters on a bound and leave-one-source-out."""
     cluster = _cluster(family)
-    comps = fit_components(family, dict(calibration()["default"]) | (calibration().get(family) or {}))
+    comps = fit_components(family, family_efficiencies(family))
     box0 = end_to_end_box(family, comps)
     ceiling = box0.bounds["matmul_efficiency"][1]
     names = ("training_factor", "attention_efficiency", "kernel_overhead_us", "scale_out_efficiency")
@@ -402,9 +422,40 @@ def training_factor_experiment(family: str, scope: str) -> None:
     print(f"  on a bound: {', '.join(box.on_bound(v)) or 'none'}")
 
 
+def write_records(fitted: dict[str, tuple[dict[str, float], dict[str, str]]],
+                  directory: Path = RECORDS) -> list[Path]:
+    """Store each family's fitted values (family -> (values, sources)) in every GPU record of the
+    family in ``directory``, each value with its source; the records' other parameters, fields
+    and header comments stay as they are. All the records are written, or none."""
+    texts: dict[Path, str] = {}
+    seen = set()
+    for path in sorted(directory.glob("*.yaml")):
+        text = path.read_text()
+        rec = parse_record(text, str(path))
+        if rec["calibration_family"] not in fitted:
+            continue
+        seen.add(rec["calibration_family"])
+        values, sources = fitted[rec["calibration_family"]]
+        for k, v in values.items():
+            rec["efficiencies"]["default"][k] = {"value": float(v), "source": sources[k]}
+        texts[path] = render_record(rec, record_header(text))
+    missing = set(fitted) - seen
+    if missing:
+        raise SystemExit(f"no GPU record in {directory} of the families {sorted(missing)}")
+    tmps = []
+    for path, text in texts.items():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmps.append((tmp, path))
+    for tmp, path in tmps:
+        tmp.replace(path)          # (every record written before any replaces its file)
+    return list(texts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", action="store_true", help="store the fit in hardware/data/calibration.yaml")
+    ap.add_argument("--write", action="store_true",
+                    help="store the fit in every GPU record of the family (hardware/data/gpus)")
     ap.add_argument("--family", choices=FAMILIES, default=None, help="fit only this GPU family")
     ap.add_argument("--loo", action="store_true", help="also leave-one-out per end-to-end row (refits once per row)")
     ap.add_argument("--training-factor", choices=("gemm", "tensor-core"), default=None,
@@ -416,25 +467,18 @@ def main() -> None:
             ap.error("--training-factor is an experiment; it writes nothing (leave out --write)")
         training_factor_experiment(args.family or "H100", args.training_factor)
         return
-    fitted = {k: v for k, v in calibration().items() if k != "default"}
+    fitted: dict[str, tuple[dict[str, float], dict[str, str]]] = {}
     bound = 0
     for family in FAMILIES:
         if args.family and family != args.family:
             continue
-        params, n = report_family(family, args.loo)
+        params, sources, n = report_family(family, args.loo)
         bound += n
-        fitted[family] = {k: float(f"{v:.4g}") for k, v in params.items()}
+        fitted[family] = ({k: float(f"{params[k]:.4g}") for k in sources}, sources)
     print(f"\nparameters on a bound: {bound}")
     if args.write:
-        path = Path(__file__).resolve().parents[1] / "hardware" / "data" / "calibration.yaml"
-        text = path.read_text()
-        head = text.split("\ndefault:")[0]
-        doc = {"default": calibration()["default"], **fitted}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(head + "\n" + yaml.safe_dump(doc, sort_keys=False))
-        tmp.replace(path)        # whole or not at all
-        print(f"wrote {path}")
-
+        for path in write_records(fitted):
+            print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """Hardware descriptions: GPUs and clusters (real presets and hypothetical ones).
 
 The names below load their modules on first use, so that code needing only the network
-dimensions (reading an ASTRA-sim network file) does not read the GPU and cluster tables.
+dimensions (reading an ASTRA-sim network file) does not read the GPU and cluster records
+(``data/gpus/`` and ``data/clusters/``, one file per preset).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any
 
 _WHERE = {
     "CLUSTER_PRESETS": "cluster", "Cluster": "cluster", "ScaleOut": "cluster", "ScaleUp": "cluster",
-    "check_fits": "cluster", "resolve_cluster": "cluster",
-    "GPU": "gpu", "get_gpu": "gpu", "gpu_names": "gpu",
+    "check_fits": "cluster", "cluster_presets": "cluster", "resolve_cluster": "cluster",
+    "GPU": "gpu", "get_gpu": "gpu", "gpu_names": "gpu", "gpu_records": "gpu",
     "NetworkDim": "network",
 }
 __all__ = list(_WHERE)

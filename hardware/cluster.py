@@ -2,18 +2,23 @@
 
 Internally a cluster is a list of network dimensions in ASTRA-sim's vocabulary
 (:class:`~stage_cosim.hardware.network.NetworkDim`), so the ASTRA-sim adapter maps it one to one.
+The presets are records, one per file in ``data/clusters/`` (``CLUSTER_PRESETS``: name -> record).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
+import yaml
+
 from stage_cosim.errors import UserError, require
 from stage_cosim.files import local_files_allowed, read_yaml
-from stage_cosim.hardware.gpu import GPU, get_gpu
+from stage_cosim.hardware.gpu import GPU, get_gpu, gpu_names
 from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
 from stage_cosim.limits import MAX_RANKS, MAX_RANKS_TEXT
 
@@ -116,25 +121,34 @@ class Cluster:
         return d
 
 
-def _preset(name: str, gpu: str, domain: int, up_bw: float, up_lat: float, out_bw: float, out_lat: float,
-            tray: int = 0) -> dict:
-    up = dict(gpus_per_domain=domain, bandwidth_GBps=up_bw, latency_ns=up_lat) | ({"gpus_per_tray": tray} if tray else {})
-    return dict(name=name, gpu=gpu, scale_up=up, scale_out=dict(bandwidth_GBps=out_bw, latency_ns=out_lat))
+@lru_cache(maxsize=1)
+def cluster_presets() -> dict[str, dict]:
+    """The cluster presets, one record each in data/clusters/<name>.yaml (the fields of a
+    --cluster file but num_gpus), in the order of their GPUs (gpu_names)."""
+    out = {}
+    for path in resources.files("stage_cosim.hardware").joinpath("data", "clusters").iterdir():
+        if not path.name.endswith(".yaml"):
+            continue
+        doc = yaml.safe_load(path.read_text())
+        name = path.name.removesuffix(".yaml")
+        if not isinstance(doc, dict) or doc.get("name") != name:
+            raise ValueError(f"hardware/data/clusters/{path.name}: a preset's record names it as its file does")
+        out[name] = doc
+    order = {g: i for i, g in enumerate(gpu_names())}
+
+    def key(item: tuple[str, dict]) -> tuple[int, str]:
+        gpu = item[1].get("gpu")
+        base = gpu.get("base") if isinstance(gpu, dict) else gpu
+        return order.get(base, len(order)), item[0]
+
+    return dict(sorted(out.items(), key=key))
 
 
-# Bandwidths from the vendor data sheets (gpu_specs.csv); latencies are per hop, typical
-# figures for NVSwitch (~0.7 µs) and an InfiniBand fat tree (~2 µs through NIC and switches).
-CLUSTER_PRESETS: dict[str, dict] = {
-    # Selene-like: 8 A100-80GB per node on NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node.
-    "dgx-a100": _preset("dgx-a100", "A100-80GB", 8, 300, 700, 25, 2000),
-    "dgx-h100": _preset("dgx-h100", "H100-SXM", 8, 450, 700, 50, 2000),
-    # The export H800: H100 compute with 400 GB/s NVLink (200 per direction), 8 x 400 Gb/s IB.
-    "dgx-h800": _preset("dgx-h800", "H800", 8, 200, 700, 50, 2000),
-    "dgx-h200": _preset("dgx-h200", "H200", 8, 450, 700, 50, 2000),
-    "dgx-b200": _preset("dgx-b200", "B200", 8, 900, 700, 50, 2000),
-    # 72 GPUs in one NVLink domain, 18 compute trays of 4; one 400 Gb/s NIC per GPU between racks.
-    "gb200-nvl72": _preset("gb200-nvl72", "GB200", 72, 900, 700, 50, 2000, tray=4),
-}
+def __getattr__(name: str) -> Any:
+    # CLUSTER_PRESETS (preset name -> its record) reads the records on first use, not on import
+    if name == "CLUSTER_PRESETS":
+        return cluster_presets()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _number(value: object, parameter: str, where: str) -> None:
@@ -203,10 +217,11 @@ def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
         doc = read_yaml(path, "cluster")
         return _build(doc, spec, None if doc and isinstance(doc, dict) and "num_gpus" in doc else default_gpus)
     name, colon, count = spec.partition(":")
-    if name not in CLUSTER_PRESETS:
+    presets = cluster_presets()
+    if name not in presets:
         how = "or a YAML file" if local_files_allowed() else \
             "files are not read here: send the description's content"
-        raise UserError("cluster", f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}; {how})")
+        raise UserError("cluster", f"unknown preset {name!r} (known: {', '.join(presets)}; {how})")
     n = default_gpus
     if colon:
         try:
@@ -217,8 +232,7 @@ def resolve_cluster(spec: str, default_gpus: int | None = None) -> Cluster:
             raise UserError("cluster", f"GPU count after ':' must be positive, got {count!r}")
         if n > MAX_RANKS:
             raise UserError("cluster", f"{n:,} GPUs, more than the {MAX_RANKS_TEXT}")
-    return _build(dict(CLUSTER_PRESETS[name]), name,
-                  n if n is not None else CLUSTER_PRESETS[name]["scale_up"]["gpus_per_domain"])
+    return _build(dict(presets[name]), name, n if n is not None else presets[name]["scale_up"]["gpus_per_domain"])
 
 
 def cluster_from(spec: "str | Mapping[str, Any]", default_gpus: int | None = None) -> Cluster:

@@ -1,4 +1,12 @@
-"""GPU descriptions: vendor peaks (from data/gpu_specs.csv) plus calibrated efficiencies.
+"""GPU descriptions: one self-contained record per GPU preset, ``data/gpus/<name>.yaml``.
+
+A record holds the vendor's figures (dense tensor-core peaks per number format, HBM capacity and
+bandwidth, NVLink bandwidth and domain, NIC bandwidth, architecture, SM count) and the model's
+efficiencies, each with its source: which fit, table or microbenchmark gave it, or "hand-set
+default". The efficiencies are keyed by software profile (``default``: every profile's; none
+carries its own set yet); GPUs of one calibration family (same silicon generation, same kernels)
+carry the same set. ``benchmarks/calibrate.py --write`` rewrites the records' efficiencies through
+:func:`render_record`, which every shipped record reads back as (a test holds it).
 
 A hypothetical GPU is just another description: every field can be overridden.
 
@@ -10,7 +18,7 @@ lacks is None.
 
 from __future__ import annotations
 
-import csv
+import json
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from importlib import resources
@@ -20,29 +28,10 @@ import yaml
 
 from stage_cosim.errors import UserError, require
 
-# Preset name -> row of gpu_specs.csv
-_SPEC_ROWS = {
-    "A100-40GB": "A100-SXM4-40GB",
-    "A100-80GB": "A100-SXM4-80GB",
-    "H100-SXM": "H100-SXM5-80GB",
-    "H800": "H800-SXM",
-    "H200": "H200-SXM-141GB",
-    "B200": "B200",
-    "GB200": "GB200-NVL72",
-}
-# Which calibrated parameter set a GPU uses (same silicon generation, same kernels).
-_CALIBRATION_FAMILY = {"A100-40GB": "A100", "A100-80GB": "A100", "H100-SXM": "H100", "H800": "H100",
-                       "H200": "H100", "B200": "B200", "GB200": "B200"}
 # Tensor-core generation. Ampere and Hopper FP8 GEMMs take both operands K-major only (TN), so
 # FP8 training keeps transposed copies of its operands for the backward GEMMs; Blackwell's
 # read either layout.
 ARCHES = ("ampere", "hopper", "blackwell")
-_ARCH = {"A100-40GB": "ampere", "A100-80GB": "ampere", "H100-SXM": "hopper", "H800": "hopper", "H200": "hopper",
-         "B200": "blackwell", "GB200": "blackwell"}
-# Streaming multiprocessors of the shipping parts (NVIDIA A100, H100 and Blackwell architecture
-# whitepapers and data sheets: A100 108, H100 SXM5 and its export and HBM3e variants 132, B200 148).
-_SM_COUNT = {"A100-40GB": 108, "A100-80GB": 108, "H100-SXM": 132, "H800": 132, "H200": 132, "B200": 148,
-             "GB200": 148}
 # Matmul number formats -> the GPU field holding their dense peak.
 MATMUL_PEAKS = {"bf16": "bf16_tflops", "fp8": "fp8_tflops", "mxfp8": "mxfp8_tflops", "fp4": "fp4_tflops"}
 
@@ -71,9 +60,9 @@ class GPU:
     fp4_tflops: float | None = None
     arch: str = "hopper"
     # FP8 GEMMs reach their own fraction of the FP8 peak (quantized operands, scale handling,
-    # a higher rate to feed), with their own small-GEMM falloff. These defaults are the
-    # calibration file's ``default`` section (for a GPU built without it); families with
-    # measured FP8 runs (H100) have fitted values there.
+    # a higher rate to feed), with their own small-GEMM falloff. These defaults are the values
+    # the GPU records mark "hand-set default" (for a GPU built without a record); families with
+    # measured FP8 runs (H100) or FP8 microbenchmarks (B200) have fitted values there.
     fp8_matmul_efficiency: float = 0.6
     fp8_matmul_half_flops: float = 4e9
     # Keys per query at which a fused attention kernel runs at half its rate: each query tile
@@ -136,40 +125,182 @@ class GPU:
         return asdict(self)
 
 
+# -- the records -----------------------------------------------------------------------------------
+
+# The efficiencies every record's set holds, each as {value, source}.
+EFFICIENCIES = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "memory_efficiency",
+                "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency", "fp8_matmul_efficiency",
+                "fp8_matmul_half_flops", "attention_half_keys")
+# The source of an efficiency no table or microbenchmark pins.
+HAND_SET = "hand-set default"
+# A record's keys in the order render_record writes them, with the comment it writes beside each
+# (None: no comment; a key absent from a record is not written). Every GPU field but the
+# efficiencies may appear; `part`, `announced`, `scale_up_domain` and `calibration_family`
+# describe the part without being GPU fields.
+_LAYOUT: dict[str, str | None] = {
+    "name": None,
+    "part": "the data sheet's name (and the microbenchmark tables')",
+    "announced": "year-month NVIDIA announced it (orders the listings)",
+    "arch": "tensor-core generation: ampere | hopper | blackwell",
+    "sm_count": "streaming multiprocessors",
+    "bf16_tflops": "dense tensor-core peak, 10^12 FLOP/s",
+    "fp8_tflops": "per number format (null: no such tensor cores)",
+    "mxfp8_tflops": None,
+    "fp4_tflops": None,
+    "vector_tflops": "non-tensor-core (FP32 CUDA-core) rate; null: bf16_tflops / 16",
+    "hbm_GiB": "HBM capacity",
+    "hbm_GBps": "HBM bandwidth, 10^9 B/s",
+    "nvlink_GBps": "NVLink bandwidth per GPU per direction, 10^9 B/s",
+    "scale_up_domain": "GPUs in one NVLink domain",
+    "scaleout_GBps": "NIC bandwidth per GPU, 10^9 B/s (null: not given)",
+    "attention_block_rows": "rows of work per FlashAttention thread block",
+    "calibration_family": "its GPUs carry the same efficiencies",
+    "efficiencies": "per software profile; default: every profile's",
+}
+_REQUIRED = ("name", "part", "announced", "arch", "sm_count", "bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps",
+             "scale_up_domain", "calibration_family", "efficiencies")
+_COMMENT_COLUMN = 32
+
+
+def _records_dir():
+    return resources.files("stage_cosim.hardware").joinpath("data", "gpus")
+
+
+def _flatten(sets: Any, where: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """A record file's efficiencies (per profile, groups of values sharing one source) as
+    profile -> parameter -> {value, source}."""
+    if not isinstance(sets, dict) or list(sets) != ["default"]:
+        # (a software profile's own set, keyed by its name, is the next step: not read yet)
+        raise ValueError(f"{where}: efficiencies must hold one set, `default`, got {sets!r}")
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for profile, groups in sets.items():
+        flat: dict[str, dict[str, Any]] = {}
+        for group in groups if isinstance(groups, list) else [None]:
+            if not isinstance(group, dict) or not isinstance(group.get("source"), str) or not group["source"]:
+                raise ValueError(f"{where}: efficiencies.{profile} must be a list of groups, each a "
+                                 f"`source: <text>` and its parameters, got {group!r}")
+            for k, v in group.items():
+                if k == "source":
+                    continue
+                if k not in EFFICIENCIES or k in flat:
+                    raise ValueError(f"{where}: efficiencies.{profile}.{k}: unknown or given twice")
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"{where}: efficiencies.{profile}.{k} must be a number, got {v!r}")
+                flat[k] = {"value": v, "source": group["source"]}
+        missing = [k for k in EFFICIENCIES if k not in flat]
+        if missing:
+            raise ValueError(f"{where}: efficiencies.{profile} lacks {', '.join(missing)}")
+        out[profile] = {k: flat[k] for k in EFFICIENCIES}
+    return out
+
+
+def parse_record(text: str, where: str) -> dict[str, Any]:
+    """A GPU record's text as a mapping, its efficiencies as profile -> parameter -> {value,
+    source} (ValueError naming what is wrong where it is not a record)."""
+    rec = yaml.safe_load(text)
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a mapping")
+    unknown = [k for k in rec if k not in _LAYOUT]
+    missing = [k for k in _REQUIRED if k not in rec]
+    if unknown or missing:
+        raise ValueError(f"{where}: unknown keys {unknown}, missing keys {missing}")
+    return rec | {"efficiencies": _flatten(rec["efficiencies"], where)}
+
+
 @lru_cache(maxsize=1)
-def calibration() -> dict[str, dict[str, float]]:
-    with resources.files("stage_cosim.hardware").joinpath("data", "calibration.yaml").open() as f:
-        return yaml.safe_load(f)
+def gpu_records() -> dict[str, dict[str, Any]]:
+    """Every shipped GPU record, by preset name, in the order they were announced."""
+    out = {}
+    for path in _records_dir().iterdir():
+        if not path.name.endswith(".yaml"):
+            continue
+        rec = parse_record(path.read_text(), f"hardware/data/gpus/{path.name}")
+        if rec["name"] != path.name.removesuffix(".yaml"):
+            raise ValueError(f"hardware/data/gpus/{path.name}: names {rec['name']!r}, not its file's name")
+        out[rec["name"]] = rec
+    return dict(sorted(out.items(), key=lambda kv: (str(kv[1]["announced"]), kv[0])))
 
 
-def _efficiencies(name: str) -> dict[str, float]:
-    cal = calibration()
-    params = dict(cal["default"])
-    params.update(cal.get(_CALIBRATION_FAMILY.get(name, name), {}) or {})
-    return {k: float(v) for k, v in params.items()}
+def _number(v: Any) -> float | None:
+    return None if v is None else float(v)
 
 
-@lru_cache(maxsize=None)
-def _spec_rows() -> dict[str, dict[str, str]]:
-    with resources.files("stage_cosim.hardware").joinpath("data", "gpu_specs.csv").open() as f:
-        return {r["gpu"]: r for r in csv.DictReader(f)}
-
-
-def _opt(v: str) -> float | None:
-    return float(v) if v else None
+def gpu_from_record(rec: dict[str, Any]) -> GPU:
+    """The GPU a record describes, with its ``default`` efficiencies."""
+    kw: dict[str, Any] = {}
+    for f in fields(GPU):
+        if f.name in rec:
+            v = rec[f.name]
+            kw[f.name] = v if f.type in ("str", "int") else _number(v)
+    kw.update({k: float(v["value"]) for k, v in rec["efficiencies"]["default"].items()})
+    return GPU(**kw)
 
 
 def get_gpu(name: str) -> GPU:
-    if name not in _SPEC_ROWS:
-        raise UserError("gpu", f"unknown GPU {name!r} (known: {', '.join(_SPEC_ROWS)})")
-    r = _spec_rows()[_SPEC_ROWS[name]]
-    return GPU(name=name, bf16_tflops=float(r["bf16_dense_tflops"]), fp8_tflops=_opt(r["fp8_dense_tflops"]),
-               mxfp8_tflops=_opt(r["mxfp8_dense_tflops"]), fp4_tflops=_opt(r["fp4_dense_tflops"]),
-               hbm_GiB=float(r["hbm_GB"]), hbm_GBps=float(r["hbm_GBps"]),
-               nvlink_GBps=float(r["nvlink_per_direction_GBps"]),
-               scaleout_GBps=_opt(r["scaleout_per_gpu_GBps"]), arch=_ARCH[name], sm_count=_SM_COUNT[name],
-               **_efficiencies(name))
+    records = gpu_records()
+    if name not in records:
+        raise UserError("gpu", f"unknown GPU {name!r} (known: {', '.join(records)})")
+    return gpu_from_record(records[name])
 
 
 def gpu_names() -> list[str]:
-    return list(_SPEC_ROWS)
+    return list(gpu_records())
+
+
+def family_efficiencies(family: str) -> dict[str, float]:
+    """The efficiency values every GPU of calibration ``family`` carries (its records' ``default``
+    set), where a fit of the family starts; ValueError where the family's records disagree."""
+    sets = {name: {k: float(v["value"]) for k, v in rec["efficiencies"]["default"].items()}
+            for name, rec in gpu_records().items() if rec["calibration_family"] == family}
+    if not sets:
+        raise ValueError(f"no GPU record of calibration family {family!r}")
+    first = next(iter(sets.values()))
+    if any(s != first for s in sets.values()):
+        raise ValueError(f"the GPU records of calibration family {family!r} ({', '.join(sets)}) carry different "
+                         f"efficiencies")
+    return first
+
+
+def _scalar(v: Any) -> str:
+    """``v`` as YAML: plain where that reads back as ``v`` (in a block mapping), else quoted."""
+    if isinstance(v, str):
+        try:
+            plain = "#" not in v and ": " not in v and yaml.safe_load(f"k: {v}") == {"k": v}
+        except yaml.YAMLError:
+            plain = False
+        return v if plain else json.dumps(v, ensure_ascii=False)   # JSON's strings are YAML's double-quoted
+    return yaml.safe_dump(v).removesuffix("\n...\n").strip()
+
+
+def render_record(rec: dict[str, Any], header: str = "") -> str:
+    """A record's text as the shipped files hold it: ``header`` (comment lines), then every key in
+    one order with its comment, the efficiencies in groups of one source each (in the order of
+    their first parameter). ``parse_record`` of the text gives ``rec`` back."""
+    lines = [header.rstrip("\n")] if header.strip() else []
+    for key, comment in _LAYOUT.items():
+        if key not in rec:
+            continue
+        if key == "efficiencies":
+            lines.append(f"{'efficiencies:':<{_COMMENT_COLUMN}}# {comment}")
+            for profile, values in rec[key].items():
+                lines.append(f"  {profile}:")
+                groups: dict[str, list[str]] = {}
+                for k in EFFICIENCIES:
+                    groups.setdefault(values[k]["source"], []).append(k)
+                for source, names in groups.items():
+                    lines.append(f"    - source: {_scalar(source)}")
+                    lines += [f"      {k + ':':<23}{_scalar(values[k]['value'])}" for k in names]
+            continue
+        line = f"{key}: {_scalar(rec[key])}"
+        lines.append(f"{line:<{_COMMENT_COLUMN}}# {comment}" if comment else line)
+    return "\n".join(lines) + "\n"
+
+
+def record_header(text: str) -> str:
+    """The comment lines a record's text opens with (what render_record keeps)."""
+    head = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        head.append(line)
+    return "\n".join(head) + ("\n" if head else "")

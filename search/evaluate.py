@@ -87,7 +87,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: d
     """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph): its
     peak, the process's runtime memory on this cluster included, within HBM less ``headroom``."""
     from stage_cosim.adapters.simulate import simulate
-    from stage_cosim.workload import gc_paused
+    from stage_cosim.gc_pause import gc_paused
 
     w = workload_of(model, par, cluster.gpu)
     capacity = cluster.gpu.memory_bytes * (1 - headroom)

@@ -62,10 +62,45 @@ def parallel_of(req: Mapping[str, Any]) -> ParallelConfig:
             kw["pp_layers"] = tuple(int(x) for x in kw["pp_layers"])
         except (TypeError, ValueError):
             raise UserError("pp-layers", "must be a list of integers") from None
+    if "dp" not in kw:
+        degrees = [kw.get(a, 1) for a in ("tp", "cp", "pp")]
+        if all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in degrees):
+            kw["dp"] = derived_dp(req.get("cluster"), *degrees)     # (bad degrees: ParallelConfig says)
     try:
         return ParallelConfig(**kw)
     except TypeError as exc:
         raise UserError("parallel", str(exc)) from None
+
+
+def cluster_gpus(spec: "str | Mapping[str, Any] | None") -> int | None:
+    """The GPU count a cluster request names: ``preset:COUNT``, a description's (or a YAML
+    file's) ``num_gpus``; None where it names none (a bare preset is sized to the job)."""
+    from stage_cosim.files import local_files_allowed, read_yaml
+    from stage_cosim.hardware.cluster import resolve_cluster
+
+    if spec is None:
+        return None
+    if isinstance(spec, Mapping):
+        n = spec.get("num_gpus")
+        return n if isinstance(n, int) and not isinstance(n, bool) else None
+    spec = str(spec)
+    if local_files_allowed() and (spec.endswith((".yaml", ".yml")) or Path(spec).is_file()):
+        doc = read_yaml(Path(spec), "cluster")
+        return resolve_cluster(spec).num_gpus if isinstance(doc, dict) and doc.get("num_gpus") is not None else None
+    return resolve_cluster(spec).num_gpus if ":" in spec else None
+
+
+def derived_dp(cluster: "str | Mapping[str, Any] | None", tp: int, cp: int, pp: int) -> int:
+    """The data-parallel degree when none is given: as Megatron derives it from the world size,
+    the cluster's GPUs over tp * cp * pp where the cluster names a count; else 1."""
+    n = cluster_gpus(cluster)
+    if n is None:
+        return 1
+    model_parallel = tp * cp * pp
+    if model_parallel <= 0 or n % model_parallel:
+        raise UserError("dp", f"is not given, and the cluster's {n} GPUs are not a multiple of "
+                              f"tp*cp*pp = {model_parallel}: give --dp or a GPU count that is")
+    return n // model_parallel
 
 
 def inference_of(req: Mapping[str, Any]) -> InferenceConfig | None:

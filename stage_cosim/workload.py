@@ -23,7 +23,7 @@ from stage_cosim.parallel.axes import (
 )
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.parallel.mesh import DeviceMesh
-from stage_cosim.runtime import gc_paused  # noqa: F401 (also imported from here)
+from stage_cosim.gc_pause import gc_paused
 from stage_cosim.schedule.memory import StageMemory
 from stage_cosim.schedule.nodes import COLL, COMP, PP_GROUP, RECV, SEND, RoleGraph
 from stage_cosim.schedule.program import ModelBlocks, build_role, stage_memory
@@ -90,7 +90,7 @@ class Workload:
         base = self._roles[stage].memory if stage in self._roles else stage_memory(stage, **self._role_args)
         if cluster is None:
             return base
-        from stage_cosim.runtime_memory import runtime_memory
+        from stage_cosim.process_memory import runtime_memory
 
         return base.with_runtime(runtime_memory(self, stage, cluster, base))
 
@@ -261,6 +261,37 @@ def precision_for(parallel: ParallelConfig, gpu: "GPU | None" = None) -> Precisi
     return resolve_precision(parallel, gpu if gpu is not None else get_gpu(DEFAULT_GPU))
 
 
+def training_blocks(model: ModelConfig, parallel: ParallelConfig, precision: Precision, evaluate=None  # noqa: ANN001
+                    ) -> ModelBlocks:
+    """The compiled blocks of a training step of ``model`` under ``parallel`` bound to their numbers
+    (the embedding, every layer, the head): what :func:`synthesize` builds the stages from, and
+    what a search bounds a configuration's compute with, without its graphs. ``evaluate(block,
+    values)`` binds a block (default ``block.evaluate(values)``; a search caches it)."""
+    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
+    policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
+                            grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision,
+                            moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
+                            cp_ring=parallel.cp_ring, cp_a2a=parallel.cp_a2a,
+                            cp_load_balance=parallel.cp_load_balance or parallel.cp == 1)
+    compiled = compiled_blocks(model.switches(), policy)
+    degrees = parallel.degrees()
+
+    def costs(block: CompiledBlock, window: int | None = None) -> BlockCosts:
+        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window, parallel.moe_load)
+        for axis in BLOCK_AXES:
+            values[degree_symbol(axis)] = degrees[axis]
+        return block.evaluate(values) if evaluate is None else evaluate(block, values)
+
+    # One evaluation per distinct layer kind (dense or with experts; global attention or each
+    # sliding window).
+    kinds = list(zip(model.moe_layers(), model.layer_windows()))
+    layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, w) for moe, w in set(kinds)}
+    return ModelBlocks((compiled.embedding, costs(compiled.embedding)),
+                       tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)])
+                             for moe, w in kinds),
+                       (compiled.head, costs(compiled.head)))
+
+
 def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" = None, *,  # noqa: F821
                precision: Precision | None = None, inference: InferenceConfig | None = None) -> Workload:
     """Build the role graphs of one training step of ``model`` under ``parallel`` (or, with
@@ -281,29 +312,8 @@ def synthesize(model: ModelConfig, parallel: ParallelConfig, gpu: "GPU | None" =
     parallel.check_against(model)
     if precision is None:
         precision = precision_for(parallel, gpu)
-    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
-    policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
-                            grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision,
-                            moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
-                            cp_ring=parallel.cp_ring, cp_a2a=parallel.cp_a2a,
-                            cp_load_balance=parallel.cp_load_balance or parallel.cp == 1)
-    compiled = compiled_blocks(model.switches(), policy)
+    blocks = training_blocks(model, parallel, precision)
     degrees = parallel.degrees()
-
-    def costs(block: CompiledBlock, window: int | None = None) -> BlockCosts:
-        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window, parallel.moe_load)
-        for axis in BLOCK_AXES:
-            values[degree_symbol(axis)] = degrees[axis]
-        return block.evaluate(values)
-
-    # One evaluation per distinct layer kind (dense or with experts; global attention or each
-    # sliding window).
-    kinds = list(zip(model.moe_layers(), model.layer_windows()))
-    layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, w) for moe, w in set(kinds)}
-    blocks = ModelBlocks((compiled.embedding, costs(compiled.embedding)),
-                         tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)])
-                               for moe, w in kinds),
-                         (compiled.head, costs(compiled.head)))
     orders = parallel.mesh_orders()
     meshes = {DENSE: DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, orders[DENSE],
                                       parallel.mesh_splits())}

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
 from stage_cosim.adapters.astra_sim.run import AstraSimError, run
-from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES, AstraSystem
+from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVES, AstraSystem
 from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.trace.chakra import TraceNode, write_trace_file
 

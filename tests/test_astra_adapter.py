@@ -220,7 +220,7 @@ def _p2p(n_id: int, t: int, peer: int, size: int) -> TraceNode:
 
 def _write_run_dir(d: Path, ranks: dict[int, list[TraceNode]], dims: list[NetworkDim], *,
                    splits: int = 4, opt: str = "baseline", groups: dict | None = None) -> None:
-    from stage_cosim.adapters.astra_sim.astra_model import AstraSystem
+    from stage_cosim.adapters.astra_sim.astra_system import AstraSystem
 
     (d / "traces").mkdir(parents=True)
     for r, nodes in ranks.items():

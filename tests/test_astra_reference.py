@@ -22,12 +22,14 @@ from stage_cosim.adapters.astra_sim.config_files import (read_memory_json, read_
                                                          read_system_json, system_json_dict,
                                                          write_memory_json, write_network_yml,
                                                          write_system_json)
-from stage_cosim.adapters.astra_sim.astra_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL,
-                                                       COLLECTIVES, REDUCE_SCATTER, AstraSystem,
-                                                       Network, chunking, collective_finish_times,
-                                                       collective_time, compute_duration_ns,
-                                                       message_delay, plan_phases,
-                                                       reduction_cost, simulate_astra)
+from stage_cosim.adapters.astra_sim.analytical import simulate_astra
+from stage_cosim.adapters.astra_sim.astra_collectives import (chunking, collective_finish_times,
+                                                             collective_time)
+from stage_cosim.adapters.astra_sim.astra_network import Network, message_delay, reduction_cost
+from stage_cosim.adapters.astra_sim.astra_phases import plan_phases
+from stage_cosim.adapters.astra_sim.astra_system import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL,
+                                                         COLLECTIVES, REDUCE_SCATTER, AstraSystem)
+from stage_cosim.adapters.astra_sim.astra_workload import compute_duration_ns
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.network import NetworkDim
 from stage_cosim.trace.chakra import TraceNode, read_comm_groups, read_trace_dir, write_trace_file

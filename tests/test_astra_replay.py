@@ -17,7 +17,7 @@ import pytest
 from astra_inputs import BINARY, coll, comp, p2p, replay_args, run_binary, system, write_inputs
 from stage_cosim.adapters.astra_sim.export import AstraSettings, export
 from stage_cosim.adapters.astra_sim.analytical import replay_workload
-from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES
+from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVES
 from stage_cosim.adapters.astra_sim.simulate import astra_system
 from stage_cosim.adapters.simulate import simulate
 from stage_cosim.hardware import resolve_cluster

@@ -567,7 +567,7 @@ def test_remote_simulate_files_and_custom_models(run_cli, server, tmp_path) -> N
     assert remote == local and tl_remote.read_bytes() == tl_local.read_bytes()
 
 
-@pytest.mark.parametrize("flags", [["--tp", "3"], ["--zero", "5"], ["--model", "nope"], ["--cluster", "dgx-h100:16"],
+@pytest.mark.parametrize("flags", [["--tp", "3"], ["--zero", "5"], ["--model", "nope"], ["--cluster", "dgx-h100:16", "--dp", "1"],
                                    ["--network-model", "magic"], ["--pp", "2", "--pp-layers", "a,b"]])
 def test_remote_simulate_errors_match_local(run_cli, server, flags) -> None:
     local = run_cli("simulate", *SMALL_FLAGS, *flags)

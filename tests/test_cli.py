@@ -124,7 +124,7 @@ def test_simulate_traces_directory(run_cli, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("args, param", [
-    (["--cluster", "dgx-h100:16"], "cluster:"),
+    (["--cluster", "dgx-h100:16", "--dp", "1"], "cluster:"),
     (["--cluster", "nope:8"], "cluster:"),
     (["--cluster", "dgx-h100:x"], "cluster:"),
     (["--network-model", "magic"], "network-model"),
@@ -137,3 +137,33 @@ def test_simulate_bad_input(run_cli, args, param) -> None:
 def test_clusters_lists_presets(run_cli) -> None:
     code, out, _ = run_cli("clusters")
     assert code == 0 and "gb200-nvl72" in out and "dgx-a100" in out
+
+
+def test_dp_follows_the_clusters_gpu_count(run_cli, tmp_path) -> None:
+    """Without --dp, as Megatron derives it from the world size: the GPUs the cluster names over
+    tp*cp*pp (16 H100 with tp 8: dp 2; a YAML file's num_gpus too); a bare preset is sized to the
+    job (dp 1); a count that tp*cp*pp does not divide is one line naming dp."""
+    def dp_of(*args: str) -> int:
+        code, out, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--json", *args)
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["config"]["parallel"]["world_size"] == doc["config"]["num_gpus"]
+        return doc["config"]["parallel"]["dp"]
+
+    assert dp_of("--cluster", "dgx-h100:16", "--tp", "8") == 2
+    assert dp_of("--cluster", "dgx-h100:32", "--tp", "4", "--pp", "2") == 4
+    assert dp_of("--cluster", "dgx-h100", "--tp", "8") == 1
+    assert dp_of("--cluster", "dgx-h100:16", "--tp", "8", "--dp", "2") == 2
+    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--cluster", "dgx-h100:16", "--tp", "8", "--dp", "1")
+    assert code == 2 and err.startswith("error: cluster:")      # an explicit --dp is never overridden
+    code, _, err = run_cli("simulate", "--model", "llama3-8b", "--cluster", "dgx-h100:24", "--tp", "8", "--pp", "2")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: dp:") and "tp*cp*pp = 16" in err
+
+
+def test_api_derives_dp_from_the_cluster_request() -> None:
+    from stage_cosim.api import parallel_of
+
+    assert parallel_of({"tp": 4, "cluster": "dgx-h100:64"}).dp == 16
+    assert parallel_of({"tp": 4, "cp": 2, "cluster": {"num_gpus": 64}}).dp == 8
+    assert parallel_of({"tp": 4, "cluster": "dgx-h100"}).dp == 1
+    assert parallel_of({"tp": 4}).dp == 1

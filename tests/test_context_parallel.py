@@ -312,7 +312,7 @@ def test_cli_error_is_one_line(run_cli, tmp_path) -> None:
     assert err.strip().startswith("error: cp-comm:") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "t").exists()
     code, out, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", "--cp", "2", "--seq-len", "8192",
-                             "--cluster", "dgx-h100:4")
+                             "--cluster", "dgx-h100:4", "--dp", "1")
     assert code == 2 and err.strip() == "error: cluster: has 4 GPUs but dp*tp*cp*pp = 2"
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.hardware import resolve_cluster
-from stage_cosim.hardware.gpu import calibration, get_gpu
+from stage_cosim.hardware.gpu import HAND_SET, get_gpu, gpu_records
 from stage_cosim.model import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.schedule.nodes import COLL, COMP
@@ -46,7 +46,8 @@ def test_fp8_gemms_reach_less_of_their_peak_than_bf16_and_fall_off_later(gpu: st
     that fraction saturates. Checked on the parameters the calibration fitted to the published
     runs, over GEMMs from 10 MFLOP to 10 PFLOP."""
     g = get_gpu(gpu)
-    assert "fp8_matmul_efficiency" in calibration()["H100"], "the H100 family's FP8 curve is fitted"
+    source = gpu_records()[gpu]["efficiencies"]["default"]["fp8_matmul_efficiency"]["source"]
+    assert not source.startswith(HAND_SET), "the H100 family's FP8 curve is fitted"
     cm = ComputeModel(g)
     for flops in np.logspace(7, 16, 37):
         bf16 = cm.matmul_rate(flops, "bf16") / (g.bf16_tflops * 1e12)
@@ -57,11 +58,12 @@ def test_fp8_gemms_reach_less_of_their_peak_than_bf16_and_fall_off_later(gpu: st
 
 
 def test_default_fp8_curve_is_the_calibration_files() -> None:
-    """A GPU built without the calibration table (a hypothetical one) gets the same FP8
-    defaults the table's ``default`` section gives an uncalibrated family."""
+    """A GPU built without a record (a hypothetical one) gets the same FP8 defaults the records
+    hand-set where no fit pins them (the A100 family, without FP8 tensor cores)."""
     from stage_cosim.hardware.gpu import GPU
 
-    d = calibration()["default"]
+    d = {k: v["value"] for k, v in gpu_records()["A100-80GB"]["efficiencies"]["default"].items()
+         if v["source"].startswith(HAND_SET)}
     bare = GPU(name="x", bf16_tflops=1000, fp8_tflops=2000, hbm_GiB=80, hbm_GBps=3000, nvlink_GBps=450,
                scaleout_GBps=50, matmul_efficiency=0.7, matmul_half_flops=1e9, attention_efficiency=0.5,
                memory_efficiency=0.8, kernel_overhead_us=3, scale_up_efficiency=0.8, scale_out_efficiency=0.8)

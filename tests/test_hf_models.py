@@ -11,6 +11,7 @@ import pytest
 from stage_cosim.errors import UserError
 from stage_cosim.graph.transformer import symbolic_param_count
 from stage_cosim.model.config import SLIDING_ATTENTION
+from stage_cosim.model import get_preset
 from stage_cosim.model.hf import READERS, model_from_hf_dict
 
 HF = Path(__file__).parent / "data" / "hf"
@@ -80,6 +81,12 @@ def test_moe_families_read_key_by_key() -> None:
     assert ds.moe_layers()[:4] == (False, False, False, True) and sum(ds.moe_layers()) == 58
     assert (ds.num_experts, ds.moe_router_topk, ds.expert_ffn, ds.moe_shared_expert_intermediate_size) == (256, 8, 2048, 2048)
     assert ds.mtp_num_layers == 1 and ds.kv_heads == ds.heads
+    # node-limited routing: 8 groups, a token's experts from its 4 best (V2: 3; V2-Lite one group)
+    assert (ds.moe_router_num_groups, ds.moe_router_group_topk) == (8, 4)
+    assert (_read(_cfg("DeepSeek-V2")).moe_router_group_topk, _read(_cfg("DeepSeek-V2-Lite")).moe_router_num_groups) \
+        == (3, None)
+    preset = get_preset("deepseek-v3")
+    assert (preset.moe_router_num_groups, preset.moe_router_group_topk) == (8, 4)
     oss = _read(_cfg("gpt-oss-120b"))
     assert oss.layer_windows()[:3] == (128, None, 128) and oss.attention_sinks and oss.moe_router_bias
     qwen = _cfg("Qwen3-30B-A3B")

@@ -215,3 +215,27 @@ def test_search_default_headroom_keeps_the_runtime_free() -> None:
     runtime = max(role["memory"]["runtime"] for role in e.result["roles"])
     assert runtime > 2 * GiB
     assert e.result["peak_memory_bytes"] <= hbm * (1 - DEFAULT_HEADROOM)
+
+
+def test_per_op_recomputation_replays_every_second_matmul() -> None:
+    """torchtitan's per-op selective checkpointing (``op``), worked by hand on a dense Llama
+    layer without tp: it keeps the QKV and fc1 outputs (the odd matmuls) and the attention
+    kernel's, and replays the output projection and fc2, so the step's matmul FLOPs grow by
+    exactly their forward, 2 * tokens * (h*h + ffn*h) per layer; and it holds less than no
+    recomputation and more than full recomputation."""
+    from stage_cosim.model import get_preset
+    from stage_cosim.parallel import ParallelConfig
+    from stage_cosim.workload import synthesize
+
+    model = get_preset("llama3-8b").with_overrides(layers=2)
+    h, ffn, tokens = model.hidden, model.ffn, 2 * 1024
+
+    def run(recompute: str):
+        par = ParallelConfig(dp=1, micro_batch=2, global_batch=2, seq_len=1024, recompute=recompute)
+        return synthesize(model, par)
+
+    none, op, full = run("none"), run("op"), run("full")
+    assert op.total_matmul_flops() - none.total_matmul_flops() == 2 * 2 * tokens * (h * h + ffn * h)
+    assert full.total_matmul_flops() > op.total_matmul_flops()
+    peak = [w.memory(0).total for w in (none, op, full)]
+    assert peak[0] > peak[1] > peak[2]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from astra_inputs import coll, p2p, replay_args, system, write_inputs
-from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES
+from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVES
 from stage_cosim.hardware.network import NetworkDim
 
 HF = Path(__file__).parent / "data" / "hf"
@@ -181,7 +181,8 @@ def test_the_smallest_such_all_reduce_the_binary_runs_is_replayed(run_cli, tmp_p
 def test_halving_doubling_all_gather_half_sends_the_binarys_sizes() -> None:
     """The binary's halvingDoubling all-reduce over 4 ranks of a 12-byte chunk: it sends 6 and
     3 bytes reducing, then 12 // 8 * 2 = 2 and 4 bytes gathering (not 3 and 6)."""
-    from stage_cosim.adapters.astra_sim.astra_model import ALL_REDUCE, _halving_doubling_blocks
+    from stage_cosim.adapters.astra_sim.astra_phases import _halving_doubling_blocks
+    from stage_cosim.adapters.astra_sim.astra_system import ALL_REDUCE
 
     blocks = _halving_doubling_blocks(ALL_REDUCE, 4, 12, lambda m: 0)
     assert [b.size for b in blocks] == [6, 3, 2, 4]

@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -241,7 +242,8 @@ def _megatron_parser() -> argparse.ArgumentParser:
                  "global-batch-size", "seq-length", "recompute-num-layers", "decoder-first-pipeline-num-layers",
                  "decoder-last-pipeline-num-layers", "fp8-amax-history-len", "num-experts", "moe-router-topk",
                  "moe-ffn-hidden-size", "moe-shared-expert-intermediate-size", "q-lora-rank", "kv-lora-rank",
-                 "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers"):
+                 "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim", "mtp-num-layers", "moe-router-num-groups",
+                 "moe-router-group-topk"):
         p.add_argument(f"--{name}", type=int)
     for name in ("position-embedding-type", "normalization", "recompute-granularity", "recompute-method",
                  "cp-comm-type", "moe-token-dispatcher-type", "fp8-format", "fp8-recipe",
@@ -256,7 +258,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
                  "use-distributed-optimizer", "use-megatron-fsdp", "overlap-grad-reduce", "overlap-param-gather",
                  "bf16", "fp8-param-gather", "multi-latent-attention", "moe-pad-expert-input-to-capacity",
                  "cross-entropy-loss-fusion", "use-tp-pp-dp-mapping", "grad-reduce-in-bf16", "tp-comm-overlap",
-                 "moe-shared-expert-overlap", "moe-shared-expert-gate"):
+                 "moe-shared-expert-overlap", "moe-shared-expert-gate", "moe-enable-deepep"):
         p.add_argument(f"--{name}", action="store_true")
     return p
 
@@ -352,6 +354,7 @@ def test_megatron_flags_of_deepseek_v3_model() -> None:
     assert (a.q_lora_rank, a.kv_lora_rank, a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim) == \
         (1536, 512, 128, 64, 128)
     assert a.mtp_num_layers == 1 and a.pipeline_model_parallel_layout.endswith("mL")
+    assert (a.moe_router_num_groups, a.moe_router_group_topk) == (8, 4)     # node-limited routing
     assert sum(_layout_stages(a.pipeline_model_parallel_layout)) == 61
 
 
@@ -410,6 +413,8 @@ def test_torchtitan_toml_of_a_hand_worked_fsdp_layout() -> None:
     assert [len([m for m in part if m.startswith("layers.")]) for part in parts] == [40, 40]
     assert doc["training"] == {"local_batch_size": 16, "global_batch_size": 1024, "seq_len": 8192}
     assert doc["activation_checkpoint"] == {"mode": "full"}
+    per_op = tomllib.loads(emit("torchtitan", model, replace(par, recompute="op")).text())
+    assert per_op["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
 
 
 @pytest.mark.parametrize("target, settings, says", [
@@ -418,6 +423,8 @@ def test_torchtitan_toml_of_a_hand_worked_fsdp_layout() -> None:
     ("megatron", dict(pp=2, dp=2, global_batch=4, schedule="gpipe"), "Megatron-LM has no GPipe schedule"),
     ("nemo", dict(cp=4, cp_comm="a2a+p2p", cp_a2a_size=2, seq_len=8192), "hierarchical context parallelism"),
     ("megatron", dict(dp=2, axis_order=("dp", "tp", "cp", "pp")), "maps ranks as tp, cp, dp, pp"),
+    ("megatron", dict(recompute="op"), "Megatron-LM has no per-op selective checkpointing"),
+    ("nemo", dict(recompute="op"), "has no per-op selective checkpointing"),
 ])
 def test_what_a_framework_cannot_express_is_refused(target: str, settings: dict, says: str) -> None:
     with pytest.raises(UserError, match=re.escape(says)) as exc:

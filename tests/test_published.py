@@ -51,9 +51,10 @@ def test_moe_rows_with_the_same_calibration() -> None:
     """Checks, not fits. Mixtral 8x7B on 64 H100 (its step time derived from 468 TFLOP/s with
     Megatron-Core v0.9's formula) at its documented level (-9.8 %: the causal kernel's skipped
     half of the score matrix took it from -2.3 %, the end-to-end H100 fit having learnt the full
-    matrix's time); DeepSeek-V3 FP8 on 2,048 H800 is
-    the known miss (docs/validation.md: DualPipe's overlap of the all-to-all and the pipeline, node-limited
-    routing and the run's memory savings are not modelled), guarded at its documented level."""
+    matrix's time); DeepSeek-V3 FP8 on 2,048 H800, its tokens dispatched once per node reached
+    (node-limited routing, the flex dispatcher), is the known miss (docs/validation.md: DualPipe's
+    pairing of the first and last stages and its overlap of the all-to-all are not modelled),
+    guarded at its documented level."""
     from stage_cosim.validation.published import moe_published
 
     errors = {}
@@ -62,7 +63,7 @@ def test_moe_rows_with_the_same_calibration() -> None:
         result, _, _ = simulate(synthesize(run.model, run.parallel(), cluster.gpu), cluster)
         errors[run.name] = result.step_time_s / run.measured_step_s - 1
     assert abs(errors["mixtral-8x7b"]) <= 0.10
-    assert 0.9 <= errors["deepseek-v3"] <= 1.4
+    assert 0.55 <= errors["deepseek-v3"] <= 0.70
 
 
 # -- NeMo Framework 24.07, FP8 on H100 (fitted together with Megatron-Core's table) ----------------
@@ -182,15 +183,23 @@ def test_torchtitan_rows_load_as_published() -> None:
 
 @pytest.mark.slow
 def test_torchtitan_rows_at_their_documented_level() -> None:
-    """Guarded at the level docs/validation.md reports: every expressible H100 row predicted
-    faster than measured (the runs were at 500 W; torchtitan's per-op selective checkpointing
-    recomputes more than the model's selective recomputation), by 10-50 %."""
+    """Guarded at the level docs/validation.md reports. The H200 rows (Float8 FSDP at full
+    power, torchtitan's per-op selective checkpointing) within 6 %; every expressible H100 row
+    predicted faster than measured (the runs were at a 500 W power limit, the model's H100 is
+    the 700 W part), by 10-50 %."""
     from stage_cosim.validation.published import torchtitan_benchmarks
 
     runs, _ = torchtitan_benchmarks()
+    checked = 0
     for run in runs:
-        if run.gpu != "H100":
+        if run.gpu not in ("H100", "H200"):
             continue
         cluster = resolve_cluster(run.cluster, run.gpus)
         result, _, _ = simulate(synthesize(run.model, run.parallel(), cluster.gpu), cluster)
-        assert -0.50 <= result.step_time_s / run.measured_step_s - 1 <= -0.10, run.name
+        error = result.step_time_s / run.measured_step_s - 1
+        if run.gpu == "H200":
+            assert abs(error) <= 0.06, (run.name, error)
+            checked += 1
+        else:
+            assert -0.50 <= error <= -0.10, (run.name, error)
+    assert checked == 2

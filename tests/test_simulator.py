@@ -63,7 +63,7 @@ class _Fixed:
     def stream(self, node_type: str, kind: str):
         return None if node_type == "RECV" else ("send" if node_type == "SEND" else f"comm:{kind}")
 
-    def collective(self, coll, nbytes, members, starts):
+    def collective(self, coll, nbytes, members, starts, kind=""):
         return [max(starts) + 1.0] * len(members)
 
     def p2p(self, src, dst, nbytes):

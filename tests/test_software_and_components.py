@@ -3,6 +3,7 @@ microbenchmarks the calibration starts from."""
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from pathlib import Path
@@ -134,11 +135,11 @@ def test_component_fits_reproduce_their_microbenchmarks() -> None:
     over NVLink, which the model's all-to-all does not do)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from calibrate import fit_components
-    from stage_cosim.hardware.gpu import calibration
+    from stage_cosim.hardware.gpu import family_efficiencies
 
     worst_gemm = {"A100": 0.20, "H100": 0.61, "B200": 0.16}
     for family in ("A100", "H100", "B200"):
-        comps = fit_components(family, dict(calibration()["default"]) | calibration()[family])
+        comps = fit_components(family, family_efficiencies(family))
         params = comps.values
         for f in comps.fits:
             errors = [abs(e) for e in f.errors(params)]
@@ -204,18 +205,23 @@ def test_nvl72_refuses_what_trays_cannot_hold() -> None:
 
 @pytest.mark.slow
 def test_shipped_blackwell_section_is_what_its_microbenchmarks_give() -> None:
-    """B200 and GB200 have no published end-to-end table: their section of the calibration is
-    exactly the component fit (calibrate.py --family B200 --write), to its four digits."""
+    """B200 and GB200 have no published end-to-end table: what their records hold from a fit is
+    exactly the component fit (calibrate.py --family B200 --write), to its four digits, with the
+    source --write gives it; the rest is hand-set."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from calibrate import fit_components
-    from stage_cosim.hardware.gpu import calibration
+    from calibrate import component_sources, fit_components
+    from stage_cosim.hardware.gpu import HAND_SET, family_efficiencies, gpu_records
 
-    shipped = calibration()["B200"]
-    comps = fit_components("B200", dict(calibration()["default"]))
-    assert set(shipped) == {"scale_up_efficiency", "fp8_matmul_efficiency", "fp8_matmul_half_flops"}
-    for name, value in shipped.items():
-        assert comps.params[name] == pytest.approx(value, rel=1e-3), name
-    assert get_gpu("GB200").fp8_matmul_efficiency == shipped["fp8_matmul_efficiency"]
+    for gpu in ("B200", "GB200"):
+        record = gpu_records()[gpu]["efficiencies"]["default"]
+        shipped = {k: v for k, v in record.items() if not v["source"].startswith(HAND_SET)}
+        comps = fit_components("B200", family_efficiencies("B200"))
+        assert set(shipped) == {"scale_up_efficiency", "fp8_matmul_efficiency", "fp8_matmul_half_flops"}
+        sources = component_sources(comps)
+        for name, v in shipped.items():
+            assert comps.params[name] == pytest.approx(v["value"], rel=1e-3), name
+            assert v["source"] == sources[name], name
+        assert get_gpu(gpu).fp8_matmul_efficiency == shipped["fp8_matmul_efficiency"]["value"]
 
 
 def test_bridge_cache_key_follows_the_calibration_and_the_profiles(monkeypatch) -> None:
@@ -226,10 +232,10 @@ def test_bridge_cache_key_follows_the_calibration_and_the_profiles(monkeypatch) 
 
     req = {"model": "llama3-8b", "cluster": "dgx-h100:8", "global_batch": 8, "seq_len": 1024}
     before = resolve.digest_of({"defaults": resolve.defaults_fingerprint(), "request": req})
-    changed = {k: dict(v) for k, v in gpu.calibration().items()}
-    changed["H100"]["memory_efficiency"] = 0.5
+    changed = copy.deepcopy(gpu.gpu_records())
+    changed["H100-SXM"]["efficiencies"]["default"]["memory_efficiency"]["value"] = 0.5
     resolve.defaults_fingerprint.cache_clear()
-    monkeypatch.setattr(gpu, "calibration", lambda: changed)
+    monkeypatch.setattr(gpu, "gpu_records", lambda: changed)
     try:
         after = resolve.digest_of({"defaults": resolve.defaults_fingerprint(), "request": req})
     finally:

@@ -183,7 +183,7 @@ def test_trace_set_reader_equals_protobuf(llama_small, gpt_small, tmp_path) -> N
     """The class-by-class reader (a wire-format walk, byte comparison against the class's file)
     gives every rank exactly the nodes protobuf decodes from its file, also for files it must
     decode the slow way: fields in another order, unknown fields, a rank differing in one node."""
-    from stage_cosim.trace import traceset
+    from stage_cosim.trace import location
 
     w = synthesize(gpt_small, ParallelConfig(dp=2, tp=2, pp=2, global_batch=8, seq_len=256))
     out = _write(w, tmp_path)
@@ -199,7 +199,7 @@ def test_trace_set_reader_equals_protobuf(llama_small, gpt_small, tmp_path) -> N
     (out / "workload.5.et").write_bytes(b"".join(frame(m) for m in msgs[:4]) + frame(odd) + frame(n4.SerializeToString())
                                         + b"".join(frame(m) for m in msgs[6:]))
     _rewrite(out / "workload.6.et", lambda ns: _set_attr(_first(ns, pb.COMM_COLL_NODE), "comm_size", uint64_val=77))
-    t = traceset.read(traceset.locate(out))
+    t = location.read(location.locate(out))
     assert len(t.classes) == 4          # two stages, and the two ranks edited above
     for rank, path in trace_files(out).items():
         assert _same_nodes(t.nodes(rank), read_trace_file(path)[1]), rank

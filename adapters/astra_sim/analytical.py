@@ -1,12 +1,13 @@
 """The ``astra`` network model: ASTRA-sim's congestion-unaware analytical backend, exactly.
 
 Everything here runs :mod:`astra_replay` (ASTRA-sim's workload layer) with
-:class:`~astra_model.CollectiveModel` (its system and network layers, which reproduce the
+:class:`~astra_collectives.CollectiveModel` (its system and network layers, which reproduce the
 reference runs to the nanosecond):
 
 * :func:`replay_trace_set` — any trace set, under a system and a network (what the binary
-  prints, rank by rank); :func:`replay_files` reads the binary's own input files for it, and
-  :func:`simulate_run_dir` an exported run directory;
+  prints, rank by rank); :func:`replay_files` reads the binary's own input files for it,
+  :func:`simulate_run_dir` an exported run directory, and :func:`simulate_astra` takes plain
+  per-rank node lists;
 * :func:`replay_workload` — a synthesized workload as the exporter would write it, without
   writing it (the ``--network-model astra`` of ``simulate``, and the export's own check);
 * :func:`input_problems` — what the binary would abort or hang on, as a list of problems;
@@ -19,19 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from stage_cosim.adapters.astra_sim.astra_model import (
-    COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, roofline_ns,
-)
+from stage_cosim.adapters.astra_sim.astra_collectives import CollectiveModel
+from stage_cosim.adapters.astra_sim.astra_network import Network
 from stage_cosim.adapters.astra_sim.astra_replay import (
     Agent, Deadlock, Outcome, Program, _Asymmetric, durations_ns, expand, make_agent, program_of, replay,
 )
+from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVE_BY_CODE, AstraSystem
+from stage_cosim.adapters.astra_sim.astra_workload import AstraRunResult, roofline_ns
 from stage_cosim.adapters.roofline.classes import (
     ALL, K_COLL, K_RECV, K_SEND, Classes, membership, replay_ns, symmetric as is_symmetric, target_of, trace_classes,
 )
 from stage_cosim.errors import UserError
-from stage_cosim.runtime import gc_paused
+from stage_cosim.gc_pause import gc_paused
 from stage_cosim.hardware.network import NetworkDim
-from stage_cosim.trace.traceset import COLL, TraceSet
+from stage_cosim.trace.chakra import TraceNode
+from stage_cosim.trace.traceset import COLL, TraceSet, from_nodes
 from stage_cosim.trace.validate import Problem, validate
 
 # A nominal machine for checking traces whose system and network are not given: every
@@ -304,6 +307,20 @@ def replay_checked(ts: TraceSet, system: AstraSystem, dims: Sequence[NetworkDim]
         raise UserError(parameter, deadlock_message(d)) from None
 
 
+def simulate_astra(ranks: Mapping[int, Sequence[TraceNode]], groups: Mapping[str, Sequence[int]],
+                   system: AstraSystem, network: Sequence[NetworkDim]) -> AstraRunResult:
+    """Replay every rank's Chakra nodes as ASTRA-sim's congestion-unaware binary would (§7).
+
+    At time 0 and whenever a node completes, a rank issues its dependency-free nodes in id
+    order; compute needs the rank's one compute slot, collectives and sends its one
+    communication slot, receives no slot. Sends finish at issue + D; receives at
+    max(posted, arrival); a collective starts on each rank when that rank issues it and couples
+    the ranks of its group. Inputs the simulator would abort or hang on are a UserError.
+    """
+    ts = from_nodes({r: list(ns) for r, ns in ranks.items()}, {str(k): list(v) for k, v in groups.items()})
+    return replay_checked(ts, system, network, "traces").result()
+
+
 # -- files -----------------------------------------------------------------------------------------
 
 @gc_paused()
@@ -311,7 +328,7 @@ def replay_files(workload: str, system_file: Path, network_file: Path, memory_fi
                  groups_file: Path | None, *, symmetric: bool = True) -> tuple[Replayed, int]:
     """The binary's inputs, by its own flags: (the replay, the number of ranks)."""
     from stage_cosim.adapters.astra_sim.config_files import read_memory_json, read_network_yml, read_system_json
-    from stage_cosim.trace.traceset import read_prefix
+    from stage_cosim.trace.location import read_prefix
 
     system = read_system_json(system_file)
     dims = read_network_yml(network_file)
@@ -328,7 +345,7 @@ def replay_files(workload: str, system_file: Path, network_file: Path, memory_fi
 def simulate_run_dir(run_dir: Path) -> AstraRunResult:
     """What ASTRA-sim's congestion-unaware binary will print for an exported run directory,
     computed from the files alone."""
-    from stage_cosim.adapters.astra_sim.export import TRACE_DIR, TRACE_PREFIX
+    from stage_cosim.adapters.astra_sim.layout import TRACE_DIR, TRACE_PREFIX
     from stage_cosim.trace.writer import GROUPS_FILE
 
     groups = run_dir / GROUPS_FILE
@@ -401,7 +418,7 @@ def role_program(role, dur: Sequence[int]) -> tuple[Program, list[tuple[str, obj
 def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: ANN001
     """Per role, each node's compute time in ns exactly as the export writes it for the binary:
     whole microseconds with the rounding error carried (replay), or the binary's roofline."""
-    from stage_cosim.adapters.astra_sim.export import replay_durations
+    from stage_cosim.adapters.astra_sim.durations import replay_durations
     from stage_cosim.adapters.roofline.compute import ComputeModel
     from stage_cosim.schedule.nodes import COMP as R_COMP
 

@@ -1,6 +1,6 @@
 """ASTRA-sim's workload layer, exactly and fast: replay rank programs in integer nanoseconds.
 
-The rules are §7 of the cost model (``astra_model``): at time 0 and whenever a node completes, a
+The rules are §7 of the cost model (``astra_system`` and the modules it names): at time 0 and whenever a node completes, a
 rank issues its dependency-free nodes in id order, each when the resource it needs is free —
 one compute slot, one communication slot shared by collectives and sends; a receive needs
 none. A send ends at issue + D, a receive at max(posted, arrival); a collective couples the
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
-from stage_cosim.adapters.astra_sim.astra_model import (
-    BROADCAST_CODE, COLLECTIVE_BY_CODE, AstraRunResult, AstraSystem, CollectiveModel, Network, roofline_ns,
-)
+from stage_cosim.adapters.astra_sim.astra_collectives import CollectiveModel
+from stage_cosim.adapters.astra_sim.astra_network import Network
+from stage_cosim.adapters.astra_sim.astra_system import BROADCAST_CODE, COLLECTIVE_BY_CODE, AstraSystem
+from stage_cosim.adapters.astra_sim.astra_workload import AstraRunResult, roofline_ns
 from stage_cosim.adapters.roofline.classes import ALL, K_COLL, K_COMP, K_RECV, K_SEND, replay_ns, target_of
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.network import NetworkDim

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from stage_cosim.adapters.astra_sim.astra_model import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL,
-                                                       REDUCE_SCATTER, AstraSystem)
+from stage_cosim.adapters.astra_sim.astra_system import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL,
+                                                         REDUCE_SCATTER, AstraSystem)
 from stage_cosim.errors import UserError, require
 from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
 

@@ -27,14 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from stage_cosim.adapters.astra_sim.config_files import write_memory_json, write_network_yml, write_system_json
+from stage_cosim.adapters.astra_sim.durations import replay_durations
 from stage_cosim.adapters.astra_sim.layout import (  # noqa: F401 (part of this module's interface)
     BINARY_ENV, COMPUTE_MODES, DEFAULT_BINARY, RUN_SH, TRACE_DIR, TRACE_PREFIX, command,
 )
-from stage_cosim.adapters.astra_sim.astra_model import COLLECTIVES, AstraSystem
+from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVES, AstraSystem
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
-from stage_cosim.schedule.nodes import COMP, RoleGraph, op_kind
+from stage_cosim.schedule.nodes import COMP
 from stage_cosim.trace.writer import GROUPS_FILE, atomic_directory, write_traces
 from stage_cosim.workload import Workload
 
@@ -99,35 +100,6 @@ def check_compute_mode(w: Workload, mode: str) -> None:
     if mode == "roofline" and w.precision.fp8:
         raise UserError("compute", "roofline mode gives the simulator one peak (BF16); FP8 GEMMs run at "
                                    "another: use --compute replay")
-
-
-def replay_durations(compute: ComputeModel):  # noqa: ANN201 (Durations)
-    """duration_micros per node of a role, rounded with the error carried along (see above)."""
-    cache: dict[int, list[int]] = {}
-    kernel_ns: dict[tuple[int, int, bool, str], float] = {}     # a kernel recurs every micro-batch
-
-    def durations(role: RoleGraph) -> list[int]:
-        if id(role) in cache:
-            return cache[id(role)]
-        out = [0] * len(role.nodes)
-        exact_ns = 0.0
-        written_us = 0
-        for n in role.nodes:
-            if n.type != COMP:
-                continue
-            key = (n.flops, n.mem_bytes, n.matmul, n.category, n.groups, n.keys)
-            t = kernel_ns.get(key)
-            if t is None:
-                t = kernel_ns[key] = compute.duration_of(n.flops, n.mem_bytes, op_kind(n.category, n.matmul),
-                                                         n.groups, n.keys) * 1e9
-            exact_ns += t
-            target = round(exact_ns / 1000)
-            out[n.id] = max(0, target - written_us)
-            written_us += out[n.id]
-        cache[id(role)] = out
-        return out
-
-    return durations
 
 
 def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",

@@ -6,7 +6,7 @@ import the synthesis stack.
 
 from __future__ import annotations
 
-from stage_cosim.trace.traceset import GROUPS_FILE
+from stage_cosim.trace.location import GROUPS_FILE
 
 COMPUTE_MODES = ("replay", "roofline")
 TRACE_DIR = "traces"

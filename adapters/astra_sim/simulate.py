@@ -26,7 +26,7 @@ from stage_cosim.adapters.roofline.traces import carries_durations, kernel_secon
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.result import SimResult
-from stage_cosim.trace import traceset
+from stage_cosim.trace import location
 from stage_cosim.trace.traceset import TraceSet
 from stage_cosim.workload import Workload
 
@@ -126,7 +126,7 @@ def simulate_traces(directory: Path, cluster: Cluster, *, comm_groups: Path | No
     return Simulation(*trace_result(loaded, cluster, "astra", programs, rep, {"astra_files": used} if used else {}))
 
 
-def astra_inputs(located: traceset.Located, cluster: Cluster, settings, compute_mode: str,  # noqa: ANN001
+def astra_inputs(located: location.Located, cluster: Cluster, settings, compute_mode: str,  # noqa: ANN001
                  used: list[str] | None = None):  # noqa: ANN201 (AstraSystem, list[NetworkDim])
     """The system and network the astra model runs a trace set under: the run directory's own
     system.json and network.yml where they are (what the binary would run), with the settings
@@ -147,7 +147,7 @@ def astra_inputs(located: traceset.Located, cluster: Cluster, settings, compute_
     return system, dims
 
 
-def deadlock_warning(ts: TraceSet, located: traceset.Located) -> list[str]:
+def deadlock_warning(ts: TraceSet, located: location.Located) -> list[str]:
     """Whether ASTRA-sim would deadlock on these traces (one communication operation at a time
     per rank, issued in id order), under the run directory's files or a nominal network: the
     calibrated model runs them (real clusters overlap their communication streams), but the

@@ -9,10 +9,13 @@ receive is waiting, not communication.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from stage_cosim.parallel.axes import category_of
 from stage_cosim.result import BREAKDOWN_KEYS
+
+if TYPE_CHECKING:
+    from stage_cosim.adapters.roofline.engine import AgentProgram, Replay
 
 EXPOSED_PRIORITY = ("tp", "ep", "cp", "pp", "embedding", "dp")
 NOT_CHARGED = ("RECV", "WAIT")   # a receive waits; a WAIT node only lets time pass
@@ -71,3 +74,10 @@ def charge(spans: Iterable[tuple[float, float, str]], lo: float, hi: float, wait
             prev = t
         active[cat] += delta
     return out
+
+
+def step_breakdown(prog: AgentProgram, rep: Replay, a: int, step: float, pipelined: bool) -> dict[str, float]:
+    """Seconds by category over the whole step of agent ``a`` of a replay (a workload's or a
+    trace set's): the time no node occupies is a pipeline bubble where the step is pipelined."""
+    spans = intervals(prog.types, prog.kind, rep.start[a], rep.end[a])
+    return charge(spans, 0.0, step, "pipeline_bubble" if pipelined else "idle")

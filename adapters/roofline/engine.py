@@ -118,7 +118,7 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
                 if i in p.involved:
                     finishes = network.collective(p.coll[i], p.nbytes[i], members, starts, involved=p.involved[i])
                 else:
-                    finishes = network.collective(p.coll[i], p.nbytes[i], members, starts)
+                    finishes = network.collective(p.coll[i], p.nbytes[i], members, starts, kind=p.kind[i])
                 # Each agent finishes when the member it stands for does.
                 if single:
                     push(finishes[members.index(p.rank)], a, i)

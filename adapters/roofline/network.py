@@ -6,7 +6,9 @@ Two models share one interface (:class:`NetworkModel`):
 * :class:`CalibratedNetwork` — what real clusters do: NCCL-like choice between ring and tree,
   hierarchical (intra-domain, then inter-domain) decomposition, achievable bus bandwidth per
   link type, and one stream per kind of parallelism so tp, dp and pp traffic overlap each other
-  and compute.
+  and compute. The all-reduce algorithm is a parameter (``algorithm``, NCCL_ALGO's role):
+  ``auto`` (the default, what every ``simulate`` uses: the faster of ring and tree), ``ring``,
+  ``tree`` or ``nvls`` (NVLink SHARP, chosen only when asked for).
 * ``astra`` (:mod:`stage_cosim.adapters.astra_sim.analytical`) — ASTRA-sim's
   congestion-unaware analytical backend, reproduced exactly. It runs its own replay, in the
   ASTRA-sim package, which builds on this one: :mod:`stage_cosim.adapters.simulate` picks it.
@@ -18,11 +20,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.hardware.cluster import Cluster
 
 # The network models of the built-in simulator, by name (--network-model): the engine's, and
 # ASTRA-sim's (its package's; stage_cosim.adapters.simulate dispatches).
 NETWORK_MODELS = ("calibrated", "astra")
+# NCCL's all-reduce algorithms the calibrated model has (NCCL_ALGO): "auto" takes the faster of
+# ring and tree by the model's own times, as NCCL's tuner does; it never picks NVLS, whose
+# efficiency nothing has been calibrated on (the shipped calibration was fitted with auto).
+ALGORITHMS = ("auto", "ring", "tree", "nvls")
+# GPU architectures whose NVSwitch reduces in the switch (NVLink SHARP: third-generation NVSwitch
+# and later)
+NVLS_ARCHES = ("hopper", "blackwell")
+# The communicator-group kind of the MoE token dispatcher's all-to-alls
+ROUTED_KIND = "ep"
 
 
 class NetworkModel(Protocol):
@@ -31,8 +43,10 @@ class NetworkModel(Protocol):
     def stream(self, node_type: str, kind: str) -> str | None:
         """The execution slot a COLL/SEND/RECV node of group ``kind`` needs (None: no slot)."""
 
-    def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float]) -> list[float]:
-        """Finish time of each member, given when each member issued the collective (seconds)."""
+    def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float],
+                   kind: str = "") -> list[float]:
+        """Finish time of each member, given when each member issued the collective (seconds);
+        ``kind``: its communicator group's kind (tp, dp, ep ...)."""
 
     def p2p(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:
         """(how long the send occupies its slot, delay from send issue to arrival), seconds."""
@@ -45,9 +59,19 @@ class CalibratedNetwork:
 
     cluster: Cluster
     name: str = "calibrated"
+    # The all-reduce algorithm (one of ALGORITHMS), for every all-reduce unless a call names its
+    # own. Where NVLS cannot run an all-reduce (a GPU without NVLink SHARP, ranks in several
+    # domains) the model falls back to auto, as NCCL does; nvls_unavailable() says why.
+    algorithm: str = "auto"
+    # The workload's routed tokens where its dispatcher deduplicates them per domain (the flex
+    # dispatcher): its all-to-alls over ep send each token across domains once per domain
+    # reached (routed_all_to_all). None: every routed copy is sent.
+    routing: TokenRouting | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         c, g = self.cluster, self.cluster.gpu
         self.bw_up = c.scale_up.bandwidth_GBps * 1e9 * g.scale_up_efficiency
         self.lat_up = c.scale_up.latency_ns * 1e-9
@@ -73,13 +97,29 @@ class CalibratedNetwork:
     def _ring(steps: int, nbytes_per_step: float, bw: float, lat: float) -> float:
         return steps * (nbytes_per_step / bw + lat)
 
-    def _allreduce(self, nbytes: float, n: int, bw: float, lat: float) -> float:
+    def _allreduce(self, nbytes: float, n: int, bw: float, lat: float, algorithm: str = "auto") -> tuple[float, str]:
+        """(time, algorithm) of a one-level all-reduce of ``nbytes`` per rank over ``n`` ranks:
+        ``ring``, ``tree``, or ``auto``, the faster of the two (ring where they tie)."""
         if n <= 1:
-            return 0.0
+            return 0.0, "ring"
         ring = 2 * (n - 1) * (nbytes / n / bw + lat)
+        if algorithm == "ring":
+            return ring, "ring"
         # Double binary tree: log-depth latency, about the same bandwidth term as the ring.
         tree = 2 * math.ceil(math.log2(n)) * lat + 2 * nbytes / bw
-        return min(ring, tree)
+        if algorithm == "tree" or tree < ring:
+            return tree, "tree"
+        return ring, "ring"
+
+    def _nvls(self, nbytes: float, m: int) -> float:
+        """An all-reduce of ``nbytes`` per rank over ``m`` ranks of one NVSwitch domain, reduced
+        in the switch (NVLink SHARP). The switch reads every rank's buffer once and adds it up
+        (multimem.ld_reduce): each rank's link carries its ``nbytes`` out and its 1/m share of
+        the sum in; each rank then stores its share once and the switch multicasts it to all
+        (multimem.st): 1/m out, the whole result in. Out and in run at once, both pipelined, so
+        each link carries (1 + 1/m)·nbytes each way at the scale-up rate, where a ring carries
+        2(m-1)/m·nbytes; one latency for the reduction's round trip, one for the multicast."""
+        return (1 + 1 / m) * nbytes / self.bw_up + 2 * self.lat_up
 
     def _gather_like(self, out_bytes: float, n: int, bw: float, lat: float) -> float:
         """All-gather (or reduce-scatter) moving (n-1)/n of ``out_bytes`` through each rank."""
@@ -101,20 +141,51 @@ class CalibratedNetwork:
         for all pipeline stages whose groups are placed alike)."""
         return len(members), self._shape(members)[0]
 
-    def duration(self, coll: str, nbytes: int, members: Sequence[int]) -> float:
+    def nvls_unavailable(self, members: Sequence[int]) -> str | None:
+        """Why NVLS cannot run an all-reduce over ``members`` (None: it can)."""
+        g, up = self.cluster.gpu, self.cluster.scale_up
+        if g.arch not in NVLS_ARCHES:
+            return (f"{g.name} ({g.arch}) has no NVLink SHARP: NVLS needs a Hopper or Blackwell GPU "
+                    f"on an NVSwitch")
+        if up.topology != "Switch":
+            return f"the scale-up network is a {up.topology}, not an NVSwitch: NVLS reduces inside the switch"
+        k, _ = self._shape(members)
+        if k > 1:
+            return (f"the {len(members)} ranks span {k} NVLink domains of {self.domain}; NVLS runs inside one "
+                    f"(NCCL's NVLS across nodes, NVLSTree, is not modelled)")
+        return None
+
+    def duration(self, coll: str, nbytes: int, members: Sequence[int], algorithm: str | None = None) -> float:
+        """How long ``coll`` of ``nbytes`` (the per-collective convention noted at each case)
+        takes over ``members``; ``algorithm`` overrides the network's for this all-reduce."""
+        return self.timed(coll, nbytes, members, algorithm)[0]
+
+    def timed(self, coll: str, nbytes: int, members: Sequence[int], algorithm: str | None = None) -> tuple[float, str]:
+        """(duration, the algorithm that ran it): for an all-reduce ``ring``, ``tree`` or
+        ``nvls`` (across domains: the algorithm of the inter-domain step, rings inside); the
+        other collectives have one algorithm each, ``ring`` (all-gather, reduce-scatter,
+        broadcast) or ``p2p`` (all-to-all: a send to and a receive from every peer)."""
         n = len(members)
+        algorithm = self.algorithm if algorithm is None else algorithm
         if n <= 1:
-            return 0.0
+            return 0.0, "p2p" if coll == "ALL_TO_ALL" else "ring"
         k, m = self._shape(members)
-        key = (coll, nbytes, n, k)
+        key = (coll, nbytes, n, k, algorithm)
         if key in self._cache:
             return self._cache[key]
         up, out = (self.bw_up, self.lat_up), (self.bw_out, self.lat_out)
-        if coll == "ALL_REDUCE":
-            t = (self._gather_like(nbytes, m, *up) + self._allreduce(nbytes / m, k, *out)
-                 + self._gather_like(nbytes, m, *up))
-            if k == 1:
-                t = self._allreduce(nbytes, m, *up)
+        name = "ring"
+        if coll == "ALL_REDUCE":            # nbytes: each rank's buffer
+            if algorithm not in ALGORITHMS:
+                raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+            if algorithm == "nvls" and self.nvls_unavailable(members) is None:
+                t, name = self._nvls(nbytes, m), "nvls"
+            else:
+                level = "auto" if algorithm == "nvls" else algorithm
+                inter, name = self._allreduce(nbytes / m, k, *out, level)
+                t = self._gather_like(nbytes, m, *up) + inter + self._gather_like(nbytes, m, *up)
+                if k == 1:
+                    t, name = self._allreduce(nbytes, m, *up, level)
         elif coll == "REDUCE_SCATTER":      # nbytes: each rank's input
             t = self._gather_like(nbytes, m, *up) + self._gather_like(nbytes / m, k, *out)
         elif coll == "ALL_GATHER":          # nbytes: each rank's shard
@@ -122,14 +193,47 @@ class CalibratedNetwork:
         elif coll == "ALL_TO_ALL":          # nbytes: each rank's whole send buffer
             intra = (m - 1) * (nbytes / n / self.bw_up + self.lat_up)
             inter = (n - m) * nbytes / n / self.bw_out + (self.lat_out if k > 1 else 0.0)
-            t = max(intra, inter)
+            t, name = max(intra, inter), "p2p"
+        elif coll == "BROADCAST":           # nbytes: the root's buffer, which every rank receives
+            # NCCL's ring broadcast: a chain, pipelined in chunks, so the whole buffer crosses the
+            # chain's slowest link once; one latency per hop (m-1 inside each domain, k-1 between)
+            bw = min(self.bw_up if m > 1 else math.inf, self.bw_out if k > 1 else math.inf)
+            t = nbytes / bw + (n - k) * self.lat_up + (k - 1) * self.lat_out
         else:
             raise ValueError(f"collective {coll} has no cost model")
-        self._cache[key] = t
-        return t
+        self._cache[key] = (t, name)
+        return t, name
 
-    def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float]) -> list[float]:
-        end = max(starts) + self.duration(coll, nbytes, members)
+    def routed_all_to_all(self, nbytes: int, members: Sequence[int]) -> float:
+        """The dispatch (or combine) all-to-all of a deduplicating dispatcher, ``nbytes`` each
+        rank's routed copies (one per expert a token goes to), as DeepEP runs it: a token
+        crosses the scale-out network once for each other domain it reaches, to the GPU of the
+        same local rank there, which forwards it over NVLink to the GPUs of its domain holding
+        the token's experts. The forwarding pipelines behind the RDMA receive and is not charged
+        (DeepEP's measurements name RDMA the bottleneck at every scale from 2 to 8 nodes, where
+        a forward per rank reached would make NVLink one); what the sender sends to its own
+        domain's experts goes over NVLink as in the plain all-to-all, at the same time."""
+        k, m = self._shape(members)
+        if k == 1 or self.routing is None:
+            return self.duration("ALL_TO_ALL", nbytes, members)
+        n = len(members)
+        key = ("routed", nbytes, n, k)
+        if key not in self._cache:
+            try:
+                remote = self.routing.remote_domains(k)
+            except ValueError:          # experts not spread evenly over the domains: every copy
+                return self.duration("ALL_TO_ALL", nbytes, members)
+            inter = nbytes / self.routing.topk * remote / self.bw_out + self.lat_out
+            intra = (m - 1) * (nbytes / n / self.bw_up + self.lat_up)
+            self._cache[key] = (max(inter, intra), "p2p")
+        return self._cache[key][0]
+
+    def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float],
+                   kind: str = "") -> list[float]:
+        if coll == "ALL_TO_ALL" and kind == ROUTED_KIND and self.routing is not None:
+            end = max(starts) + self.routed_all_to_all(nbytes, members)
+        else:
+            end = max(starts) + self.duration(coll, nbytes, members)
         return [end] * len(members)
 
     def p2p(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:

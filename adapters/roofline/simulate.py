@@ -10,17 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Hashable, NamedTuple
 
-from stage_cosim.adapters.roofline.breakdown import charge, intervals
+from stage_cosim.adapters.roofline.breakdown import step_breakdown
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
 from stage_cosim.adapters.roofline.network import NETWORK_MODELS, CalibratedNetwork, NetworkModel
+from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.errors import UserError
 from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.model.params import parameter_counts
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.result import RoleResult, SimResult, fp8_mfu
 from stage_cosim.parallel.axes import spans_stages
-from stage_cosim.runtime import gc_paused
+from stage_cosim.gc_pause import gc_paused
 from stage_cosim.schedule.nodes import COLL, COMP, SEND
 from stage_cosim.workload import Workload
 
@@ -38,11 +39,12 @@ class Simulation(NamedTuple):
     programs: list[AgentProgram] | None
 
 
-def make_network(name: str, cluster: Cluster) -> NetworkModel:
+def make_network(name: str, cluster: Cluster, routing: TokenRouting | None = None) -> NetworkModel:
     """The network model the event-driven engine runs with (the ``astra`` model runs ASTRA-sim's
-    own replay instead: :mod:`stage_cosim.adapters.astra_sim.simulate`)."""
+    own replay instead: :mod:`stage_cosim.adapters.astra_sim.simulate`); ``routing``: the
+    workload's routed tokens where its dispatcher deduplicates them (:class:`TokenRouting`)."""
     if name == "calibrated":
-        return CalibratedNetwork(cluster)
+        return CalibratedNetwork(cluster, routing=routing)
     raise UserError("network-model", f"must be one of {', '.join(NETWORK_MODELS)}, got {name!r}")
 
 
@@ -200,7 +202,7 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     with gc_paused():
-        network = make_network(network_model, cluster)
+        network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel))
         if progress is not None:
             progress("building the stages' graphs", 0, 1)
         proven = w.parallel.pp < w.world_size and stages_symmetric(
@@ -211,14 +213,6 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
     result.config["ranks_replayed"] = len(programs or ())
     result.config["symmetric"] = proven
     return Simulation(result, rep, programs)
-
-
-# -- where the time goes -----------------------------------------------------------------------
-
-def breakdown(prog: AgentProgram, rep: Replay, a: int, step: float, pipelined: bool) -> dict[str, float]:
-    """Seconds by category over the whole step (see :mod:`breakdown`)."""
-    spans = intervals(prog.types, prog.kind, rep.start[a], rep.end[a])
-    return charge(spans, 0.0, step, "pipeline_bubble" if pipelined else "idle")
 
 
 # -- the backend -------------------------------------------------------------------------------
@@ -243,7 +237,7 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
 def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None
                        ) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     compute = ComputeModel(cluster.gpu)
-    network = make_network(network_model, cluster)
+    network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel))
     if exact is None:
         # The pass-level fast path times each pass as if it started on idle streams; ZeRO-3's
         # parameter gathers prefetch across passes, which a pipeline's interleaved passes turn
@@ -261,7 +255,7 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
         for a, prog in enumerate(programs):
             stage = w.role_of(prog.rank)
             if stage not in seen:
-                seen[stage] = breakdown(prog, rep, a, step, par.pp > 1)
+                seen[stage] = step_breakdown(prog, rep, a, step, par.pp > 1)
         bd_of = seen
     else:
         from stage_cosim.adapters.roofline.fast import simulate_fast

@@ -27,18 +27,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable, Mapping, Sequence
 
+from stage_cosim.adapters.roofline.breakdown import step_breakdown
 from stage_cosim.adapters.roofline.classes import (
     K_COLL, Classes, Topology, membership, replay_ns, symmetric as is_symmetric, target_of, trace_classes,
 )
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.adapters.roofline.network import CalibratedNetwork
+from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.result import RoleResult, SimResult
 from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND
-from stage_cosim.trace import traceset
+from stage_cosim.trace import location
 from stage_cosim.trace.traceset import NodeTable, TraceSet
 from stage_cosim.trace.validate import validate
 
@@ -114,7 +116,7 @@ def group_kinds(manifest: dict) -> dict[str, str]:
     return out
 
 
-def _manifest(located: traceset.Located) -> dict:
+def _manifest(located: location.Located) -> dict:
     for d in (located.trace_dir, located.run_dir):
         if d is not None and (d / "manifest.json").is_file():
             try:
@@ -250,7 +252,7 @@ class Loaded:
     traces, its manifest (empty where it has none) and its groups' kinds (:func:`group_kinds`)."""
 
     directory: Path
-    located: traceset.Located
+    located: location.Located
     ts: TraceSet
     manifest: dict
     kinds: dict[str, str]
@@ -259,8 +261,8 @@ class Loaded:
 def load(directory: Path, cluster: Cluster, comm_groups: Path | None = None) -> Loaded:
     """Read a trace directory (an export's run directory, a trace directory, or either with the
     group file given) and validate it, for ``cluster``."""
-    located = traceset.locate(directory, comm_groups)
-    ts = traceset.read(located)
+    located = location.locate(directory, comm_groups)
+    ts = location.read(located)
     problems = validate(ts, 5)
     if problems:
         raise UserError("traces", f"{directory} is not a valid trace set: {problems[0]} "
@@ -274,7 +276,7 @@ def load(directory: Path, cluster: Cluster, comm_groups: Path | None = None) -> 
 
 def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", *,
                     comm_groups: Path | None = None, symmetric: bool = True,
-                    checks: Sequence[Callable[[TraceSet, traceset.Located], list[str]]] = ()
+                    checks: Sequence[Callable[[TraceSet, location.Located], list[str]]] = ()
                     ) -> tuple[SimResult, Replay, list[AgentProgram]]:
     """Simulate a trace directory (an export's run directory, a trace directory, or either with
     the group file given), validated first. ``checks``: what else to say about traces that ran,
@@ -288,7 +290,8 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, loaded.kinds, symmetric,
                                                            send_kinds(loaded.manifest))
     try:
-        rep = replay(programs, CalibratedNetwork(cluster), participants, agent_of_rank)
+        network = CalibratedNetwork(cluster, routing=TokenRouting.of_manifest(loaded.manifest))
+        rep = replay(programs, network, participants, agent_of_rank)
     except DeadlockError as exc:
         raise UserError("traces", f"the traces never finish: {exc}") from None
     warnings = [w for check in checks for w in check(ts, loaded.located)]
@@ -298,8 +301,6 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
 def trace_result(loaded: Loaded, cluster: Cluster, network_model: str, programs: list[AgentProgram], rep: Replay,
                  extra: Mapping[str, object]) -> tuple[SimResult, Replay, list[AgentProgram]]:
     """The result of a trace set's replay (``extra``: more entries of its config)."""
-    from stage_cosim.adapters.roofline.simulate import breakdown
-
     ts, manifest = loaded.ts, loaded.manifest
     n = len(ts.class_of)
     step = max(rep.finish)
@@ -314,7 +315,7 @@ def trace_result(loaded: Loaded, cluster: Cluster, network_model: str, programs:
     mesh = DeviceMesh(tuple(mesh_doc["degrees"].items()), tuple(mesh_doc["order"])) if mesh_doc else None
     roles = []
     for a, prog in enumerate(programs):
-        bd = breakdown(prog, rep, a, step, bool(par.get("pp", 1) > 1))
+        bd = step_breakdown(prog, rep, a, step, bool(par.get("pp", 1) > 1))
         stage = mesh.coord(prog.rank, "pp") if mesh is not None else a
         mem = role_mem.get(stage, {}) if mesh is not None else {}
         roles.append(RoleResult(stage, rep.finish[a], bd["compute"], bd, int(mem.get("total", 0)), mem))

@@ -100,15 +100,17 @@ def digest_of(value: Any) -> str:
 
 @lru_cache(maxsize=1)
 def defaults_fingerprint() -> str:
-    """A digest of the data every answer depends on beyond its request: the calibration and the
-    software profiles. A cached result keyed without it would outlive an upgrade that changes
-    either (a search's request names no efficiencies and no switch defaults)."""
+    """A digest of the data every answer depends on beyond its request: the GPU records (vendor
+    figures and calibrated efficiencies), the cluster presets and the software profiles. A cached
+    result keyed without it would outlive an upgrade that changes any (a search's request names
+    no efficiencies and no switch defaults)."""
     from dataclasses import asdict
 
-    from stage_cosim.hardware.gpu import calibration
+    from stage_cosim.hardware.cluster import cluster_presets
+    from stage_cosim.hardware.gpu import gpu_records
     from stage_cosim.parallel.software import get_software, software_names
 
-    return digest_of({"calibration": calibration(),
+    return digest_of({"gpus": gpu_records(), "clusters": cluster_presets(),
                       "software": {name: asdict(get_software(name)) for name in software_names()}})
 
 

@@ -27,6 +27,7 @@ COMMANDS = {
     "validate": "stage_cosim.cli.validate_cmd.validate",
     "models": "stage_cosim.cli.models_cmd.models",
     "clusters": "stage_cosim.cli.clusters_cmd.clusters",
+    "collective": "stage_cosim.cli.collective_cmd.collective",
     "serve-sim": "stage_cosim.cli.serve_sim_cmd.serve_sim",
     "serve": "stage_cosim.cli.serve_cmd.serve",
     "remote": "stage_cosim.cli.remote_cmd.remote",

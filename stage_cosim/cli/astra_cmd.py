@@ -8,7 +8,7 @@ import click
 
 from stage_cosim.cli.options import (
     cluster_option, inference_options, model_options, parallel_options, resolve_inference_options,
-    resolve_model_options, resolve_parallel_options,
+    resolve_model_options, resolve_parallel_options, warn_positions,
 )
 
 astra_options = [
@@ -32,7 +32,7 @@ def with_astra_options(f):  # noqa: ANN001, ANN201
 
 def settings_from(kw: dict):  # noqa: ANN201
     from stage_cosim.adapters.astra_sim.export import AstraSettings
-    from stage_cosim.adapters.astra_sim.astra_model import MAX_DATASET_SPLITS
+    from stage_cosim.adapters.astra_sim.astra_system import MAX_DATASET_SPLITS
     from stage_cosim.errors import UserError
 
     splits, chunks = kw.pop("dataset_splits"), kw.pop("active_chunks")
@@ -84,7 +84,7 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
     settings = settings_from(kw)
     model = resolve_model_options(kw)
     inference = resolve_inference_options(kw)
-    parallel = resolve_parallel_options(kw)
+    parallel = resolve_parallel_options(kw, cluster)
     check_output_folder(out, "out", force)          # before the work, not after it
     machine = resolve_cluster(cluster, parallel.world_size)
     w = synthesize(model, parallel, machine.gpu, inference=inference)
@@ -95,6 +95,4 @@ def export_cmd(cluster: str, compute_mode: str, out: Path, force: bool, **kw) ->
     click.echo(f"run it with: {out}/run.sh /path/to/AstraSim_Analytical_Congestion_Unaware")
     for warning in manifest.get("warnings", []):
         click.echo(f"warning: {warning}", err=True)
-    from stage_cosim.cli.simulate_cmd import warn_positions
-
     warn_positions(model, parallel, inference)       # as simulate warns: with the result, once

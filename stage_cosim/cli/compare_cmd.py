@@ -19,7 +19,7 @@ import click
 
 from stage_cosim.cli.options import (
     cluster_option, inference_options, model_options, network_model_option, parallel_options,
-    resolve_inference_options, resolve_model_options, resolve_parallel_options,
+    resolve_inference_options, resolve_model_options, resolve_parallel_options, warn_positions,
 )
 from stage_cosim.errors import UserError
 
@@ -80,7 +80,7 @@ def _prepare(kw: dict[str, Any], cluster: str):  # noqa: ANN202
 
     model = resolve_model_options(kw)
     inference = resolve_inference_options(kw)
-    parallel = resolve_parallel_options(kw)
+    parallel = resolve_parallel_options(kw, cluster)
     machine = resolve_cluster(cluster, parallel.world_size)
     workload = synthesize(model, parallel, machine.gpu, inference=inference)
     return workload, machine, (model, parallel, inference)
@@ -150,7 +150,6 @@ def compare(cluster: str, network_model: str, runs: tuple[str, ...], as_json: bo
     """Put two or more configurations side by side: step time, throughput, MFU, memory by
     category, time by category, and each one's difference from the first."""
     from stage_cosim.adapters.simulate import simulate as run
-    from stage_cosim.cli.simulate_cmd import warn_positions
 
     if len(runs) < 2:
         raise UserError("run", f"give two or more configurations to compare (--run), got {len(runs)}")

@@ -148,7 +148,9 @@ def megatron_switches(kw: dict[str, Any]) -> dict[str, Any]:
 
 
 parallel_options = _compose(
-    click.option("--dp", type=int, default=1, show_default=True, help=_doc("dp")),
+    click.option("--dp", type=int, default=None,
+                 help=_doc("dp") + " Default: the cluster's GPUs over tp*cp*pp where --cluster gives a count "
+                 "(PRESET:COUNT, a file's num_gpus), else 1."),
     click.option("--tp", type=int, default=1, show_default=True, help=_doc("tp")),
     click.option("--pp", type=int, default=1, show_default=True, help=_doc("pp")),
     click.option("--cp", type=int, default=1, show_default=True, help=_doc("cp")),
@@ -220,7 +222,9 @@ def resolve_model_options(kw: dict[str, Any]) -> ModelConfig:
     return model.with_overrides(**dims, **switches)
 
 
-def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
+def resolve_parallel_options(kw: dict[str, Any], cluster: str | None = None) -> ParallelConfig:
+    """The ParallelConfig of the parallel flags (popping them from ``kw``); without --dp, the
+    data-parallel degree ``cluster`` leaves (:func:`stage_cosim.api.derived_dp`)."""
     pp_layers = kw.pop("pp_layers")
     layers: tuple[int, ...] | None = None
     if pp_layers:
@@ -234,8 +238,19 @@ def resolve_parallel_options(kw: dict[str, Any]) -> ParallelConfig:
     micro_batch = kw.pop("micro_batch")         # 0 is refused by ParallelConfig, never run as 1
     switches = megatron_switches(kw)
     fields = {**{n: kw.pop(n) for n in names}, **switches}
+    if fields["dp"] is None:
+        fields["dp"] = _derived_dp(cluster, fields)
     return ParallelConfig(**fields, micro_batch=1 if micro_batch is None else micro_batch,
                           pp_layers=layers, axis_order=order)
+
+
+def _derived_dp(cluster: str | None, fields: dict[str, Any]) -> int:
+    from stage_cosim.api import derived_dp
+
+    degrees = [fields[a] for a in ("tp", "cp", "pp")]
+    if not all(isinstance(d, int) and d > 0 for d in degrees):
+        return 1        # ParallelConfig names the bad degree
+    return derived_dp(cluster, *degrees)
 
 
 inference_options = _compose(
@@ -293,3 +308,17 @@ cluster_option = click.option(
 network_model_option = click.option(
     "--network-model", type=click.Choice(NETWORK_MODELS), default="calibrated", show_default=True,
     help="calibrated: NCCL-like real clusters; astra: ASTRA-sim's congestion-unaware analytical model.")
+
+
+def warn_positions(model: ModelConfig, parallel: ParallelConfig, inference: InferenceConfig | None) -> None:
+    """RoPE runs past the positions a model was trained for (its cost does not change), but the
+    model was not trained there: said once, with the result (never before an error), by every
+    command that takes a model. (Learned positions cannot: refused by the rules.)"""
+    if model.position != "rope":
+        return
+    seq = inference.context if inference is not None else parallel.seq_len
+    if seq > model.max_seq:
+        what = "the context" if inference is not None else "seq-len"
+        click.echo(f"warning: {what} {seq:,} exceeds {model.name}'s max_position_embeddings ({model.max_seq:,}): "
+                   "its rotary positions go beyond what it was trained on (the cost is modelled, the quality is not)",
+                   err=True)

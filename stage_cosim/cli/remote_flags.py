@@ -30,7 +30,9 @@ def check_locally(kw: dict[str, Any], parallel: bool = True) -> tuple[Any, Any]:
     """(ModelConfig, ParallelConfig | None) as the local command resolves them (errors alike)."""
     # copies of everything: the resolvers pop the flags they know, whatever those are by now
     model = resolve_model_options(dict(kw))
-    par = resolve_parallel_options(dict(kw)) if parallel else None
+    par = resolve_parallel_options(dict(kw), kw.get("cluster")) if parallel else None
+    if par is not None and kw.get("dp") is None:
+        kw["dp"] = par.dp       # derived from the cluster here: the request says it
     return model, par
 
 

@@ -13,7 +13,7 @@ from stage_cosim.cli.astra_cmd import settings_from, with_astra_options
 from stage_cosim.cli.emit import emit_option, launch_for, print_launch
 from stage_cosim.cli.options import (
     cluster_option, inference_options, model_options, network_model_option, parallel_options,
-    resolve_inference_options, resolve_model_options, resolve_parallel_options,
+    resolve_inference_options, resolve_model_options, resolve_parallel_options, warn_positions,
 )
 from stage_cosim.errors import UserError
 from stage_cosim.result import SimResult
@@ -349,7 +349,7 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
     settings = settings_from(kw)
     model = resolve_model_options(kw)
     inference = resolve_inference_options(kw)
-    parallel = resolve_parallel_options(kw)
+    parallel = resolve_parallel_options(kw, cluster)
     launch = None
     if target is not None:
         # before any work: what the framework cannot express is refused with nothing simulated
@@ -371,7 +371,7 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
                                     binary=astra_bin, mode=compute_mode, settings=settings, keep=keep,
                                     timeout_s=timeout)
     elif traces is not None:
-        from stage_cosim.trace.traceset import locate
+        from stage_cosim.trace.location import locate
 
         if inference is not None:
             raise UserError("phase", "--traces simulates the traces as they are (the phase is theirs)")
@@ -444,19 +444,6 @@ def _compare_recorded(result: SimResult, recorded: SimResult) -> None:
     if rel > 1e-9:
         click.echo(f"warning: timeline: the node-level replay it records takes {recorded.step_time_s:.6f} s per step, "
                    f"{100 * rel:.3f} % from the reported {result.step_time_s:.6f} s (the pass-level replay)", err=True)
-
-
-def warn_positions(model, parallel, inference) -> None:  # noqa: ANN001
-    """RoPE runs past the positions a model was trained for (its cost does not change), but the
-    model was not trained there: said once. (Learned positions cannot: refused by the rules.)"""
-    if model.position != "rope":
-        return
-    seq = inference.context if inference is not None else parallel.seq_len
-    if seq > model.max_seq:
-        what = "the context" if inference is not None else "seq-len"
-        click.echo(f"warning: {what} {seq:,} exceeds {model.name}'s max_position_embeddings ({model.max_seq:,}): "
-                   "its rotary positions go beyond what it was trained on (the cost is modelled, the quality is not)",
-                   err=True)
 
 
 class _progress:

@@ -14,7 +14,7 @@ from stage_cosim.files import check_output_folder, reported_write
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.cli.options import (
     inference_options, model_options, parallel_options, resolve_inference_options, resolve_model_options,
-    resolve_parallel_options,
+    resolve_parallel_options, warn_positions,
 )
 from stage_cosim.trace.formats import FORMATS
 
@@ -61,8 +61,6 @@ def synth(out: Path, fmt: str, force: bool, quiet: bool, cluster: str | None, **
     elapsed = time.perf_counter() - t0
     if not quiet:
         print_summary(model, parallel, manifest, out, elapsed, written)
-    from stage_cosim.cli.simulate_cmd import warn_positions
-
     warn_positions(model, parallel, inference)       # as simulate warns: with the result, once
 
 

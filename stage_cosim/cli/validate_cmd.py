@@ -28,7 +28,7 @@ def validate(path: Path, comm_groups: Path | None, system_file: Path | None, net
     from stage_cosim.adapters.astra_sim.config_files import read_network_yml, read_system_json
     from stage_cosim.adapters.astra_sim.analytical import check
     from stage_cosim.errors import UserError
-    from stage_cosim.trace.traceset import locate, manifest_ranks, missing_files, read
+    from stage_cosim.trace.location import locate, manifest_ranks, missing_files, read
 
     located = locate(path, comm_groups)
     if (system_file is None) != (network_file is None) and located.run_dir is None:

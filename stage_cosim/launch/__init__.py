@@ -15,16 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stage_cosim.errors import UserError
+from stage_cosim.launch.frameworks import FRAMEWORKS, TARGETS, refuse
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 
-TARGETS = ("megatron", "nemo", "torchtitan")
-# The frameworks' own names, for the one-line refusals and the headers.
-FRAMEWORKS = {"megatron": "Megatron-LM", "nemo": "NeMo 2", "torchtitan": "torchtitan"}
-
-
-def refuse(target: str, rule: str) -> UserError:
-    return UserError("emit", f"{FRAMEWORKS[target]} {rule}")
+__all__ = ["FRAMEWORKS", "TARGETS", "Launch", "emit", "refuse"]
 
 
 @dataclass(frozen=True)

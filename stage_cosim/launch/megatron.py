@@ -17,7 +17,7 @@ flags are generated from). How this project's settings map:
 
 from __future__ import annotations
 
-from stage_cosim.launch import refuse
+from stage_cosim.launch.frameworks import refuse
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 
@@ -125,6 +125,9 @@ def model_args(model: ModelConfig) -> list[str]:
               "--qk-pos-emb-head-dim", str(model.qk_pos_emb_head_dim), "--v-head-dim", str(model.v_head_dim)]
     if model.is_moe:
         a += ["--num-experts", str(model.num_experts), "--moe-router-topk", str(model.moe_router_topk)]
+        if model.moe_router_num_groups is not None:
+            a += ["--moe-router-num-groups", str(model.moe_router_num_groups),
+                  "--moe-router-group-topk", str(model.moe_router_group_topk)]
         if model.moe_ffn_hidden_size is not None:
             a += ["--moe-ffn-hidden-size", str(model.moe_ffn_hidden_size)]
         if model.moe_shared_expert_intermediate_size is not None:
@@ -155,6 +158,9 @@ def refuse_what_megatron_core_lacks(target: str, par: ParallelConfig) -> None:
         raise refuse(target, f"has no {knob} for Transformer Engine's LayerNormMLP (--te-layernorm-mlp)")
     if par.fp8_dispatch:
         raise refuse(target, f"has no {knob} for an FP8 token dispatch (--fp8-dispatch)")
+    if par.recompute == "op":
+        raise refuse(target, "has no per-op selective checkpointing (--recompute op is torchtitan's); its "
+                             "selective granularity recomputes the attention core (--recompute selective)")
 
 
 def parallel_args(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | None) -> list[str]:
@@ -179,6 +185,8 @@ def parallel_args(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | Non
     if model.is_moe:
         a += ["--expert-model-parallel-size", str(par.ep), "--expert-tensor-parallel-size", str(par.expert_tp),
               "--moe-token-dispatcher-type", par.moe_token_dispatcher]
+        if par.moe_token_dispatcher == "flex":
+            a.append("--moe-enable-deepep")     # the flex dispatcher's DeepEP kernels
         if par.moe_capacity_factor is not None:
             a += ["--moe-expert-capacity-factor", f"{par.moe_capacity_factor:g}"]
             if par.moe_pad_to_capacity:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stage_cosim.launch import refuse
+from stage_cosim.launch.frameworks import refuse
 from stage_cosim.launch.megatron import (
     CP_COMM_TYPES, DEFAULT_ORDER, pipeline_layout, refuse_what_megatron_core_lacks,
 )
@@ -64,6 +64,7 @@ def nemo_overrides(model: ModelConfig, par: ParallelConfig, fp8_recipe: str | No
         o[f"{s}.expert_model_parallel_size"] = par.ep
         o[f"{s}.expert_tensor_parallel_size"] = par.expert_tp
         o["model.config.moe_token_dispatcher_type"] = par.moe_token_dispatcher
+        o["model.config.moe_enable_deepep"] = par.moe_token_dispatcher == "flex"
         o["model.config.moe_expert_capacity_factor"] = par.moe_capacity_factor
         o["model.config.moe_pad_expert_input_to_capacity"] = par.moe_pad_to_capacity
     if par.cp > 1:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stage_cosim.launch import refuse
+from stage_cosim.launch.frameworks import refuse
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 
@@ -83,4 +83,11 @@ def torchtitan_toml(model: ModelConfig, par: ParallelConfig) -> dict[str, dict[s
     local = par.global_batch // par.dp if par.pp > 1 else par.micro_batch
     training = {"local_batch_size": local, "global_batch_size": par.global_batch, "seq_len": par.seq_len}
     return {"parallelism": p, "training": training,
-            "activation_checkpoint": {"mode": "full" if par.recompute == "full" else "none"}}
+            "activation_checkpoint": _activation_checkpoint(par.recompute)}
+
+
+def _activation_checkpoint(recompute: str) -> dict[str, str]:
+    """torchtitan's [activation_checkpoint] for a recompute mode (Megatron's selective is refused)."""
+    if recompute == "op":
+        return {"mode": "selective", "selective_ac_option": "op"}
+    return {"mode": "full" if recompute == "full" else "none"}

@@ -165,6 +165,14 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     # A bias on the router's logits (GPT-OSS).
     moe_router_bias: bool = False
+    # Group-limited (node-limited) routing, Megatron-Core's --moe-router-num-groups and
+    # --moe-router-group-topk (DeepSeek-V3's n_group and topk_group): the experts form
+    # moe_router_num_groups equal groups, and each token's experts come from the
+    # moe_router_group_topk groups its router scores highest. With experts placed group by
+    # group on the expert-parallel ranks (DeepSeek-V3: one group per node), a token reaches at
+    # most that many nodes. None: routing is not limited.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     # Megatron-Core's --moe-shared-expert-overlap: the shared experts compute while the routed
     # tokens are dispatched (otherwise they run after the routed experts).
     moe_shared_expert_overlap: bool = False
@@ -235,6 +243,19 @@ class ModelConfig:
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None:
                 positive_int(getattr(self, name), name.replace("_", "-"))
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        require((groups is None) == (group_topk is None), "moe-router-group-topk",
+                "limits routing together with moe-router-num-groups: give both or neither")
+        if groups is not None:
+            positive_int(groups, "moe-router-num-groups")
+            positive_int(group_topk, "moe-router-group-topk")
+            require(self.num_experts % groups == 0, "moe-router-num-groups",
+                    f"must divide num-experts ({self.num_experts}), got {groups}")
+            require(group_topk <= groups, "moe-router-group-topk",
+                    f"must not exceed moe-router-num-groups ({groups}), got {group_topk}")
+            require(self.moe_router_topk <= group_topk * (self.num_experts // groups), "moe-router-topk",
+                    f"must not exceed the experts of {group_topk} groups "
+                    f"({group_topk * (self.num_experts // groups)}), got {self.moe_router_topk}")
         freq = self.moe_layer_freq
         if isinstance(freq, (list, tuple)):
             object.__setattr__(self, "moe_layer_freq", tuple(freq))

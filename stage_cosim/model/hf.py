@@ -307,6 +307,10 @@ def _deepseek(c: HFConfig, *, mtp: bool) -> dict[str, Any]:
                    moe_layer_freq=tuple(int(i >= first_dense and i % freq == 0) for i in range(layers)),
                    moe_shared_expert_intermediate_size=shared * expert_ffn or None))
     fields["kv_heads"] = heads      # multi-latent attention: every head has its own key and value
+    groups = c.int("n_group", None, nullable=True, minimum=1)
+    if groups is not None and groups > 1:   # (one group: routing not limited)
+        fields["moe_router_num_groups"] = groups
+        fields["moe_router_group_topk"] = c.int("topk_group")
     return fields
 
 

@@ -49,7 +49,7 @@ PRESETS: dict[str, ModelConfig] = {
                                      q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
                                      v_head_dim=128, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
                                      moe_shared_expert_intermediate_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
-                                     mtp_num_layers=1),
+                                     moe_router_num_groups=8, moe_router_group_topk=4, mtp_num_layers=1),
 }
 
 DEFAULT_MODEL = "llama3-8b"

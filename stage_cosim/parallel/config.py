@@ -17,12 +17,12 @@ DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall insi
 
 # Each vocabulary once, as the type of its field; the tuple of choices is derived from it.
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
-TokenDispatcher = Literal["alltoall", "allgather"]
+TokenDispatcher = Literal["alltoall", "allgather", "flex"]
 # How attention exchanges keys and values over cp (Megatron's --cp-comm-type): a ring of
 # send/recv steps, an all-gather of K and V, DeepSpeed-Ulysses all-to-alls, or all-to-alls
 # inside groups of --cp-a2a-size ranks with a ring across them.
 CpComm = Literal["p2p", "all-gather", "a2a", "a2a+p2p"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "full"]
 Dtype = Literal["bf16", "fp8"]
 # Megatron-LM's --fp8-recipe choices (Transformer Engine recipes): per-tensor delayed scaling
 # (amax history), per-tensor current scaling, MXFP8 (32-element blocks, Blackwell) and
@@ -87,7 +87,9 @@ class ParallelConfig:
     """ZeRO stage 0-3 (1: Megatron's distributed optimizer; 2, 3: FSDP sharding gradients, then
     parameters too)."""
     recompute: Recompute = "none"
-    """Activation recomputation: none, Megatron's selective (the attention core) or full."""
+    """Activation recomputation: none, Megatron's selective (the attention core), torchtitan's
+    per-op selective ``op`` (matmul and attention outputs kept, every second matmul of a layer
+    and every other op recomputed) or full."""
     schedule: Schedule | None = None
     """Pipeline schedule (default 1f1b, interleaved when vp > 1)."""
     pp_layers: tuple[int, ...] | None = None
@@ -138,7 +140,9 @@ class ParallelConfig:
     """Tensor-parallel degree inside each expert (default: tp)."""
     moe_token_dispatcher: TokenDispatcher = "alltoall"
     """How routed tokens reach their experts: all-to-all over ep (then all-gather over
-    expert-tp), or all-gather over ep and expert-tp (and reduce-scatter back)."""
+    expert-tp), all-gather over ep and expert-tp (and reduce-scatter back), or ``flex``:
+    Megatron-Core's DeepEP dispatcher, an all-to-all that sends each token across the scale-out
+    network once per node it goes to and forwards it over NVLink to that node's experts."""
     moe_capacity_factor: float | None = None
     """Drop tokens beyond this multiple of an expert's balanced share (default: dropless)."""
     moe_pad_to_capacity: bool = False

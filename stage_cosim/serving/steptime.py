@@ -49,7 +49,7 @@ from stage_cosim.graph.dims import B, S, T, W
 from stage_cosim.inference.config import BatchShape, InferenceConfig, Sequence
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.config import ParallelConfig
-from stage_cosim.runtime import gc_paused
+from stage_cosim.gc_pause import gc_paused
 from stage_cosim.schedule.nodes import ceil_int
 
 DEFAULT_RESOLUTION = 1 / 32

@@ -22,7 +22,7 @@ from stage_cosim.sharding.rules import Rule, register
 
 # The expert axes over which each token dispatcher gathers the tokens before permuting them
 # (the others exchange permuted token slots).
-_GATHERED: dict[str, tuple[str, ...]] = {"alltoall": (), "allgather": ("ep", "expert_tp")}
+_GATHERED: dict[str, tuple[str, ...]] = {"alltoall": (), "flex": (), "allgather": ("ep", "expert_tp")}
 
 
 @register("mesh_change")

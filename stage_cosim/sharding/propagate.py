@@ -23,12 +23,13 @@ import stage_cosim.sharding.dispatch  # noqa: F401
 from stage_cosim.graph.autodiff import differentiate
 from stage_cosim.graph.dims import DTYPE_BYTES
 from stage_cosim.graph.ir import Block, Op, Tensor
-from stage_cosim.graph.precision import apply_precision
+from stage_cosim.graph.precision_rewrite import apply_precision
 from stage_cosim.parallel.axes import BLOCK_AXES, group_name
 from stage_cosim.sharding.layout import (
     DATA_PARALLEL, Placements, compute_placement, input_placement, local_bytes, local_numel, weight_replicas,
 )
 from stage_cosim.sharding.placement import REPLICATE, Collective, Partial, Shard, collective_for
+from stage_cosim.sharding.recompute import backward_order, transient
 from stage_cosim.sharding.redistribute import PassState
 from stage_cosim.sharding.rules import rule_for
 from stage_cosim.sharding.steps import ShardedBlock, ShardingPolicy, WeightSync
@@ -61,42 +62,6 @@ class _Pass(PassState):
         rule_for(op.kind).run(self, op, phase)
 
 
-def _selective_region(block: Block) -> tuple[list[Op], set[int]]:
-    """The attention-core ops that selective recomputation replays, and the ids of the tensors
-    that leave that region (its checkpointed outputs, which are kept rather than replayed)."""
-    core = [op for op in block.ops if op.attention_core]
-    # Flash attention never stores the score matrix: nothing to gain by replaying it. (A check
-    # of the op kind, not a sharding rule: it decides what selective recomputation replays.)
-    if any(op.kind == "attention" for op in core):
-        return [], set()
-    inside = {id(op) for op in core}
-    produced = {id(t) for op in core for t in op.outputs}
-    leaving = {id(t) for op in block.ops if id(op) not in inside for t in op.inputs if id(t) in produced}
-    return core, leaving
-
-
-def _backward_order(block: Block, bwd_ops: list[Op], recompute: str) -> tuple[list[tuple[str, Op]], set[int]]:
-    """Backward ops, with the forward ops that recomputation replays placed where needed, and
-    the ids of the forward tensors those replays reproduce (not kept from the forward)."""
-    if recompute == "full":
-        # (the FP8 weight casts are not replayed: their copies are kept)
-        ops = [op for op in block.ops if not op.cached]
-        replayed = {id(t) for op in ops for t in op.outputs}
-        return [("recompute", op) for op in ops] + [("bwd", op) for op in bwd_ops], replayed
-    if recompute == "selective":
-        core, leaving = _selective_region(block)
-        replayed = {id(t) for op in core for t in op.outputs} - leaving
-        order: list[tuple[str, Op]] = []
-        pending = bool(core)
-        for op in bwd_ops:
-            if pending and any(id(t) in replayed for t in op.inputs):
-                order.extend(("recompute", c) for c in core)
-                pending = False
-            order.append(("bwd", op))
-        return order, replayed
-    return [("bwd", op) for op in bwd_ops], set()
-
-
 def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     """The per-rank forward and backward programs of ``block`` under ``policy``."""
     backward = differentiate(block)
@@ -114,7 +79,7 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
     for out, g in backward.output_grads.items():
         placements[g] = tuple(REPLICATE if isinstance(p, Partial) else p for p in placements[out])
     bwd = _Pass(policy, "bwd", placements, block.weights)
-    order, recomputed = _backward_order(block, backward.ops, policy.recompute)
+    order, recomputed = backward_order(block, backward.ops, policy.recompute)
     bwd.reuse(fwd.kept(recomputed), fwd.gathered)
     for phase, op in order:
         bwd.run(op, phase)
@@ -137,7 +102,7 @@ def shard_block(block: Block, policy: ShardingPolicy) -> ShardedBlock:
                     saved[id(origin)] = origin
     saved_bytes = sp.Add(*(local_bytes(t, placements[t]) for t in saved.values()))
     workspace = sp.Integer(0)
-    if policy.recompute == "full":
+    if transient(policy.recompute):
         workspace = sp.Add(*(local_bytes(forward_tensors[i], placements[forward_tensors[i]])
                              for i in recomputed))
     # An all-to-all's send buffer (the permuted tokens before the dispatch, the experts' output

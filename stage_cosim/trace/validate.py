@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from stage_cosim.trace import traceset as ts_mod
+from stage_cosim.trace import location, traceset as ts_mod
 from stage_cosim.trace.chakra import COLLECTIVE_NAMES, INT_FIELDS, NODE_TYPE_NAMES, TraceNode
 from stage_cosim.trace.traceset import COLL, COMP, RECV, SEND, NodeTable, TraceSet
 
@@ -49,8 +49,8 @@ class Problem:
 def load_trace_set(directory: Path, groups_file: Path | None = None
                    ) -> tuple[dict[int, list[TraceNode]], dict[str, list[int]] | None]:
     """Every rank's nodes and the communicator groups of a trace directory (see
-    :func:`stage_cosim.trace.traceset.locate` for where the group file is looked for)."""
-    t = ts_mod.read(ts_mod.locate(directory, groups_file))
+    :func:`stage_cosim.trace.location.locate` for where the group file is looked for)."""
+    t = location.read(location.locate(directory, groups_file))
     return {r: t.nodes(r) for r in t.ranks}, t.groups
 
 

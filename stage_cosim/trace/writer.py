@@ -22,7 +22,7 @@ from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND, Node, RoleGraph, 
 from stage_cosim.trace import et_def_pb2 as pb
 from stage_cosim.trace.chakra import COLLECTIVE_CODES, SCHEMA_VERSION, attr_bytes, metadata_bytes
 from stage_cosim.trace.formats import FORMATS
-from stage_cosim.trace.traceset import GROUPS_FILE
+from stage_cosim.trace.location import GROUPS_FILE
 from stage_cosim.workload import Workload
 
 TRACE_PREFIX = "workload"

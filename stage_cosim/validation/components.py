@@ -22,19 +22,30 @@ out of scope with the reason:
   bandwidth (which counts a rank's traffic to itself) are out of scope.
 * NCCL: ring (and NCCL-default on A100, which has no NVLS) all-reduce, all-gather and
   reduce-scatter bus bandwidth of 1 GiB and more, where latency does not matter. NVLS rows are
-  out of scope: an all-reduce reduced inside the NVSwitch (busbw above the link rate) is not an
-  algorithm the network model has.
+  out of scope: an all-reduce reduced inside the NVSwitch (busbw above the link rate) is an
+  algorithm of the network model only on request (``stage-cosim collective --algorithm nvls``),
+  never in a simulated step, so nothing is fitted to it.
+
+Besides the fit, every row of the NCCL file that ``stage-cosim collective`` can express, at
+every size and with the algorithm the row says NCCL ran, is a check (:func:`busbw_report`,
+``stage-cosim collective --validate``), fitted to nothing.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from importlib import resources
+from typing import Any
 
+from stage_cosim.adapters.roofline import collectives as co
 from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.network import CalibratedNetwork
+from stage_cosim.adapters.roofline.routing import TokenRouting
+from stage_cosim.errors import UserError
 from stage_cosim.hardware.gpu import GPU
 
 # The GPU family (calibration section) of each GPU named in the microbenchmark files. H800 has
@@ -170,7 +181,7 @@ def nccl_rows() -> tuple[NcclRow, ...]:
         elif algo.startswith("Ring") or "as labelled" in algo or (algo.startswith("NCCL default") and family == "A100"):
             scope = ""         # a ring (A100 has no NVLS, whatever the label says)
         elif algo.startswith("NVLS") or algo.startswith("NCCL default"):
-            scope = "NVLS (the reduction inside the NVSwitch) is not an algorithm of the network model yet"
+            scope = "NVLS (the reduction inside the NVSwitch): the network model runs it only on request, never fitted"
         else:
             scope = f"algorithm {algo!r} is not one the network model has"
         out.append(NcclRow(r["system"], r["gpu"], r["collective"], algo, int(r["gpus"]), int(r["nodes"]),
@@ -256,13 +267,194 @@ def alltoall_rows() -> tuple[AllToAllRow, ...]:
     return tuple(out)
 
 
+def deepep_routing(nodes: int) -> TokenRouting:
+    """The routing of DeepEP's normal-kernel tests (DeepSeek-V3's pre-training setting): 256
+    experts, a token's 8 from its best min(nodes, 4) groups, one group per node."""
+    return TokenRouting(experts=256, topk=8, groups=nodes, group_topk=min(nodes, 4))
+
+
 def alltoall_gbps(row: AllToAllRow, network) -> float:  # noqa: ANN001 (a CalibratedNetwork)
     """The bottleneck link's bandwidth in the network model's all-to-all of ``row``'s tokens
-    (each sends its top-k copies of ``hidden`` elements): the bytes a rank sends over NVLink
-    (to the other ranks of its node) or over its NIC (to the other nodes), over the time."""
+    (each routed to top-k experts, ``hidden`` elements each): inside one node, the bytes a rank
+    sends over NVLink to the other ranks (every copy) over the time; across nodes, as DeepEP's
+    normal kernels run it (the flex dispatcher's deduplicated all-to-all), the bytes its NIC
+    sends — each token once per other node it reaches — over the time."""
     members = _members(row, network.domain)
     n, m = len(members), row.per_node
     nbytes = row.tokens * row.topk * row.hidden * row.payload_bytes
-    t = network.duration("ALL_TO_ALL", nbytes, members)
-    crossing = (m - 1) / n if row.domain == "NVLink" else (n - m) / n
-    return nbytes * crossing / t / 1e9
+    if row.domain == "NVLink":
+        return nbytes * (m - 1) / n / network.duration("ALL_TO_ALL", nbytes, members) / 1e9
+    routing = deepep_routing(row.nodes)
+    routed = replace(network, routing=routing)
+    crossing = row.tokens * row.hidden * row.payload_bytes * routing.remote_domains(n // m)
+    return crossing / routed.routed_all_to_all(nbytes, members) / 1e9
+
+
+# -- stage-cosim collective against every nccl-tests row it can express ------------------------------
+
+VALIDATION_FILE = "nccl_busbw.csv"
+_H200_DEFAULT = "RING/LL up to 1MiB, NVLS/SIMPLE from 2MiB"
+
+
+@dataclass(frozen=True)
+class BusbwCheck:
+    """One row of the shared file, and what the command predicts for it (``reason``: why the
+    command cannot express the row, else empty)."""
+
+    system: str
+    gpu: str
+    op: str
+    label: str              # the row's algorithm, as the source states it
+    gpus: int
+    nodes: int
+    bytes: int
+    measured_GBps: float | None
+    cluster: str = ""
+    algorithm: str = ""     # what the command is given (--algorithm)
+    ran: str = ""           # what the model ran
+    predicted_GBps: float | None = None
+    measured_from: str = "busbw"     # or "time": busbw from the row's time by nccl-tests' definition
+    reason: str = ""
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted_GBps is None or not self.measured_GBps:
+            return None
+        return self.predicted_GBps / self.measured_GBps - 1
+
+    @property
+    def short_system(self) -> str:
+        return self.system.split(" (")[0].split(";")[0]
+
+
+def _algorithm_for(label: str, op: str, arch: str, size: int) -> tuple[str | None, str]:
+    """The ``--algorithm`` that runs what a row's label says NCCL ran, or (None, why not)."""
+    if op != "all-reduce":
+        if label.startswith(("Ring", "NCCL default")):
+            return "auto", ""       # the model's one algorithm for it (a ring; all-to-all: sends)
+        return None, f"{label.split(' ')[0]} {op} is not an algorithm of the model"
+    if label.startswith("NVLSTree"):
+        return None, "NVLSTree (NVLS inside nodes, a tree across) is not an algorithm of the model"
+    if label.startswith("Ring"):
+        return "ring", ""
+    if "as labelled" in label and arch == "ampere":
+        # NCCL_ALGO=NVLS on a GPU without it: NCCL falls back to its own choice, ring or tree
+        return "auto", ""
+    if label.startswith("NVLS"):
+        return "nvls", ""
+    if _H200_DEFAULT in label:      # the author's NCCL_DEBUG says which, by size
+        return ("ring" if size <= 1 << 20 else "nvls"), ""
+    if label.startswith("NCCL default"):
+        if arch == "ampere":
+            return "auto", ""       # no NVLS: NCCL's choice is between ring and tree, as auto's
+        return None, "NCCL's default on a GPU with NVLS: the row does not say which algorithm NCCL chose"
+    return None, f"algorithm {label!r} is not one the model has"
+
+
+def _check(r: dict[str, str]) -> BusbwCheck:
+    op = r["collective"].replace("_", "-")
+    gpus, nodes, size = int(r["gpus"]), int(r["nodes"]), int(r["bytes"])
+    measured, source = (float(r["busbw_gbps"]) if r["busbw_gbps"] else None), "busbw"
+    base = dict(system=r["system"], gpu=r["gpu"], op=op, label=r["algorithm"], gpus=gpus, nodes=nodes, bytes=size)
+
+    def out(why: str) -> BusbwCheck:
+        return BusbwCheck(**base, measured_GBps=measured, measured_from=source, reason=why)
+
+    if r["latest_in_source"] != "true":
+        return out("superseded: a run its source has since replaced")
+    if r["gpu"] not in CLUSTER_OF_GPU:
+        return out("no cluster preset has its GPU")
+    if op not in co.OPS:
+        return out(f"collective {r['collective']} is not one the command has")
+    if not measured and r["time_us"]:
+        measured, source = size / (float(r["time_us"]) * 1e-6) * co.bus_factor(op, gpus) / 1e9, "time"
+    if not measured:
+        return out("no busbw (or time) recorded, or busbw rounds to 0.00")
+    cloud = any(w in r["interconnect"] or w in r["system"] for w in ("TCPXO", "EFA", "GCP"))
+    if nodes > 1 and cloud:
+        return out("a cloud network (GCP TCPXO, AWS EFA) across nodes, unlike the presets' InfiniBand")
+    spec = CLUSTER_OF_GPU[r["gpu"]]
+    try:
+        cluster = co.cluster_for(spec, gpus)
+        members = co.ranks(cluster, gpus)
+    except UserError as exc:
+        return out(exc.rule)
+    network = CalibratedNetwork(cluster)
+    k, m = network._shape(members)
+    if (k, m) != (nodes, gpus // nodes):
+        return out(f"{gpus // nodes} GPU(s) in each of {nodes} nodes: the command takes a cluster's first ranks, "
+                   f"filling its {network.domain}-GPU domains")
+    algorithm, why = _algorithm_for(r["algorithm"], op, cluster.gpu.arch, size)
+    if algorithm is None:
+        return out(why)
+    try:
+        co.check_algorithm(network, op, members, algorithm)
+    except UserError as exc:
+        return out(exc.rule)
+    p = co.measure(network, op, members, size, algorithm)
+    return BusbwCheck(**base, measured_GBps=measured, cluster=f"{spec}:{cluster.num_gpus}", algorithm=algorithm,
+                      ran=p.algorithm, predicted_GBps=p.busbw_GBps, measured_from=source)
+
+
+def busbw_checks() -> list[BusbwCheck]:
+    """Every row of ``stage_cosim/validation/data/nccl_busbw.csv``, predicted where the command
+    can express it."""
+    return [_check(r) for r in _rows(VALIDATION_FILE)]
+
+
+BIG = MIN_NCCL_BYTES    # the bandwidth regime: the sizes the calibration's NCCL rows have
+
+
+def busbw_report(checks: list[BusbwCheck] | None = None) -> dict[str, Any]:
+    """The rows with their errors, the mean absolute error per system and algorithm (all sizes,
+    and from 1 GiB up), and the rows the command cannot express, counted by reason."""
+    checks = busbw_checks() if checks is None else checks
+    done = [c for c in checks if not c.reason]
+    groups: dict[tuple[str, str], list[BusbwCheck]] = defaultdict(list)
+    for c in done:
+        groups[(c.short_system, c.ran)].append(c)
+
+    def mae(cs: list[BusbwCheck]) -> float | None:
+        return sum(abs(c.error) for c in cs) / len(cs) if cs else None
+
+    summary = [{"system": s, "algorithm": a, "rows": len(cs), "mae": mae(cs),
+                "rows_1GiB": sum(c.bytes >= BIG for c in cs), "mae_1GiB": mae([c for c in cs if c.bytes >= BIG]),
+                "mean_error_1GiB": (sum(c.error for c in cs if c.bytes >= BIG) / n
+                                    if (n := sum(c.bytes >= BIG for c in cs)) else None)}
+               for (s, a), cs in groups.items()]
+    rows = [{**asdict(c), "error": c.error} for c in checks]
+    return {"file": f"stage_cosim/validation/data/{VALIDATION_FILE}", "network_model": co.NETWORK_MODEL,
+            "rows": rows, "expressed": len(done), "total": len(checks), "summary": summary,
+            "mae": mae(done), "mae_1GiB": mae([c for c in done if c.bytes >= BIG]),
+            "not_expressed": dict(Counter(c.reason for c in checks if c.reason).most_common())}
+
+
+def format_busbw_report(report: dict[str, Any]) -> str:
+    """:func:`busbw_report` as ``stage-cosim collective --validate`` prints it."""
+    lines = [f"# {report['file']}: nccl-tests busbw, measured against the {report['network_model']} network model "
+             f"(stage-cosim collective on the row's preset)",
+             f"{'system':<24} {'op':<14} {'gpus':>4} {'nodes':>5} {'size':>6} {'algorithm':<6} {'ran':<5} "
+             f"{'measured':>9} {'predicted':>9} {'error':>8}  cluster"]
+    for r in report["rows"]:
+        if r["reason"]:
+            continue
+        star = "*" if r["measured_from"] == "time" else " "
+        lines.append(f"{r['system'].split(' (')[0].split(';')[0][:24]:<24} {r['op']:<14} {r['gpus']:>4} {r['nodes']:>5} "
+                     f"{co.format_size(r['bytes']):>6} {r['algorithm']:<6} {r['ran']:<5} {r['measured_GBps']:>8.2f}{star} "
+                     f"{r['predicted_GBps']:>9.2f} {r['error'] * 100:>+7.1f}%  {r['cluster']}")
+    lines.append("(* measured busbw from the row's time by nccl-tests' definition: the row gives no busbw)")
+    lines += ["", "mean absolute error per system and algorithm (the algorithm the model ran):",
+              f"{'system':<24} {'algorithm':<9} {'rows':>4} {'all sizes':>9} {'rows':>5} {'>= 1 GiB':>9} {'signed':>8}"]
+
+    def pct(v: float | None, sign: bool = False) -> str:
+        return "—" if v is None else (f"{v * 100:+.1f}%" if sign else f"{v * 100:.1f}%")
+
+    for s in report["summary"]:
+        lines.append(f"{s['system'][:24]:<24} {s['algorithm']:<9} {s['rows']:>4} {pct(s['mae']):>9} "
+                     f"{s['rows_1GiB']:>5} {pct(s['mae_1GiB']):>9} {pct(s['mean_error_1GiB'], True):>8}")
+    lines.append(f"{'all':<24} {'':<9} {report['expressed']:>4} {pct(report['mae']):>9} "
+                 f"{'':>5} {pct(report['mae_1GiB']):>9}")
+    lines += ["", f"rows expressed: {report['expressed']} of {report['total']}; not expressed, by reason:"]
+    for why, count in report["not_expressed"].items():
+        lines.append(f"  {count:>4}  {why}")
+    return "\n".join(lines)

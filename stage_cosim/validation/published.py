@@ -134,6 +134,13 @@ def megatron_v09_model_flops(m: ModelConfig, batch: int, seq: int, padded_vocab:
 _MOE_CLUSTER = {"H100-SXM5-80GB": "dgx-h100", "H800-SXM": "dgx-h800"}
 
 
+# The dispatch a source describes, where the file's column names only the all-to-all family:
+# DeepSeek-V3's report (section 3.2.2) sends each token over InfiniBand once per node it
+# reaches (at most 4: node-limited routing) and forwards it over NVLink there, which is the
+# flex (DeepEP) dispatcher
+_DISPATCHER = {"deepseek_v3_tech_report": "flex"}
+
+
 def moe_published() -> list[TrainingRun]:
     """The Mixture-of-Experts rows, with their published mappings (tp, ep, expert_tp, pp, vp, dp,
     micro-batch, global batch). Mixtral's step time is derived from its TFLOP/s with
@@ -160,7 +167,8 @@ def moe_published() -> list[TrainingRun]:
         fp8 = r["dtype"].startswith("fp8")
         runs.append(TrainingRun(r["source"], r["model"], model, r["gpu"], gpus, tp, int(r["pp"]), int(r["dp"]),
                                 int(r["vp"]), gb, int(r["mbs"]), s, "none", None, step, zero=1,
-                                ep=int(r["ep"]), expert_tp=int(r["etp"]), moe_token_dispatcher=r["dispatcher"],
+                                ep=int(r["ep"]), expert_tp=int(r["etp"]),
+                                moe_token_dispatcher=_DISPATCHER.get(r["source"], r["dispatcher"]),
                                 dtype="fp8" if fp8 else "bf16",
                                 fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None, fp8_dispatch=fp8,
                                 cluster=_MOE_CLUSTER[r["gpu"]]))
@@ -276,8 +284,8 @@ def torchtitan_benchmarks() -> tuple[list[TrainingRun], list[Unexpressed]]:
     stages per rank and torchtitan's default micro-batch count is pp; context parallelism
     all-gathers keys and values; Float8 tensorwise is the ``tensorwise`` recipe, its FSDP float8
     all-gather FP8 parameter gather. Activation checkpointing: full as full; torchtitan's
-    selective (per-op: matmul outputs saved, the rest recomputed) as the model's selective
-    recomputation. Caveats the source states: the H100 rows ran on Meta Grand Teton H100s with
+    selective (per-op: matmul and attention outputs saved, every second matmul of a layer and
+    every other op recomputed) as ``op``. Caveats the source states: the H100 rows ran on Meta Grand Teton H100s with
     96 GB HBM2e at a 500 W power limit, whose peak is not published — they are predicted with
     the H100 SXM preset (700 W) and the tool is expected to come out faster; sequence lengths
     marked not stated are torchtitan's default 8192."""
@@ -309,6 +317,9 @@ def _torchtitan_run(r: dict[str, str], source: str, name: str) -> "TrainingRun |
     ac = r["activation_checkpointing"].split(" ")[0]
     if ac not in ("none", "full", "selective"):
         return f"activation checkpointing {r['activation_checkpointing']!r}"
+    # torchtitan's selective mode is per-op in every source here (the llama3 tomls' default,
+    # selective_ac_option = "op")
+    ac = "op" if ac == "selective" else ac
     if int(r["dp_replicate"]) > 1:
         return "HSDP (replicated FSDP groups) is not modelled"
     gpus, tp, pp, cp = int(r["gpus"]), int(r["tp"]), int(r["pp"]), int(r["cp"])

@@ -1,4 +1,4 @@
-"""Process-level helpers for the hot paths."""
+"""Pausing Python's cycle collector on the hot paths."""
 
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ allocator's fragmentation (the figures and their sources: :mod:`stage_cosim.hard
 Only NCCL's share depends on the layout: which communicators a rank of the stage uses, how many
 channels each runs (inside a scale-up domain or across), and the peers of its point-to-point
 traffic. Which communicators are used follows the same rules as the communicator-group file,
-without building any graph (the search checks memory before it simulates)."""
+without building any graph (the search checks memory before it simulates).
+
+It reads a workload's communicators, so it sits beside :mod:`stage_cosim.workload` (whose
+``Workload.memory`` calls it) rather than in :mod:`stage_cosim.schedule`, below the workload,
+where the memory it fills in is accounted (:class:`~stage_cosim.schedule.memory.RuntimeMemory`)."""
 
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ def communicators(w: "Workload", stage: int, cluster: "Cluster") -> list[Communi
         members = w.group_members(r0, kind)
         if len(set(members)) <= 1:
             continue
-        if (kind == "ep" and par.moe_token_dispatcher == "alltoall") or kind == "cp_a2a" or \
+        if (kind == "ep" and par.moe_token_dispatcher in ("alltoall", "flex")) or kind == "cp_a2a" or \
                 (kind == "cp" and par.cp_comm == "a2a"):
             # all-to-all: point-to-point with every other member
             out.append(Communicator(kind, len(members), peers=tuple(peer_channels(m) for m in members if m != r0)))
