@@ -17,7 +17,11 @@ from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
-from stage_cosim.parallel.config import CP_COMMS, DTYPES, FP8_OPTIONS, MESH_AXES
+from stage_cosim.parallel.config import CP_COMMS, DTYPES, FP8_OPTIONS, MESH_AXES, RECOMPUTE
+
+# The recomputation modes searched: Megatron-Core's (torchtitan's per-op mode, "op", is not one
+# of the layouts the search plans, which its launch emitters write for Megatron-Core)
+RECOMPUTE_SEARCHED = tuple(r for r in RECOMPUTE if r != "op")
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
         "micro_batch": powers_of_two(min(MAX_MICRO_BATCH, global_batch)),
         "sp": (False, True),
         "zero": (0, 1, 2, 3),
-        "recompute": ("none", "selective", "full"),
+        "recompute": RECOMPUTE_SEARCHED,
     }
     fixed = dict(fixed or {})
     precision = dict(precision or {})

@@ -130,9 +130,9 @@ def test_component_fits_reproduce_their_microbenchmarks() -> None:
     and tile quantization, which a model of FLOPs and bytes alone does not have); across two
     nodes one scale-out efficiency cannot match NCCL's all-reduce and all-gather at once (14 %:
     NCCL's all-reduce of two ranks is not a ring of the model's kind). DeepEP's all-to-all rows
-    are a check fitted to nothing, within 20 % (its RDMA bandwidth across 4 nodes, 58 GB/s, is
-    above the NIC's line rate: node-limited routing sends a token once per node and forwards it
-    over NVLink, which the model's all-to-all does not do)."""
+    are a check fitted to nothing, within 20 % (across nodes as the flex dispatcher's all-to-all,
+    a token sent once per other node it reaches; its RDMA bandwidth across 4 nodes, 58 GB/s, is
+    above the NIC's line rate, which no model of the link reaches)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from calibrate import fit_components
     from stage_cosim.hardware.gpu import family_efficiencies
