@@ -1,16 +1,24 @@
-"""Parallelization search: exhaustive ground truth against the scipy-driven search.
+"""Parallelization search: branch and bound (the proven optimum), its bounds' speed, and the
+scipy-driven search.
 
-    python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|all] [--workers N] [--skip-exhaustive]
+    python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|all] [--workers N]
+                                      [--skip-bound] [--exhaustive] [--seeds N] [--budget N]
 
-* llama3-70b on 1,024 dgx-h100 GPUs, global batch 1,024, sequence 8,192: the default space.
+* llama3-70b on 1,024 dgx-h100 GPUs, global batch 1,024, sequence 8,192: the default space
+  (what ``stage-cosim optimize --model llama3-70b --cluster dgx-h100:1024 --global-batch 1024
+  --seq-len 8192`` searches).
 * mixtral-8x7b on 64 dgx-h100 GPUs, global batch 256, sequence 4,096 (the published mapping's
   setting), with ep and expert_tp in the space: tp 1/2/4, cp 1/2 (ring), pp 1/2/4/8, vp 1/2,
   micro-batch 1/2, recomputation none/full, ep 1/2/4/8, expert_tp 1/2 (sp on, ZeRO-1). The expert
   layers re-factor the tp*cp*dp ranks, so cp 2 opens layouts with ep*expert_tp up to twice tp*dp.
 
-The exhaustive pass simulates every structurally feasible configuration (the proven optimum);
-the search pass runs differential evolution plus the local polish with a budget, from a cold
-start (no shared cache).
+For each case: how long the structural rules take over the space, how many configurations a
+second the lower bounds (search/bound.py) cover, first with every sharding policy still to
+compile and then with them compiled, and the branch and bound (what ``optimize`` runs without a
+budget on a space over ``exhaustive_limit``; here on mixtral's smaller space too): its wall time,
+simulations against feasible configurations, and what it ruled out by memory and by bound. ``--exhaustive`` also simulates
+every feasible configuration (the ground truth; hours for llama3-70b), ``--seeds N`` runs the
+budgeted scipy search (differential evolution plus the local polish) with seeds 0 … N-1.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import time
 
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.model import get_preset
-from stage_cosim.search.optimize import OptimizeSettings, optimize
+from stage_cosim.search.bound import StepBound
+from stage_cosim.search.optimize import OptimizeSettings, _feasible, _Search, optimize
+from stage_cosim.search.runner import SerialRunner
 from stage_cosim.search.space import default_space
 
 CASES = {  # name -> (model, cluster, global batch, seq, space overrides)
@@ -31,24 +41,56 @@ CASES = {  # name -> (model, cluster, global batch, seq, space overrides)
 }
 
 
+def describe(point: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in point.items() if v is not None)
+
+
 def run_case(name: str, args: argparse.Namespace) -> None:
     model_name, cluster_spec, gb, seq, overrides = CASES[name]
     model = get_preset(model_name)
     cluster = resolve_cluster(cluster_spec)
     space = default_space(model, cluster, gb, seq, overrides=overrides)
     print(f"\n{model_name} on {cluster.num_gpus:,} {cluster.gpu.name}, global batch {gb:,}, seq {seq:,}: "
-          f"{space.size} points in the space ({', '.join(space.names())})")
+          f"{space.size:,} points in the space ({', '.join(space.names())})", flush=True)
 
     best = None
-    if not args.skip_exhaustive:
+    if not args.skip_bound:
+        t = time.perf_counter()
+        search = _Search(space, cluster, OptimizeSettings(), SerialRunner(), None, None)
+        feasible = _feasible(search)
+        configs = [search.structure(p)[0] for p in feasible]
+        print(f"structural rules: {len(feasible):,} distinct feasible configurations in {time.perf_counter() - t:.1f} s")
+        for label in ("policies to compile", "policies compiled"):
+            bound = StepBound(model, cluster)
+            t = time.perf_counter()
+            for par in configs:
+                bound(par)
+            dt = time.perf_counter() - t
+            print(f"bounds ({label}): {len(configs):,} configurations in {dt:.1f} s, "
+                  f"{len(configs) / dt:,.0f} bounded per second", flush=True)
+        t = time.perf_counter()
+        # (branch and bound even where the space is small enough to enumerate: mixtral's is)
+        r = optimize(space, cluster, OptimizeSettings(workers=args.workers, exhaustive_limit=0))
+        dt = time.perf_counter() - t
+        bb = r.bounds or {}
+        best = r.best
+        print(f"{r.method}: {dt:.1f} s (policies compiled), {'proven optimal' if r.proven_optimal else 'NOT proven'}; "
+              f"{bb.get('simulated', len(r.evaluated)):,} simulations of {r.feasible:,} feasible configurations, "
+              f"{bb.get('pruned_by_memory', 0):,} over the memory, {bb.get('pruned_by_bound', 0):,} ruled out by "
+              f"their bound (lowest bound {bb.get('lowest_bound') or 0:.4f} s, stopped at {bb.get('stopped_at_bound') or 0:.4f} s)")
+        print(f"optimum {describe(best.point)} at {best.score:.4f} s/step", flush=True)
+
+    if args.exhaustive:
         t = time.perf_counter()
         truth = optimize(space, cluster, OptimizeSettings(exhaustive_limit=10**9, workers=args.workers))
         t_truth = time.perf_counter() - t
+        same = "" if best is None else (" (the branch and bound's)" if truth.best.point == best.point else
+                                       " (NOT the branch and bound's)")
         best = truth.best
         print(f"exhaustive: {len(truth.evaluated)} configurations in {t_truth:.1f} s "
               f"({len(truth.evaluated) / t_truth:.1f} evaluations/s, "
               f"{truth.infeasible.get('does not fit in memory', 0)} of them over the memory); "
-              f"optimum {best.point} at {best.score:.4f} s/step")
+              f"optimum {describe(best.point)} at {best.score:.4f} s/step{same}", flush=True)
 
     for seed in range(args.seeds):
         t = time.perf_counter()
@@ -56,7 +98,7 @@ def run_case(name: str, args: argparse.Namespace) -> None:
                                                           workers=args.workers))
         dt = time.perf_counter() - t
         if best is None:
-            verdict = f"{found.best.point}"
+            verdict = describe(found.best.point)
         elif found.best.point == best.point:
             verdict = "the proven optimum"
         else:
@@ -71,9 +113,10 @@ def main() -> None:
     ap.add_argument("--case", choices=[*CASES, "all"], default="all")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--budget", type=int, default=150)
-    ap.add_argument("--seeds", type=int, default=3, help="search runs with seeds 0 .. N-1")
-    ap.add_argument("--skip-exhaustive", action="store_true",
-                    help="only the seeded searches (the llama ground truth takes ~5 minutes)")
+    ap.add_argument("--seeds", type=int, default=0, help="budgeted scipy searches with seeds 0 .. N-1")
+    ap.add_argument("--skip-bound", action="store_true", help="no bounds, no branch and bound")
+    ap.add_argument("--exhaustive", action="store_true",
+                    help="also simulate every feasible configuration (hours for llama3-70b)")
     args = ap.parse_args()
     for name in CASES if args.case == "all" else [args.case]:
         run_case(name, args)

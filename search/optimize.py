@@ -1,18 +1,26 @@
-"""Find the best parallelization: exact enumeration when the space is small, scipy otherwise.
+"""Find the best parallelization: exact enumeration when the space is small, branch and bound
+when it is larger, scipy when it is too large even to bound or a budget is set.
 
 * Every point is first checked against the structural rules (divisibility, domain, batch);
   those checks are free and are counted by reason.
 * If the structurally feasible points are few enough, all are evaluated: the answer is the
   proven optimum of the space.
+* Otherwise, without a budget, every feasible point gets a lower bound on its step time (its
+  busiest stage's kernels, :mod:`stage_cosim.search.bound`), and the points are evaluated in the
+  order of their bounds until the next bound cannot beat (or tie) the best score found: the
+  answer is again the proven optimum, and the points never simulated are counted as ruled out
+  by their bound (or, checked first, by memory).
 * Otherwise ``scipy.optimize.differential_evolution`` searches the index encoding of the space
   (one integer per dimension, ``integrality``), with a seed and a budget of simulations. The
   population is evaluated as one batch (``vectorized``, deferred updating), so the answer does
-  not depend on how many workers share the batch.
+  not depend on how many workers share the batch. A space too large to bound starts it from the
+  best-bounded points of a sample.
 * Evaluations are cached by configuration: nothing is simulated twice.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -33,8 +41,13 @@ DEFAULT_BUDGET = 300
 class OptimizeSettings:
     objective: Objective = field(default_factory=Objective)
     seed: int = 0
-    budget: int | None = None           # simulations; None: exhaustive if small, else DEFAULT_BUDGET
+    # simulations; None: the proven optimum (exhaustive if small, else branch and bound), or
+    # DEFAULT_BUDGET beyond bound_limit
+    budget: int | None = None
     exhaustive_limit: int = 1500        # enumerate when at most this many points are feasible
+    # without a budget, branch and bound when at most this many points are feasible (each gets a
+    # lower bound); beyond it, differential evolution started from the best-bounded points
+    bound_limit: int = 200_000
     workers: int = 1
     ray: str | None = None
     top_k: int = 5
@@ -58,6 +71,9 @@ class OptimizeResult:
     interrupted: bool = False
     top_k: int = 5
     feasible: int | None = None     # distinct structurally feasible points of the space (None: not counted)
+    # branch and bound's counts (feasible, bounded, simulated, pruned_by_memory, pruned_by_bound)
+    # and the bounds it stopped at; None for another method
+    bounds: dict[str, Any] | None = None
 
     @property
     def ranked(self) -> list[Evaluation]:
@@ -93,6 +109,9 @@ class OptimizeResult:
             "feasible": self.feasible,
             "unexplored": 0 if self.proven_optimal or self.feasible is None
             else max(0, self.feasible - len(self.evaluated)),
+            # branch and bound: the feasible configurations, each bounded, and how each was
+            # settled (simulated, over the memory, or ruled out by its bound); null otherwise
+            "branch_and_bound": self.bounds,
         }
 
 
@@ -237,10 +256,12 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
         reasons: Counter[str] = Counter()
         for r in parts:
             reasons.update(r.infeasible)
+        bounds = [r.bounds for r in parts if r.bounds is not None]
         return OptimizeResult(settings.objective, [e for r in parts for e in r.evaluated],
                               all(r.proven_optimal for r in parts), dict(reasons), space.size,
                               f"{parts[0].method}, per dtype", any(r.interrupted for r in parts), settings.top_k,
-                              None if any(r.feasible is None for r in parts) else sum(r.feasible for r in parts))
+                              None if any(r.feasible is None for r in parts) else sum(r.feasible for r in parts),
+                              _merged(bounds) if bounds else None)
     return _optimize(space, cluster, settings, progress, should_stop, problem)
 
 
@@ -255,6 +276,27 @@ def _small_enough(n: int, settings: OptimizeSettings) -> bool:
     return n <= settings.exhaustive_limit and (settings.budget is None or settings.budget >= n)
 
 
+def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Branch-and-bound counts of searches of parts of a space, added up (the lowest bound the
+    lowest, the bound stopped at the highest)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+            elif v is not None:
+                out[k] = v if out.get(k) is None else (min if k == "lowest_bound" else max)(out[k], v)
+            else:
+                out.setdefault(k, None)
+    return out
+
+
+def _boundable(search: "_Search") -> bool:
+    """Whether the search's points have lower bounds: the training problem (not a caller's
+    own), under an objective that grows with the step time."""
+    return type(search.problem) is Problem and search.settings.objective.name in ("step-time", "tokens-per-gpu", "cost")
+
+
 def _enumerable(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings) -> bool:
     from stage_cosim.search.runner import SerialRunner
 
@@ -267,16 +309,22 @@ def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
     runner = make_runner(settings.workers, settings.ray)
     search = _Search(space, cluster, settings, runner, progress, should_stop, problem)
     interrupted = False
+    bounds: dict[str, Any] | None = None
     try:
         feasible = _feasible(search)
         exhaustive = _small_enough(len(feasible), settings)
+        bounded = (not exhaustive and not settings.seeds and settings.budget is None and _boundable(search)
+                   and len(feasible) <= settings.bound_limit)
         if settings.seeds and not exhaustive:
             method = "local search from seeds"
         else:
-            method = "exhaustive" if exhaustive else "differential_evolution"
+            method = "exhaustive" if exhaustive else "branch_and_bound" if bounded else "differential_evolution"
         try:
             if exhaustive:
                 search.evaluate_many(feasible)
+            elif bounded:
+                bounds = {}
+                _branch_and_bound(search, feasible, bounds)
             elif settings.seeds:
                 budget = settings.budget or DEFAULT_BUDGET
                 search.budget = budget
@@ -284,18 +332,112 @@ def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
                 _local_search(search, budget)
             else:
                 budget = settings.budget or DEFAULT_BUDGET
+                # a space too large to bound starts from the best-bounded points of a sample
+                warm = (_warm_start(search, feasible) if settings.budget is None and _boundable(search)
+                        and len(feasible) > settings.bound_limit else [])
                 # scipy explores; a discrete local search around the best polishes the answer
-                _differential_evolution(search, max(1, int(budget * 0.6)))
+                _differential_evolution(search, max(1, int(budget * 0.6)), warm)
                 _local_search(search, budget)
         except KeyboardInterrupt:
             interrupted = True
     finally:
         runner.close()
-    return OptimizeResult(settings.objective, list(search.cache.values()), exhaustive and not interrupted,
-                          dict(search.reasons), space.size, method, interrupted, settings.top_k, len(feasible))
+    proven = (exhaustive or bounds is not None) and not interrupted
+    return OptimizeResult(settings.objective, list(search.cache.values()), proven, dict(search.reasons), space.size,
+                          method, interrupted, settings.top_k, len(feasible), bounds)
 
 
-def _differential_evolution(search: _Search, budget: int) -> None:
+# Points bounded to warm-start differential evolution on a space too large to bound whole.
+WARM_SAMPLE = 2000
+
+
+def _bounded(search: _Search, points: list[dict[str, Any]], stats: dict[str, Any] | None = None
+             ) -> list[tuple[float, tuple, dict[str, Any]]]:
+    """(lower bound on the score, key, point) of each point, lowest first. With workers, the
+    points go out in shares of configurations compiled alike."""
+    from stage_cosim.search.bound import StepBound, bound_many, policy_key, score_bound
+
+    space, cluster, settings = search.space, search.cluster, search.settings
+    tokens, gpus = space.global_batch * space.seq_len, cluster.num_gpus
+    configs = [search.structure(p)[0] for p in points]
+    steps: list[float] = [0.0] * len(points)
+    if (settings.workers > 1 or settings.ray) and len(points) > 64:
+        groups: dict[tuple, list[int]] = {}
+        for j, par in enumerate(configs):
+            groups.setdefault(policy_key(par), []).append(j)
+        shares = max(1, settings.workers) * 4 if not settings.ray else 32
+        per = max(1, -(-len(points) // shares))
+        flat = [j for g in groups.values() for j in g]
+        chunks = [flat[k:k + per] for k in range(0, len(flat), per)]
+        done = [0]
+
+        def got(i: int, values: list[float]) -> None:
+            for j, v in zip(chunks[i], values):
+                steps[j] = v
+            done[0] += len(values)
+            if stats is not None:
+                stats["bounded"] = done[0]
+            if search.should_stop is not None and search.should_stop():
+                raise KeyboardInterrupt
+
+        search.runner.map([(bound_many, space.model, cluster, [configs[j] for j in c]) for c in chunks], got)
+    else:
+        bound = StepBound(space.model, cluster)
+        for j, par in enumerate(configs):
+            if search.should_stop is not None and j % 256 == 0 and search.should_stop():
+                raise KeyboardInterrupt
+            steps[j] = bound(par)
+            if stats is not None:
+                stats["bounded"] = j + 1
+    out = [(score_bound(settings.objective, t, tokens, gpus), _key(p), p) for t, p in zip(steps, points)]
+    out.sort(key=lambda x: (x[0], x[1]))
+    return out
+
+
+def _branch_and_bound(search: _Search, feasible: list[dict[str, Any]], stats: dict[str, Any]) -> None:
+    """Evaluate the feasible points in the order of their lower bounds until the next bound
+    cannot beat the lowest score found, nor tie it (:func:`rank`'s ties go by memory headroom,
+    so a tied point must be simulated too): every point left has a score above the best's.
+
+    ``stats`` gets the counts, as they stand when the search ends or is interrupted."""
+    stats.update(feasible=len(feasible), bounded=0, simulated=0, pruned_by_memory=0, pruned_by_bound=0,
+                 lowest_bound=None, stopped_at_bound=None)
+    order = _bounded(search, feasible, stats)
+    stats["lowest_bound"] = order[0][0] if order else None
+    batch = max(1, search.settings.workers) if not search.settings.ray else 8
+    lowest: float | None = None
+
+    def ruled_out(b: float) -> bool:
+        return lowest is not None and b > lowest and not tied(b, lowest)
+
+    i = 0
+    try:
+        while i < len(order) and not ruled_out(order[i][0]):
+            take = []
+            while i < len(order) and len(take) < batch and not ruled_out(order[i][0]):
+                take.append(order[i][2])
+                i += 1
+            for e in search.evaluate_many(take):
+                if e is None:
+                    continue
+                if e.feasible:
+                    stats["simulated"] += 1
+                    lowest = e.score if lowest is None else min(lowest, e.score)
+                elif e.reason == MEMORY_REASON:
+                    stats["pruned_by_memory"] += 1
+    finally:
+        stats["pruned_by_bound"] = len(order) - i
+        stats["stopped_at_bound"] = order[i][0] if i < len(order) else None
+
+
+def _warm_start(search: _Search, feasible: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The best-bounded points of an even sample of at most :data:`WARM_SAMPLE` feasible points."""
+    step = max(1, len(feasible) // WARM_SAMPLE)
+    return [p for _, _, p in _bounded(search, feasible[::step][:WARM_SAMPLE])]
+
+
+def _differential_evolution(search: _Search, budget: int, warm: list[dict[str, Any]] = ()) -> None:
+    """``warm``: points, best first, that start in the initial population (half of it at most)."""
     from scipy.optimize import differential_evolution
 
     space = search.space
@@ -321,9 +463,27 @@ def _differential_evolution(search: _Search, budget: int) -> None:
 
     search.budget = budget
     popsize = max(5, min(15, budget // (4 * len(dims)) or 5))
+    init: Any = "sobol"
+    if warm:
+        from scipy.stats import qmc
+
+        size = popsize * len(dims)
+        index = {d.name: {str(c): j for j, c in enumerate(d.choices)} for d in dims}
+        rows = []
+        for p in warm:
+            if len(rows) >= size // 2:
+                break
+            # a choice that means nothing in context was collapsed (canonical): any one will do
+            row = [index[d.name].get(str(p.get(d.name)), 0) for d in dims]
+            if _key(search.canonical(space.point(row))) == _key(p):
+                rows.append(row)
+        need = size - len(rows)
+        sample = qmc.Sobol(len(dims), seed=search.settings.seed).random_base2(max(0, math.ceil(math.log2(need))))[:need]
+        init = np.vstack([np.array(rows, dtype=float).reshape(-1, len(dims)),
+                          sample * np.array([hi for _, hi in bounds], dtype=float)])
     differential_evolution(objective, bounds, integrality=[True] * len(dims), seed=search.settings.seed,
                            popsize=popsize, maxiter=10_000, polish=False, vectorized=True, updating="deferred",
-                           callback=stop, tol=0, atol=0, init="sobol")
+                           callback=stop, tol=0, atol=0, init=init)
 
 
 # The settings that trade time for memory. A move that does not fit in memory is tried again

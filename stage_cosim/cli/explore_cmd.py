@@ -109,7 +109,7 @@ def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
                f"({_layout(b['best'])})")
     what = "configuration" if m == "step_time_s" else "layout"
     if b.get("proven_optimal"):
-        click.echo(f"          the baseline's proven optimum (every feasible {what} simulated)")
+        click.echo(f"          the baseline's proven optimum (every feasible {what} simulated, or bounded above it)")
     elif b.get("unexplored") is not None:
         click.echo(f"          not proven optimal: the best the inner searches found, {b['unexplored']:,} structurally "
                    f"feasible {what}s not simulated (a larger baseline_budget explores more)")

@@ -100,6 +100,9 @@ def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Obj
     else:
         verdict = "proven optimum (every feasible configuration simulated)" if doc["proven_optimal"] else \
             f"best found by {doc['method']}, not proven optimal"
+        if doc["proven_optimal"] and doc.get("branch_and_bound"):
+            verdict = "proven optimum (branch and bound: every other feasible configuration simulated, over the " \
+                      "memory, or bounded above it)"
         click.echo(f"best: {describe_point(best['point'], best['config']['parallel'])}  —  "
                    f"{objective.describe(best['score'])}  [{verdict}]")
         keys = [k for k in BREAKDOWN_KEYS if any(e["breakdown"].get(k) for e in doc["top"])]
@@ -129,6 +132,11 @@ def print_report(doc: dict, objective, top_k: int) -> None:  # noqa: ANN001 (Obj
             click.echo("\n" + why_first(rows[0][0], rows[1][0], keys))
     click.echo(f"\n{doc['evaluations']} configurations simulated or memory-checked, space of {doc['space_size']}"
                + (" (interrupted: best so far)" if doc["interrupted"] else ""))
+    bb = doc.get("branch_and_bound")
+    if bb:
+        click.echo(f"branch and bound: {bb['bounded']:,} of {bb['feasible']:,} feasible configurations bounded; "
+                   f"{bb['simulated']:,} simulated, {bb['pruned_by_memory']:,} over the memory, "
+                   f"{bb['pruned_by_bound']:,} ruled out by their bound")
     if not doc["proven_optimal"] and doc.get("unexplored") is not None and doc.get("feasible") is not None:
         click.echo(f"not proven optimal: {doc['unexplored']:,} of {doc['feasible']:,} structurally feasible "
                    f"configurations not simulated (a larger --budget explores more; the whole space proves the optimum)")
