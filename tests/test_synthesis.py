@@ -150,6 +150,23 @@ def test_zero3_gathers_parameters_twice_per_microbatch(llama_small) -> None:
         assert total == pytest.approx(2 * 2 * params / dp, rel=1e-6)   # bf16, forward + backward
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_blocks_first_kernel_waits_for_the_block_before(llama_small, zero) -> None:
+    """Every layer's first forward kernel (its input norm) reads what the block before handed
+    on, whatever else it waits for: with ZeRO-3 also its gathered weights, and then beside — not
+    instead of — the previous block's exits."""
+    w = synthesize(llama_small, ParallelConfig(dp=2, global_batch=2, seq_len=256, zero=zero))
+    role = w.roles[0]
+    by_id = {n.id: n for n in role.nodes}
+    norms = [n for n in role.nodes if n.type == COMP and n.phase == "fwd" and n.name.endswith(".input_norm")]
+    assert len(norms) == llama_small.layers
+    for n in norms[1:]:
+        previous = f"layer{int(n.block.removeprefix('layer')) - 1}."
+        assert any(by_id[d].name.startswith(previous) for d in n.deps), (n.name, [by_id[d].name for d in n.deps])
+        if zero == 3:
+            assert any(by_id[d].type == COLL for d in n.deps)       # and its weights' gather
+
+
 def test_tied_embedding_gradients_across_pipeline(gpt_small) -> None:
     w = synthesize(gpt_small, ParallelConfig(pp=2, tp=2, global_batch=4, seq_len=512))
     for role in (w.roles[0], w.roles[-1]):

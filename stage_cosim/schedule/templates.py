@@ -297,6 +297,12 @@ def pass_template(insts: list[BlockInstance], phase: str, degrees: dict[str, int
                 continue
             if st.deps:
                 deps = [x for d in st.deps for x in ids[d]]
+                if not st.prologue and all(steps[d].prologue for d in st.deps):
+                    # reads only the block's gathered weights (ZeRO-3) besides what enters the
+                    # block: it waits for the previous block's exits too
+                    deps += list(prev_exit)
+                    if bi == 0:
+                        deps.append(CTRL)
             else:
                 # ZeRO-3's parameter gathers as PyTorch FSDP (FULL_SHARD) runs them: the CPU runs
                 # ahead of the GPU and issues a block's gather when it reaches the block (in the
