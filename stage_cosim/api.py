@@ -63,9 +63,7 @@ def parallel_of(req: Mapping[str, Any]) -> ParallelConfig:
         except (TypeError, ValueError):
             raise UserError("pp-layers", "must be a list of integers") from None
     if "dp" not in kw:
-        degrees = [kw.get(a, 1) for a in ("tp", "cp", "pp")]
-        if all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in degrees):
-            kw["dp"] = derived_dp(req.get("cluster"), *degrees)     # (bad degrees: ParallelConfig says)
+        kw["dp"] = derived_dp(req.get("cluster"), *(kw.get(a, 1) for a in ("tp", "cp", "pp")))
     try:
         return ParallelConfig(**kw)
     except TypeError as exc:
@@ -92,12 +90,15 @@ def cluster_gpus(spec: "str | Mapping[str, Any] | None") -> int | None:
 
 def derived_dp(cluster: "str | Mapping[str, Any] | None", tp: int, cp: int, pp: int) -> int:
     """The data-parallel degree when none is given: as Megatron derives it from the world size,
-    the cluster's GPUs over tp * cp * pp where the cluster names a count; else 1."""
+    the cluster's GPUs over tp * cp * pp where the cluster names a count; else 1 (and 1 for
+    degrees that are not positive integers: ParallelConfig names the bad one)."""
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in (tp, cp, pp)):
+        return 1
     n = cluster_gpus(cluster)
     if n is None:
         return 1
     model_parallel = tp * cp * pp
-    if model_parallel <= 0 or n % model_parallel:
+    if n % model_parallel:
         raise UserError("dp", f"is not given, and the cluster's {n} GPUs are not a multiple of "
                               f"tp*cp*pp = {model_parallel}: give --dp or a GPU count that is")
     return n // model_parallel

@@ -239,18 +239,11 @@ def resolve_parallel_options(kw: dict[str, Any], cluster: str | None = None) -> 
     switches = megatron_switches(kw)
     fields = {**{n: kw.pop(n) for n in names}, **switches}
     if fields["dp"] is None:
-        fields["dp"] = _derived_dp(cluster, fields)
+        from stage_cosim.api import derived_dp
+
+        fields["dp"] = derived_dp(cluster, *(fields[a] for a in ("tp", "cp", "pp")))
     return ParallelConfig(**fields, micro_batch=1 if micro_batch is None else micro_batch,
                           pp_layers=layers, axis_order=order)
-
-
-def _derived_dp(cluster: str | None, fields: dict[str, Any]) -> int:
-    from stage_cosim.api import derived_dp
-
-    degrees = [fields[a] for a in ("tp", "cp", "pp")]
-    if not all(isinstance(d, int) and d > 0 for d in degrees):
-        return 1        # ParallelConfig names the bad degree
-    return derived_dp(cluster, *degrees)
 
 
 inference_options = _compose(
