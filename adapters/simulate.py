@@ -13,13 +13,14 @@ from typing import Callable
 
 from stage_cosim.adapters.roofline import simulate as roofline
 from stage_cosim.adapters.roofline.simulate import Simulation
+from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.workload import Workload
 
 
 def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
              symmetric: bool = True, exact: bool | None = None, astra_settings=None,  # noqa: ANN001
-             compute_mode: str = "replay") -> Simulation:
+             compute_mode: str = "replay", nccl_algo: str = "auto") -> Simulation:
     """Simulate one training step.
 
     ``symmetric``: one rank per pipeline stage stands for all its ranks. ``exact``: replay
@@ -31,18 +32,26 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
 
     The ``astra`` model predicts what ASTRA-sim prints for this workload's export with the
     same ``astra_settings`` (every system.json field) and ``compute_mode``, to the nanosecond.
+    ``nccl_algo``: the calibrated model's all-reduce algorithm (NCCL_ALGO's role).
     """
     if network_model == "astra":
         from stage_cosim.adapters.astra_sim import simulate as astra
 
+        _astra_algo(nccl_algo)
         return astra.simulate(w, cluster, symmetric=symmetric, exact=exact, astra_settings=astra_settings,
                               compute_mode=compute_mode)
-    return roofline.simulate(w, cluster, network_model, symmetric=symmetric, exact=exact)
+    return roofline.simulate(w, cluster, network_model, symmetric=symmetric, exact=exact, nccl_algo=nccl_algo)
+
+
+def _astra_algo(nccl_algo: str) -> None:
+    if nccl_algo != "auto":
+        raise UserError("nccl-algo", "the astra network model runs ASTRA-sim's own collective implementations "
+                                     "(--collective-implementation); give auto")
 
 
 def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
                         astra_settings=None, compute_mode: str = "replay",  # noqa: ANN001
-                        progress: Callable[[str, int, int], None] | None = None
+                        progress: Callable[[str, int, int], None] | None = None, nccl_algo: str = "auto"
                         ) -> Simulation:
     """Every rank's step, node by node: one rank per pipeline stage where that is proven to
     stand exactly for every rank of its stage, else every rank replayed
@@ -52,8 +61,9 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
     if network_model == "astra":
         from stage_cosim.adapters.astra_sim import simulate as astra
 
+        _astra_algo(nccl_algo)
         return astra.simulate_every_rank(w, cluster, astra_settings=astra_settings, compute_mode=compute_mode)
-    return roofline.simulate_every_rank(w, cluster, network_model, progress=progress)
+    return roofline.simulate_every_rank(w, cluster, network_model, progress=progress, nccl_algo=nccl_algo)
 
 
 def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "calibrated", *,

@@ -27,6 +27,10 @@ DEEPSEEK_FP8 = dict(dtype="fp8", fp8_recipe="blockwise", fp8_dispatch=True)
 CASES = [  # (model, dp, tp, pp, ep, global batch, seq, cluster, cp, other ParallelConfig fields)
     ("llama3-70b", 32, 8, 4, 1, 32, 4096, "dgx-h100", 1, {}),      # one micro-batch per rank
     ("llama3-70b", 32, 8, 4, 1, 1024, 4096, "dgx-h100", 1, {}),    # 32 micro-batches per rank
+    # the same on tiered scale-out networks: every collective's flows placed on the links and
+    # shared with the concurrent groups' (the contention model), against the one-number network
+    ("llama3-70b", 32, 8, 4, 1, 1024, 4096, "dgx-h100-superpod", 1, {}),
+    ("llama3-70b", 32, 8, 4, 1, 1024, 4096, "dgx-h100-rail-only", 1, {}),
     ("llama3.1-405b", 1024, 8, 16, 1, 1024, 8192, "dgx-h100", 1, {}),
     ("llama3.1-405b", 1024, 8, 16, 1, 16384, 8192, "dgx-h100", 1, {}),
     # the published DeepSeek-V3 mapping: 120 micro-batches per rank, 58 MoE layers of 256 experts;
@@ -56,14 +60,15 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="only this model's cases")
+    ap.add_argument("--cases", type=int, default=None, help="only the first N cases")
     ap.add_argument("--repeats", type=int, default=5, help="warm model-to-result runs per case")
     args = ap.parse_args()
     print("cold: the first model-to-result of the architecture in this process (synthesis compiles its blocks); "
           "warm: again with the blocks compiled (fastest / median of the repeats)")
-    print(f"{'model':<14} {'dtype':<13} {'GPUs':>7} {'dp':>5} {'tp':>3} {'cp (exchange)':>15} {'pp':>3} {'ep':>3} {'seq':>7} "
+    print(f"{'model':<14} {'cluster':<18} {'dtype':<13} {'GPUs':>7} {'dp':>5} {'tp':>3} {'cp (exchange)':>15} {'pp':>3} {'ep':>3} {'seq':>7} "
           f"{'mb/rank':>7} {'cold synth':>10} {'cold sim':>8} {'cold total':>10} {'warm synth':>10} {'warm sim':>8} "
           f"{'warm total':>10} {'warm median':>11} {'sims/s (graph built)':>21} {'step s':>8} {'MFU':>6}")
-    for name, dp, tp, pp, ep, gb, seq, cluster_name, cp, extra in CASES:
+    for name, dp, tp, pp, ep, gb, seq, cluster_name, cp, extra in CASES[:args.cases]:
         if args.model and name != args.model:
             continue
         par = ParallelConfig(dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, global_batch=gb, seq_len=seq, sp=tp > 1, zero=1,
@@ -79,7 +84,7 @@ def main() -> None:
         rate = n / (time.perf_counter() - t)
         dtype = par.dtype if par.dtype == "bf16" else f"{par.dtype}-{par.fp8_recipe}"
         cp_text = f"{cp} ({par.cp_comm})" if cp > 1 else "1"
-        print(f"{name:<14} {dtype:<13} {par.world_size:>7} {dp:>5} {tp:>3} {cp_text:>15} {pp:>3} {ep:>3} {seq:>7} "
+        print(f"{name:<14} {cluster_name:<18} {dtype:<13} {par.world_size:>7} {dp:>5} {tp:>3} {cp_text:>15} {pp:>3} {ep:>3} {seq:>7} "
               f"{par.num_microbatches:>7} {cold_synth:>10.3f} {cold_sim:>8.3f} {cold_synth + cold_sim:>10.3f} "
               f"{fastest[0]:>10.3f} {fastest[1]:>8.3f} {sum(fastest):>10.3f} "
               f"{statistics.median(sum(x) for x in warm):>11.3f} {rate:>21.1f} {result.step_time_s:>8.3f} "

@@ -19,7 +19,7 @@ import yaml
 from stage_cosim.errors import UserError, require
 from stage_cosim.files import local_files_allowed, read_yaml
 from stage_cosim.hardware.gpu import GPU, get_gpu, gpu_names
-from stage_cosim.hardware.network import TOPOLOGIES, NetworkDim
+from stage_cosim.hardware.network import SCALE_OUT_TOPOLOGIES, TIERED_TOPOLOGIES, TOPOLOGIES, NetworkDim
 from stage_cosim.limits import MAX_RANKS, MAX_RANKS_TEXT
 
 GIB_PER_GB = 1e9 / (1 << 30)   # ASTRA-sim's "GB/s" is 2^30 B/s; vendor figures are 10^9 B/s
@@ -41,12 +41,75 @@ class ScaleUp:
 
 @dataclass(frozen=True)
 class ScaleOut:
-    """The network between domains; bandwidth per GPU (its NIC), divided by oversubscription."""
+    """The network between domains. ``Switch``, ``Ring``, ``FullyConnected`` (ASTRA-sim's names):
+    one number, the NIC's bandwidth divided by ``oversubscription``, for every collective. The
+    tiered designs (``fat-tree``, ``rail-optimized``, ``rail-only``) are switches of
+    ``switch_radix`` ports in tiers, half of a leaf's ports down to NICs; each tier's uplinks
+    carry its downlinks' bandwidth divided by that tier's oversubscription (one number: the
+    leaves'; a list: per tier, leaf first), and collectives share them flow by flow
+    (:mod:`stage_cosim.adapters.roofline.contention`)."""
 
-    bandwidth_GBps: float      # per GPU per direction, 10^9 B/s
+    bandwidth_GBps: float      # per GPU per direction, 10^9 B/s (all its planes together)
     latency_ns: float
     topology: str = "Switch"
-    oversubscription: float = 1.0
+    oversubscription: float | tuple[float, ...] = 1.0
+    switch_radix: int = 64     # ports per switch (at the plane's port speed)
+    # independent networks the NICs' ports are striped over (multi-plane); each carries
+    # bandwidth_GBps / planes per GPU and has its own switches
+    planes: int = 1
+    # SHARP-style reductions in the switches (NCCL's CollNet algorithm for all-reduce)
+    in_network_reduction: bool = False
+
+    def __post_init__(self) -> None:
+        over = self.oversubscription
+        if isinstance(over, list):
+            object.__setattr__(self, "oversubscription", over := tuple(over))
+        tiers = over if isinstance(over, tuple) else (over,)
+        require(len(tiers) > 0 and all(not isinstance(o, bool) and isinstance(o, (int, float)) and o >= 1
+                                       for o in tiers), "cluster.scale_out.oversubscription",
+                f"must be a number of at least 1 or a list of them, one per tier above the leaf, got "
+                f"{list(over) if isinstance(over, tuple) else over!r}")
+        require(not isinstance(over, tuple) or self.topology in TIERED_TOPOLOGIES or len(tiers) == 1,
+                "cluster.scale_out.oversubscription",
+                f"a list per tier needs a tiered topology ({', '.join(TIERED_TOPOLOGIES)}), not {self.topology!r}")
+        r = self.switch_radix
+        require(not isinstance(r, bool) and isinstance(r, int) and r >= 4 and r % 2 == 0,
+                "cluster.scale_out.switch_radix", f"must be an even number of ports, at least 4, got {r!r}")
+        p = self.planes
+        require(not isinstance(p, bool) and isinstance(p, int) and 1 <= p <= 16, "cluster.scale_out.planes",
+                f"must be a whole number from 1 to 16, got {p!r}")
+        require(isinstance(self.in_network_reduction, bool), "cluster.scale_out.in_network_reduction",
+                f"must be true or false, got {self.in_network_reduction!r}")
+
+    @property
+    def tiers_oversubscription(self) -> tuple[float, ...]:
+        """Each tier's oversubscription above the leaf, leaf first (one number: the leaves')."""
+        over = self.oversubscription
+        return tuple(float(o) for o in over) if isinstance(over, tuple) else (float(over),)
+
+    @property
+    def tiered(self) -> bool:
+        return self.topology in TIERED_TOPOLOGIES
+
+    @property
+    def flat_bandwidth_GBps(self) -> float:
+        """What one collective's flow gets where the network is one number: the NIC's share of
+        the leaf's uplinks (a tiered network's contention is left to the flow model)."""
+        return self.bandwidth_GBps if self.tiered else self.bandwidth_GBps / self.tiers_oversubscription[0]
+
+    def astra_refusal(self) -> str | None:
+        """Why ASTRA-sim's network file cannot express this network one to one (None: it can; a
+        non-blocking single-plane fat-tree is one switch to its analytical backend)."""
+        if not self.tiered:
+            return None
+        if any(o != 1 for o in self.tiers_oversubscription):
+            return (f"a {self.topology} with oversubscribed tiers {list(self.tiers_oversubscription)} has no "
+                    f"ASTRA-sim network dimension (its analytical backend has one bandwidth per dimension)")
+        if self.topology == "rail-only":
+            return "a rail-only network has no ASTRA-sim dimension (rails never meet: no switch joins them)"
+        if self.in_network_reduction:
+            return "ASTRA-sim's network has no in-network reduction"
+        return None
 
 
 @dataclass(frozen=True)
@@ -76,10 +139,13 @@ class Cluster:
         for part, obj in (("scale_up", self.scale_up), ("scale_out", self.scale_out)):
             require(obj.bandwidth_GBps > 0, f"cluster.{part}.bandwidth_GBps", f"must be positive, got {obj.bandwidth_GBps!r}")
             require(obj.latency_ns >= 0, f"cluster.{part}.latency_ns", f"must be non-negative, got {obj.latency_ns!r}")
-            require(obj.topology in TOPOLOGIES, f"cluster.{part}.topology",
-                    f"must be one of {', '.join(TOPOLOGIES)}, got {obj.topology!r}")
-        require(self.scale_out.oversubscription >= 1, "cluster.scale_out.oversubscription",
-                f"must be at least 1, got {self.scale_out.oversubscription!r}")
+            names = TOPOLOGIES if part == "scale_up" else SCALE_OUT_TOPOLOGIES
+            require(obj.topology in names, f"cluster.{part}.topology",
+                    f"must be one of {', '.join(names)}, got {obj.topology!r}")
+        if self.scale_out.topology in ("rail-optimized", "rail-only"):
+            rails = self.rails
+            require(self.domain % rails == 0 or self.num_domains == 1, "cluster.scale_out.topology",
+                    f"{self.scale_out.topology} needs the job's GPUs in whole nodes of {rails} (one NIC per rail)")
 
     def _domain_of_trays(self) -> int | None:
         """The job's GPUs in each rack when racks are allocated by trays: the same number of
@@ -102,13 +168,23 @@ class Cluster:
     def num_domains(self) -> int:
         return self.num_gpus // self.domain
 
+    @property
+    def rails(self) -> int:
+        """GPUs of one node, each with its own NIC on its own rail: a tray's (NVL72), else a
+        domain's (a DGX node)."""
+        return self.scale_up.gpus_per_tray or self.scale_up.gpus_per_domain
+
     def network_dims(self) -> list[NetworkDim]:
         """Innermost first; ASTRA-sim units (GB/s with GB = 2^30 B, ns per hop)."""
         dims = [NetworkDim(self.scale_up.topology, self.domain, self.scale_up.bandwidth_GBps * GIB_PER_GB,
                            self.scale_up.latency_ns)]
         if self.num_domains > 1:
-            bw = self.scale_out.bandwidth_GBps / self.scale_out.oversubscription
-            dims.append(NetworkDim(self.scale_out.topology, self.num_domains, bw * GIB_PER_GB,
+            why = self.scale_out.astra_refusal()
+            require(why is None, "cluster.scale_out.topology", f"ASTRA-sim cannot express this network: {why}")
+            bw = self.scale_out.flat_bandwidth_GBps
+            # a non-blocking tiered network is one switch to ASTRA-sim's analytical backend
+            topology = "Switch" if self.scale_out.tiered else self.scale_out.topology
+            dims.append(NetworkDim(topology, self.num_domains, bw * GIB_PER_GB,
                                    self.scale_out.latency_ns))
         return dims
 
@@ -192,15 +268,24 @@ def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
         for k in sub:
             if k not in known:
                 raise UserError(f"cluster.{key}.{k}", f"{where}: unknown key (known: {', '.join(sorted(known))})")
+        sub = dict(sub)
         for name, f in known.items():
+            value = sub.get(name)
             if name not in sub:
                 if f.default is MISSING:
                     raise UserError(f"cluster.{key}.{name}", f"is required in {where}")
             elif f.type == "str":
-                if not isinstance(sub[name], str):
-                    raise UserError(f"cluster.{key}.{name}", f"{where}: must be a name, got {sub[name]!r}")
+                if not isinstance(value, str):
+                    raise UserError(f"cluster.{key}.{name}", f"{where}: must be a name, got {value!r}")
+            elif f.type == "bool":
+                if not isinstance(value, bool):
+                    raise UserError(f"cluster.{key}.{name}", f"{where}: must be true or false, got {value!r}")
+            elif isinstance(value, list) and f.type.startswith("float | tuple"):
+                for v in value:      # a per-tier list (oversubscription)
+                    _number(v, f"cluster.{key}.{name}", where)
+                sub[name] = tuple(value)
             else:
-                _number(sub[name], f"cluster.{key}.{name}", where)
+                _number(value, f"cluster.{key}.{name}", where)
         return cls(**sub)
 
     n = num_gpus if num_gpus is not None else doc.get("num_gpus")

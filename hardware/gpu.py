@@ -30,8 +30,13 @@ from stage_cosim.errors import UserError, require
 
 # Tensor-core generation. Ampere and Hopper FP8 GEMMs take both operands K-major only (TN), so
 # FP8 training keeps transposed copies of its operands for the backward GEMMs; Blackwell's
-# read either layout.
-ARCHES = ("ampere", "hopper", "blackwell")
+# read either layout. The serving parts of other generations and vendors: NVIDIA Ada (L40S),
+# AMD CDNA2 (MI250) and CDNA3 (MI300X, MI325X) matrix cores, Intel Gaudi's matrix engines.
+ARCHES = ("ampere", "hopper", "blackwell", "ada", "cdna2", "cdna3", "gaudi")
+# Who makes each architecture (the listings name it; an efficiency borrowed across vendors
+# is the weakest assumption a record makes).
+VENDOR_OF_ARCH = {"ampere": "NVIDIA", "hopper": "NVIDIA", "blackwell": "NVIDIA", "ada": "NVIDIA",
+                  "cdna2": "AMD", "cdna3": "AMD", "gaudi": "Intel"}
 # Matmul number formats -> the GPU field holding their dense peak.
 MATMUL_PEAKS = {"bf16": "bf16_tflops", "fp8": "fp8_tflops", "mxfp8": "mxfp8_tflops", "fp4": "fp4_tflops"}
 
@@ -111,6 +116,10 @@ class GPU:
         return self.arch != "blackwell"
 
     @property
+    def vendor(self) -> str:
+        return VENDOR_OF_ARCH[self.arch]
+
+    @property
     def memory_bytes(self) -> int:
         return int(self.hbm_GiB * (1 << 30))
 
@@ -133,6 +142,9 @@ EFFICIENCIES = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency"
                 "fp8_matmul_half_flops", "attention_half_keys")
 # The source of an efficiency no table or microbenchmark pins.
 HAND_SET = "hand-set default"
+# The source prefix of an efficiency taken from another family because no measurement of the
+# GPU pins it ("uncalibrated: borrowed from A100 ..."): the GPU's reports say so.
+UNCALIBRATED = "uncalibrated"
 # A record's keys in the order render_record writes them, with the comment it writes beside each
 # (None: no comment; a key absent from a record is not written). Every GPU field but the
 # efficiencies may appear; `part`, `announced`, `scale_up_domain` and `calibration_family`
@@ -140,9 +152,9 @@ HAND_SET = "hand-set default"
 _LAYOUT: dict[str, str | None] = {
     "name": None,
     "part": "the data sheet's name (and the microbenchmark tables')",
-    "announced": "year-month NVIDIA announced it (orders the listings)",
-    "arch": "tensor-core generation: ampere | hopper | blackwell",
-    "sm_count": "streaming multiprocessors",
+    "announced": "year-month its vendor announced it (orders the listings)",
+    "arch": "generation: ampere hopper blackwell ada cdna2 cdna3 gaudi",
+    "sm_count": "SMs (AMD: compute units; 0: not known)",
     "bf16_tflops": "dense tensor-core peak, 10^12 FLOP/s",
     "fp8_tflops": "per number format (null: no such tensor cores)",
     "mxfp8_tflops": None,
@@ -150,8 +162,8 @@ _LAYOUT: dict[str, str | None] = {
     "vector_tflops": "non-tensor-core (FP32 CUDA-core) rate; null: bf16_tflops / 16",
     "hbm_GiB": "HBM capacity",
     "hbm_GBps": "HBM bandwidth, 10^9 B/s",
-    "nvlink_GBps": "NVLink bandwidth per GPU per direction, 10^9 B/s",
-    "scale_up_domain": "GPUs in one NVLink domain",
+    "nvlink_GBps": "scale-up link per GPU per direction, 10^9 B/s",
+    "scale_up_domain": "GPUs in one scale-up domain",
     "scaleout_GBps": "NIC bandwidth per GPU, 10^9 B/s (null: not given)",
     "attention_block_rows": "rows of work per FlashAttention thread block",
     "calibration_family": "its GPUs carry the same efficiencies",
@@ -259,6 +271,31 @@ def family_efficiencies(family: str) -> dict[str, float]:
         raise ValueError(f"the GPU records of calibration family {family!r} ({', '.join(sets)}) carry different "
                          f"efficiencies")
     return first
+
+
+def uncalibrated(name: str) -> dict[str, str]:
+    """The efficiencies of GPU preset ``name`` that no measurement of its own family pins
+    (parameter -> the source that says where they were borrowed from); empty for a calibrated
+    GPU, or a name without a record (a hypothetical GPU states its own values)."""
+    rec = gpu_records().get(name)
+    if rec is None:
+        return {}
+    return {k: v["source"] for k, v in rec["efficiencies"]["default"].items()
+            if v["source"].startswith(UNCALIBRATED)}
+
+
+def calibration_warning(gpu: GPU) -> str | None:
+    """One line for a report where ``gpu``'s efficiencies are borrowed, not measured: which
+    ones and from where (None when every one is calibrated)."""
+    borrowed = uncalibrated(gpu.name)
+    if not borrowed:
+        return None
+    by_source: dict[str, list[str]] = {}
+    for k, src in borrowed.items():
+        by_source.setdefault(src.removeprefix(UNCALIBRATED).lstrip(": "), []).append(k)
+    what = "; ".join(f"{', '.join(ks)} {src}" for src, ks in by_source.items())
+    return (f"GPU {gpu.name}: {len(borrowed)} of {len(EFFICIENCIES)} efficiencies are uncalibrated "
+            f"(no microbenchmark of this GPU pins them): {what}")
 
 
 def _scalar(v: Any) -> str:

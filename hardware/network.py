@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from stage_cosim.errors import require
 
 TOPOLOGIES = ("Ring", "FullyConnected", "Switch")
+# The scale-out network's designs beyond ASTRA-sim's one-switch view: switches in tiers of a
+# given radix, each tier's uplinks thinner by its oversubscription. ``fat-tree``: a node's NICs on
+# one leaf; ``rail-optimized``: NIC i of every node on rail i's leaves, one spine over all rails
+# (DGX SuperPOD); ``rail-only``: rails never meet above the leaves, traffic changes rail over
+# NVLink (Wang et al., "Rail-only", 2024).
+TIERED_TOPOLOGIES = ("fat-tree", "rail-optimized", "rail-only")
+SCALE_OUT_TOPOLOGIES = TOPOLOGIES + TIERED_TOPOLOGIES
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,21 @@ MiB = 1 << 20
 # (SMs, MiB) of two bare contexts measured on one driver (llama.cpp pull request 23604)
 CONTEXT_MEASURED = ((188, 555.0), (34, 107.0))
 # SMs of a GPU whose description does not say (its architecture's data-center part)
-_ARCH_SMS = {"ampere": 108, "hopper": 132, "blackwell": 148}
+_ARCH_SMS = {"ampere": 108, "hopper": 132, "blackwell": 148, "ada": 142, "cdna2": 208, "cdna3": 304,
+             # Gaudi has no SMs and no measured context: Gaudi 3's 64 vector cores (TPCs) stand in
+             "gaudi": 64}
 
 # -- cuBLAS -------------------------------------------------------------------------------------
 PYTORCH_CUBLAS_WORKSPACE = {"ampere": 4096 * 1024 * 2 + 16 * 1024 * 8, "hopper": 4096 * 1024 * 8,
                             "blackwell": 4096 * 1024 * 8}
 PYTORCH_CUBLAS_HANDLES = 2          # the forward's thread and the autograd engine's
 TE_CUBLAS_WORKSPACE = {"ampere": 4 * MiB, "hopper": 32 * MiB, "blackwell": 32 * MiB}
+# The serving parts of other generations hold what a pre-Hopper GPU does: Ada is compute
+# capability 8.9 (below sm90 in both defaults); ROCm's PyTorch parses the same
+# CUBLAS_WORKSPACE_CONFIG for hipBLAS(Lt), and Gaudi's runtime is taken alike (no figure of its own).
+for _arch in ("ada", "cdna2", "cdna3", "gaudi"):
+    PYTORCH_CUBLAS_WORKSPACE[_arch] = PYTORCH_CUBLAS_WORKSPACE["ampere"]
+    TE_CUBLAS_WORKSPACE[_arch] = TE_CUBLAS_WORKSPACE["ampere"]
 
 # -- NCCL ---------------------------------------------------------------------------------------
 NCCL_BUFFSIZE = 4 * MiB                       # SIMPLE
@@ -70,7 +78,10 @@ NCCL_CONNECTION_BYTES = NCCL_BUFFSIZE + NCCL_LL_BUFFSIZE + NCCL_LL128_BUFFSIZE
 NCCL_MAX_CHANNELS = 32
 NCCL_CHANNELS_PER_NET_PEER = 2
 # NVLink bandwidth per link and direction, GB/s: NVLink 3 and 4 (A100, H100) 25, NVLink 5 50
-_NVLINK_LINK_GBPS = {"ampere": 25.0, "hopper": 25.0, "blackwell": 50.0}
+_NVLINK_LINK_GBPS = {"ampere": 25.0, "hopper": 25.0, "blackwell": 50.0,
+                     # the scale-up links of the others, each way: Ada's one PCIe Gen4 x16 port,
+                     # an Infinity Fabric link (MI250 50, MI300 64), a 200 GbE RoCE port
+                     "ada": 32.0, "cdna2": 50.0, "cdna3": 64.0, "gaudi": 25.0}
 
 # -- the caching allocator ------------------------------------------------------------------
 # (reserved but unallocated, allocated) of the two published logs, in their own units (MB, GiB)

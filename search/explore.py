@@ -20,6 +20,7 @@ import numpy as np
 from stage_cosim.errors import UserError
 from stage_cosim.files import read_yaml
 from stage_cosim.hardware.cluster import Cluster, cluster_from
+from stage_cosim.hardware.network import SCALE_OUT_TOPOLOGIES
 from stage_cosim.model import ModelConfig, resolve_model
 from stage_cosim.search.evaluate import Objective, workload_of
 from stage_cosim.search.optimize import OptimizeSettings, _key as _point_key, optimize
@@ -28,6 +29,10 @@ from stage_cosim.search.runner import run_job
 from stage_cosim.search.space import check, default_space
 
 PARTS = ("gpu", "scale_up", "scale_out")
+# Variables whose values are choices, not magnitudes, with the choices
+CHOICES: dict[str, tuple] = {"scale_out.topology": SCALE_OUT_TOPOLOGIES, "scale_out.in_network_reduction": (False, True)}
+# Numeric variables that only take a grid, and why
+GRID_ONLY = {"scale_out.switch_radix": "switches come in whole, even port counts"}
 MODES = ("pareto", "budget")
 
 
@@ -40,6 +45,9 @@ class Variable:
     high: float | None = None
     values: tuple[float, ...] | None = None     # a grid instead of a range
     integer: bool = False
+    # the values are choices (a topology's name, a switch on or off), not magnitudes: no
+    # elasticity, the sensitivity lists each alternative's objective instead
+    choice: bool = False
 
     @property
     def part(self) -> str:
@@ -54,7 +62,7 @@ class Variable:
             return 0.0, float(len(self.values) - 1)
         return float(self.low), float(self.high)  # type: ignore[arg-type]
 
-    def decode(self, x: float) -> float:
+    def decode(self, x: float) -> Any:
         if self.values is not None:
             return self.values[int(round(min(max(x, 0), len(self.values) - 1)))]
         v = min(max(x, self.low), self.high)  # type: ignore[type-var]
@@ -88,6 +96,9 @@ class ExploreSpec:
     # ``serving``)
     objective: str = "step-time"
     serving: dict[str, Any] = field(default_factory=dict)
+    # unit prices of the scale-out network (hardware.fabric.PRICE_KEYS): a candidate's cost
+    # then includes its network's switches, NICs, optics and cables, counted from its topology
+    network_cost: dict[str, Any] | None = None
 
     @property
     def metric(self) -> str:
@@ -103,7 +114,8 @@ def _num(doc: dict, key: str, where: str) -> float:
 
 
 PRECISION_KEYS = PRECISION_FIELDS
-SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost", "mode",
+SPEC_KEYS = frozenset({"model", "model_config", "baseline", "global_batch", "seq_len", "variables", "cost",
+                       "network_cost", "mode",
                        "budget", "points", "inner_budget", "baseline_budget", "reuse_top", "candidates", "seed", "objective", "serving",
                        *PRECISION_KEYS})
 # Objectives: a training step's time; serving: the decode throughput of the best serving layout
@@ -159,10 +171,21 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
         if part not in PARTS or not fld:
             raise UserError(f"variables.{name}", f"must be <part>.<field> with part in {', '.join(PARTS)}")
         current = getattr(getattr(baseline, part), fld, None)
-        if isinstance(current, bool) or not isinstance(current, (int, float)):
-            raise UserError(f"variables.{name}", "is not a numeric field of the baseline cluster")
         if not isinstance(v, dict):
             raise UserError(f"variables.{name}", "must be {min, max} or {values: [...]}")
+        if name in CHOICES:
+            vals = v.get("values")
+            if set(v) != {"values"} or not isinstance(vals, list) or not vals or any(
+                    x not in CHOICES[name] or type(x) is not type(CHOICES[name][0]) for x in vals):
+                raise UserError(f"variables.{name}.values", f"must be a non-empty list of choices from "
+                                f"{', '.join(map(str, CHOICES[name]))}")
+            variables.append(Variable(name, values=tuple(dict.fromkeys(vals)), choice=True))
+            continue
+        if isinstance(current, bool) or not isinstance(current, (int, float)):
+            raise UserError(f"variables.{name}", "is not a numeric field of the baseline cluster"
+                            + (" (a list per tier cannot vary: give one number)" if isinstance(current, tuple) else ""))
+        if name in GRID_ONLY and "values" not in v:
+            raise UserError(f"variables.{name}", f"takes a grid ({{values: [...]}}): {GRID_ONLY[name]}")
         integer = isinstance(current, int)
         if "values" in v:
             vals = v["values"]
@@ -174,6 +197,15 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
             if not 0 < lo < hi:
                 raise UserError(f"variables.{name}", f"needs 0 < min < max, got {lo}, {hi}")
             variables.append(Variable(name, lo, hi, integer=integer))
+    network_cost = doc.get("network_cost")
+    if network_cost is not None:
+        from stage_cosim.hardware.fabric import check_prices, count
+
+        network_cost = check_prices(network_cost)
+        count(baseline)           # (a network with no switches to price: said here, once)
+    elif any(v.part == "scale_out" and v.field in ("topology", "switch_radix", "planes") for v in variables):
+        raise UserError("network_cost", "is required to vary the network's structure (its prices make "
+                                        "one design cost more than another)")
     cost = doc.get("cost") or {}
     if not isinstance(cost, dict):
         raise UserError("cost", "must map variable names (and 'base') to $ per GPU per unit")
@@ -221,7 +253,8 @@ def spec_from_dict(doc: object, where: str = "spec") -> ExploreSpec:
     return ExploreSpec(model, baseline, variables=tuple(variables), unit_cost=unit,
                        base_cost=float(cost.get("base", 0.0)), mode=mode,
                        budget=float(doc["budget"]) if doc.get("budget") is not None else None,
-                       precision=precision, objective=objective, serving=dict(serving), **ints)
+                       precision=precision, objective=objective, serving=dict(serving),
+                       network_cost=network_cost, **ints)
 
 
 def _check_baseline_precision(precision: dict[str, Any], baseline: Cluster) -> None:
@@ -257,8 +290,29 @@ def baseline_values(spec: ExploreSpec) -> dict[str, float]:
     return {v.name: getattr(getattr(spec.baseline, v.part), v.field) for v in spec.variables}
 
 
-def cost_per_gpu(spec: ExploreSpec, values: dict[str, float]) -> float:
-    return spec.base_cost + sum(spec.unit_cost.get(k, 0.0) * v for k, v in values.items())
+def cost_per_gpu(spec: ExploreSpec, values: dict[str, Any]) -> float:
+    """$ per GPU of a candidate: the base, each numeric variable's unit price, and with
+    ``network_cost`` its scale-out network counted from its topology (hardware.fabric)."""
+    cost = spec.base_cost + sum(spec.unit_cost.get(k, 0.0) * v for k, v in values.items()
+                                if not isinstance(v, (str, bool)))
+    if spec.network_cost is not None:
+        from stage_cosim.hardware.fabric import cost_per_gpu as fabric_cost
+
+        cost += fabric_cost(apply(spec.baseline, values), spec.network_cost)
+    return cost
+
+
+def cost_range(spec: ExploreSpec) -> tuple[float, float]:
+    """The cheapest and dearest candidate's cost: the variables' bounds, every choice's value
+    (a network's cost is not monotonic in its choices) — at most 4,096 corners, else the bounds
+    alone."""
+    import itertools
+
+    ends = [v.values if v.choice else (v.decode(v.bounds()[0]), v.decode(v.bounds()[1])) for v in spec.variables]
+    if math.prod(len(e) for e in ends) > 4096:
+        ends = [e[:1] + e[-1:] for e in ends]
+    costs = [cost_per_gpu(spec, dict(zip((v.name for v in spec.variables), combo))) for combo in itertools.product(*ends)]
+    return min(costs), max(costs)
 
 
 @dataclass
@@ -320,8 +374,13 @@ class Explorer:
 
     def candidate(self, values: dict[str, float], best: dict[str, Any] | None, confirmed: bool = False) -> Candidate:
         metric = self.spec.metric
-        return Candidate(values, cost_per_gpu(self.spec, values), best[metric] if best else None, best, confirmed,
-                         metric)
+        try:
+            cost = cost_per_gpu(self.spec, values)
+        except UserError:       # a design the cluster's rules refuse is never a candidate
+            if best is not None:
+                raise
+            cost = math.inf
+        return Candidate(values, cost, best[metric] if best else None, best, confirmed, metric)
 
     def full_search(self, values: dict[str, float], seeds: tuple[dict[str, Any], ...] = ()) -> Candidate:
         """The best parallelization on this hardware: a full search, or a local search from
@@ -338,7 +397,7 @@ class Explorer:
 
     @staticmethod
     def _key(values: dict[str, float]) -> tuple:
-        return tuple(sorted((k, round(v, 6)) for k, v in values.items()))
+        return tuple(sorted((k, v if isinstance(v, (str, bool)) else round(v, 6)) for k, v in values.items()))
 
     def quick(self, values: dict[str, float]) -> Candidate:
         """Best of the baseline's top configurations, re-checked and re-simulated here. Every
@@ -371,7 +430,10 @@ def _simulate_cached(model: ModelConfig, par, cluster: Cluster) -> dict[str, Any
 
 def _best_of(ex: "Explorer", values: dict[str, float], points: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The best of ``points`` on the hardware ``values`` (re-checked and re-simulated)."""
-    cluster = apply(ex.spec.baseline, values)
+    try:
+        cluster = apply(ex.spec.baseline, values)
+    except UserError:       # a design the cluster's rules refuse (rails that split a node): no step
+        return None
     space = ex._space(cluster)
     problem = ex._problem(space, cluster)
     metric = ex.spec.metric
@@ -425,13 +487,13 @@ def planned_evaluations(spec: ExploreSpec) -> int:
     scipy run evaluates its population at the start and once per generation (scipy's population:
     max(5, popsize x the variables that vary) members, rounded up to a power of two for its Sobol
     start; a run that converges stops early), one run per budget level, then the sensitivity's
-    two neighbours of the baseline per variable."""
+    two neighbours of the baseline per variable (a choice: each other choice)."""
     popsize, maxiter = _de_sizes(spec)
     varying = sum(1 for v in spec.variables if v.bounds()[0] != v.bounds()[1])
     members = max(5, popsize * max(1, varying))
     members = 1 << (members - 1).bit_length()
     runs = 1 if spec.mode == "budget" else spec.points
-    return runs * members * (maxiter + 1) + 2 * len(spec.variables)
+    return runs * members * (maxiter + 1) + sum(len(v.values) - 1 if v.choice else 2 for v in spec.variables)
 
 
 def pareto_front(cands: list[Candidate]) -> list[Candidate]:
@@ -450,6 +512,10 @@ def sensitivity(ex: Explorer, base: dict[str, float], step0: float) -> list[dict
     out = []
     for v in ex.spec.variables:
         x0 = base[v.name]
+        if v.choice:        # the objective on each other choice, no elasticity
+            alts = {str(x): ex.quick({**base, v.name: x}).step_time_s for x in v.values if x != x0}
+            out.append({"variable": v.name, "baseline": x0, "elasticity": None, "step_time_s": alts})
+            continue
         if v.values is not None:
             idx = min(range(len(v.values)), key=lambda i: abs(v.values[i] - x0))
             lo_x, hi_x = v.values[max(0, idx - 1)], v.values[min(len(v.values) - 1, idx + 1)]
@@ -500,8 +566,7 @@ def explore(spec: ExploreSpec, progress: Callable[[dict], None] | None = None,
         if spec.mode == "budget":
             _minimize_step(ex, spec.budget, spec.seed)
         else:
-            lo = cost_per_gpu(spec, {v.name: v.decode(v.bounds()[0]) for v in spec.variables})
-            hi = cost_per_gpu(spec, {v.name: v.decode(v.bounds()[1]) for v in spec.variables})
+            lo, hi = cost_range(spec)
             for i, level in enumerate(np.linspace(lo, hi, spec.points)):
                 _minimize_step(ex, float(level) if i < spec.points - 1 else None, spec.seed + i)
     except KeyboardInterrupt:

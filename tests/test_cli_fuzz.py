@@ -286,7 +286,10 @@ def test_random_model_and_cluster_files(run, tmp_path) -> None:
         cfg.write_text(json.dumps(m))
         c = json.loads(json.dumps(cluster))
         part = rng.choice(["gpu", "scale_up", "scale_out", None])
-        field = rng.choice(["bandwidth_GBps", "latency_ns", "gpus_per_domain", "hbm_GBps", "bf16_tflops", "topology"])
+        field = rng.choice(["bandwidth_GBps", "latency_ns", "gpus_per_domain", "hbm_GBps", "bf16_tflops", "topology",
+                            "switch_radix", "oversubscription", "planes", "in_network_reduction"])
+        if part == "scale_out" and rng.random() < 0.3:      # a tiered network, then its fields at random
+            c[part]["topology"] = rng.choice(["fat-tree", "rail-optimized", "rail-only"])
         value = _value(rng, field)
         if part is None:
             c[rng.choice(["num_gpus", "gpu", "name", "scale_up"])] = value

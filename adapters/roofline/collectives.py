@@ -149,6 +149,10 @@ def check_algorithm(network: CalibratedNetwork, op: str, members: list[int], alg
         why = network.nvls_unavailable(members)
         if why is not None:
             raise UserError("algorithm", f"nvls: {why}")
+    if algorithm == "collnet":
+        why = network.collnet_unavailable(members)
+        if why is not None:
+            raise UserError("algorithm", f"collnet: {why}")
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,8 @@ def nccl_tests(cluster: Cluster, op: str, gpus: int | None, sizes: list[int], al
     them when None), by the calibrated network model: the JSON of ``stage-cosim collective``."""
     op = parse_op(op)
     members = ranks(cluster, cluster.num_gpus if gpus is None else gpus)
-    network = CalibratedNetwork(cluster)
+    # nccl-tests runs one collective on the job's ranks: nothing else shares the network
+    network = CalibratedNetwork(cluster, concurrent=False)
     check_algorithm(network, op, members, algorithm)
     k, m = network._shape(members)
     points = [measure(network, op, members, s, algorithm) for s in sizes]

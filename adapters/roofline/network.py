@@ -7,8 +7,10 @@ Two models share one interface (:class:`NetworkModel`):
   hierarchical (intra-domain, then inter-domain) decomposition, achievable bus bandwidth per
   link type, and one stream per kind of parallelism so tp, dp and pp traffic overlap each other
   and compute. The all-reduce algorithm is a parameter (``algorithm``, NCCL_ALGO's role):
-  ``auto`` (the default, what every ``simulate`` uses: the faster of ring and tree), ``ring``,
-  ``tree`` or ``nvls`` (NVLink SHARP, chosen only when asked for).
+  ``auto`` (the default, what every ``simulate`` uses: the fastest of ring, tree, NVLS inside an
+  NVSwitch domain and CollNet where the scale-out switches reduce), ``ring``, ``tree``, ``nvls``
+  (NVLink SHARP) or ``collnet``. On a tiered scale-out network the inter-domain steps run at the
+  NIC's rate times their flows' slowdown under contention (:mod:`.contention`).
 * ``astra`` (:mod:`stage_cosim.adapters.astra_sim.analytical`) — ASTRA-sim's
   congestion-unaware analytical backend, reproduced exactly. It runs its own replay, in the
   ASTRA-sim package, which builds on this one: :mod:`stage_cosim.adapters.simulate` picks it.
@@ -20,19 +22,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from stage_cosim.adapters.roofline.contention import Contention
 from stage_cosim.adapters.roofline.routing import TokenRouting
+from stage_cosim.adapters.roofline.topology import Fabric
 from stage_cosim.hardware.cluster import Cluster
 
 # The network models of the built-in simulator, by name (--network-model): the engine's, and
 # ASTRA-sim's (its package's; stage_cosim.adapters.simulate dispatches).
 NETWORK_MODELS = ("calibrated", "astra")
-# NCCL's all-reduce algorithms the calibrated model has (NCCL_ALGO): "auto" takes the faster of
-# ring and tree by the model's own times, as NCCL's tuner does; it never picks NVLS, whose
-# efficiency nothing has been calibrated on (the shipped calibration was fitted with auto).
-ALGORITHMS = ("auto", "ring", "tree", "nvls")
+# NCCL's all-reduce algorithms the calibrated model has (NCCL_ALGO): "auto" takes the fastest of
+# ring, tree, NVLS (where it can run) and collnet (where the switches reduce) by the model's own
+# times, as NCCL's tuner picks by size and scale.
+ALGORITHMS = ("auto", "ring", "tree", "nvls", "collnet")
 # GPU architectures whose NVSwitch reduces in the switch (NVLink SHARP: third-generation NVSwitch
-# and later)
+# and later), and the share of the scale-up rate an NVLS all-reduce reaches: the switch's
+# reduction, not the links, limits it. Fitted to nccl-tests' NVLS rows of 8 GiB and more
+# (shared nccl_busbw.csv): Azure ND H100 v5 478.87 GB/s busbw at 8 GiB and the 8x H200 node's
+# 477-482 GB/s, against 665 at the full link rate (0.72); AWS p6-b200 838 GB/s at 8 GiB against
+# 1,049 (0.80).
 NVLS_ARCHES = ("hopper", "blackwell")
+NVLS_EFFICIENCY = {"hopper": 0.72, "blackwell": 0.80}
 # The communicator-group kind of the MoE token dispatcher's all-to-alls
 ROUTED_KIND = "ep"
 
@@ -67,6 +76,10 @@ class CalibratedNetwork:
     # dispatcher): its all-to-alls over ep send each token across domains once per domain
     # reached (routed_all_to_all). None: every routed copy is sent.
     routing: TokenRouting | None = None
+    # On a tiered scale-out network, whether every group of a collective's kind runs it at once
+    # (a step of SPMD training: all dp groups all-reduce together and share the spine), or the
+    # group runs alone (nccl-tests on the cluster's first ranks).
+    concurrent: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,9 +88,19 @@ class CalibratedNetwork:
         c, g = self.cluster, self.cluster.gpu
         self.bw_up = c.scale_up.bandwidth_GBps * 1e9 * g.scale_up_efficiency
         self.lat_up = c.scale_up.latency_ns * 1e-9
-        self.bw_out = c.scale_out.bandwidth_GBps / c.scale_out.oversubscription * 1e9 * g.scale_out_efficiency
+        self.bw_out = c.scale_out.flat_bandwidth_GBps * 1e9 * g.scale_out_efficiency
         self.lat_out = c.scale_out.latency_ns * 1e-9
         self.domain = c.domain
+        fabric = Fabric.of(c)
+        self.contention = Contention(fabric, self.domain, self.concurrent) if fabric is not None else None
+
+    def _out(self, pattern: str, members: Sequence[int]) -> tuple[float, float]:
+        """(bandwidth, latency) of the scale-out step of a collective over ``members`` whose
+        flows follow ``pattern``: the NIC's, times the slowdown of its flows' sharing of a
+        tiered network (:mod:`~stage_cosim.adapters.roofline.contention`)."""
+        if self.contention is None:
+            return self.bw_out, self.lat_out
+        return self.bw_out * self.contention.slowdown(pattern, members), self.lat_out
 
     def stream(self, node_type: str, kind: str) -> str | None:
         if node_type == "RECV":
@@ -97,16 +120,25 @@ class CalibratedNetwork:
     def _ring(steps: int, nbytes_per_step: float, bw: float, lat: float) -> float:
         return steps * (nbytes_per_step / bw + lat)
 
-    def _allreduce(self, nbytes: float, n: int, bw: float, lat: float, algorithm: str = "auto") -> tuple[float, str]:
+    def _allreduce(self, nbytes: float, n: int, bw: float, lat: float, algorithm: str = "auto",
+                   tree_bw: float | None = None, collnet: bool = False) -> tuple[float, str]:
         """(time, algorithm) of a one-level all-reduce of ``nbytes`` per rank over ``n`` ranks:
-        ``ring``, ``tree``, or ``auto``, the faster of the two (ring where they tie)."""
+        ``ring``, ``tree``, ``collnet`` (where ``collnet``: the switches reduce), or ``auto``, the
+        fastest (ring where they tie); ``tree_bw``: the tree's bandwidth where its flows share
+        links otherwise than the ring's."""
         if n <= 1:
             return 0.0, "ring"
         ring = 2 * (n - 1) * (nbytes / n / bw + lat)
         if algorithm == "ring":
             return ring, "ring"
+        if algorithm == "collnet" or (algorithm == "auto" and collnet):
+            # SHARP: each rank's buffer goes up the switches' reduction tree once and the sum
+            # comes back down once; one latency each way
+            net = nbytes / bw + 2 * lat
+            if algorithm == "collnet" or net < ring:
+                return net, "collnet"
         # Double binary tree: log-depth latency, about the same bandwidth term as the ring.
-        tree = 2 * math.ceil(math.log2(n)) * lat + 2 * nbytes / bw
+        tree = 2 * math.ceil(math.log2(n)) * lat + 2 * nbytes / (tree_bw or bw)
         if algorithm == "tree" or tree < ring:
             return tree, "tree"
         return ring, "ring"
@@ -118,8 +150,10 @@ class CalibratedNetwork:
         the sum in; each rank then stores its share once and the switch multicasts it to all
         (multimem.st): 1/m out, the whole result in. Out and in run at once, both pipelined, so
         each link carries (1 + 1/m)·nbytes each way at the scale-up rate, where a ring carries
-        2(m-1)/m·nbytes; one latency for the reduction's round trip, one for the multicast."""
-        return (1 + 1 / m) * nbytes / self.bw_up + 2 * self.lat_up
+        2(m-1)/m·nbytes; one latency for the reduction's round trip, one for the multicast. The
+        switch reduces at NVLS_EFFICIENCY of that rate."""
+        rate = self.bw_up * NVLS_EFFICIENCY[self.cluster.gpu.arch]
+        return (1 + 1 / m) * nbytes / rate + 2 * self.lat_up
 
     def _gather_like(self, out_bytes: float, n: int, bw: float, lat: float) -> float:
         """All-gather (or reduce-scatter) moving (n-1)/n of ``out_bytes`` through each rank."""
@@ -155,6 +189,15 @@ class CalibratedNetwork:
                     f"(NCCL's NVLS across nodes, NVLSTree, is not modelled)")
         return None
 
+    def collnet_unavailable(self, members: Sequence[int]) -> str | None:
+        """Why CollNet (reduction in the scale-out switches) cannot run an all-reduce over
+        ``members`` (None: it can)."""
+        if not self.cluster.scale_out.in_network_reduction:
+            return "the scale-out switches do not reduce (set scale_out.in_network_reduction: true)"
+        if self._shape(members)[0] == 1:
+            return f"the {len(members)} ranks are in one scale-up domain: no scale-out step to reduce in the switches"
+        return None
+
     def duration(self, coll: str, nbytes: int, members: Sequence[int], algorithm: str | None = None) -> float:
         """How long ``coll`` of ``nbytes`` (the per-collective convention noted at each case)
         takes over ``members``; ``algorithm`` overrides the network's for this all-reduce."""
@@ -171,9 +214,12 @@ class CalibratedNetwork:
             return 0.0, "p2p" if coll == "ALL_TO_ALL" else "ring"
         k, m = self._shape(members)
         key = (coll, nbytes, n, k, algorithm)
+        if self.contention is not None and k > 1:
+            key += self.contention.key(members)
         if key in self._cache:
             return self._cache[key]
-        up, out = (self.bw_up, self.lat_up), (self.bw_out, self.lat_out)
+        up = (self.bw_up, self.lat_up)
+        out = self._out("all-to-all" if coll == "ALL_TO_ALL" else "ring", members) if k > 1 else (self.bw_out, self.lat_out)
         name = "ring"
         if coll == "ALL_REDUCE":            # nbytes: each rank's buffer
             if algorithm not in ALGORITHMS:
@@ -182,22 +228,31 @@ class CalibratedNetwork:
                 t, name = self._nvls(nbytes, m), "nvls"
             else:
                 level = "auto" if algorithm == "nvls" else algorithm
-                inter, name = self._allreduce(nbytes / m, k, *out, level)
-                t = self._gather_like(nbytes, m, *up) + inter + self._gather_like(nbytes, m, *up)
                 if k == 1:
-                    t, name = self._allreduce(nbytes, m, *up, level)
+                    t, name = self._allreduce(nbytes, m, *up, "auto" if level == "collnet" else level)
+                    if level in ("auto", "collnet") and self.nvls_unavailable(members) is None:
+                        nvls = self._nvls(nbytes, m)
+                        if nvls < t:
+                            t, name = nvls, "nvls"
+                else:
+                    collnet = self.collnet_unavailable(members) is None
+                    if level == "collnet" and not collnet:
+                        level = "auto"
+                    tree_bw = self._out("tree", members)[0] if level in ("auto", "tree") else None
+                    inter, name = self._allreduce(nbytes / m, k, *out, level, tree_bw, collnet)
+                    t = self._gather_like(nbytes, m, *up) + inter + self._gather_like(nbytes, m, *up)
         elif coll == "REDUCE_SCATTER":      # nbytes: each rank's input
             t = self._gather_like(nbytes, m, *up) + self._gather_like(nbytes / m, k, *out)
         elif coll == "ALL_GATHER":          # nbytes: each rank's shard
             t = self._gather_like(nbytes * k, k, *out) + self._gather_like(nbytes * n, m, *up)
         elif coll == "ALL_TO_ALL":          # nbytes: each rank's whole send buffer
             intra = (m - 1) * (nbytes / n / self.bw_up + self.lat_up)
-            inter = (n - m) * nbytes / n / self.bw_out + (self.lat_out if k > 1 else 0.0)
+            inter = (n - m) * nbytes / n / out[0] + (self.lat_out if k > 1 else 0.0)
             t, name = max(intra, inter), "p2p"
         elif coll == "BROADCAST":           # nbytes: the root's buffer, which every rank receives
             # NCCL's ring broadcast: a chain, pipelined in chunks, so the whole buffer crosses the
             # chain's slowest link once; one latency per hop (m-1 inside each domain, k-1 between)
-            bw = min(self.bw_up if m > 1 else math.inf, self.bw_out if k > 1 else math.inf)
+            bw = min(self.bw_up if m > 1 else math.inf, out[0] if k > 1 else math.inf)
             t = nbytes / bw + (n - k) * self.lat_up + (k - 1) * self.lat_out
         else:
             raise ValueError(f"collective {coll} has no cost model")
@@ -217,13 +272,13 @@ class CalibratedNetwork:
         if k == 1 or self.routing is None:
             return self.duration("ALL_TO_ALL", nbytes, members)
         n = len(members)
-        key = ("routed", nbytes, n, k)
+        key = ("routed", nbytes, n, k) + (self.contention.key(members) if self.contention is not None else ())
         if key not in self._cache:
             try:
                 remote = self.routing.remote_domains(k)
             except ValueError:          # experts not spread evenly over the domains: every copy
                 return self.duration("ALL_TO_ALL", nbytes, members)
-            inter = nbytes / self.routing.topk * remote / self.bw_out + self.lat_out
+            inter = nbytes / self.routing.topk * remote / self._out("all-to-all", members)[0] + self.lat_out
             intra = (m - 1) * (nbytes / n / self.bw_up + self.lat_up)
             self._cache[key] = (max(inter, intra), "p2p")
         return self._cache[key][0]

@@ -13,7 +13,7 @@ from typing import Callable, Hashable, NamedTuple
 from stage_cosim.adapters.roofline.breakdown import step_breakdown
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
-from stage_cosim.adapters.roofline.network import NETWORK_MODELS, CalibratedNetwork, NetworkModel
+from stage_cosim.adapters.roofline.network import ALGORITHMS, NETWORK_MODELS, CalibratedNetwork, NetworkModel
 from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.errors import UserError
 from stage_cosim.graph.ir import ATTENTION_KINDS
@@ -39,12 +39,16 @@ class Simulation(NamedTuple):
     programs: list[AgentProgram] | None
 
 
-def make_network(name: str, cluster: Cluster, routing: TokenRouting | None = None) -> NetworkModel:
+def make_network(name: str, cluster: Cluster, routing: TokenRouting | None = None,
+                 nccl_algo: str = "auto") -> NetworkModel:
     """The network model the event-driven engine runs with (the ``astra`` model runs ASTRA-sim's
     own replay instead: :mod:`stage_cosim.adapters.astra_sim.simulate`); ``routing``: the
-    workload's routed tokens where its dispatcher deduplicates them (:class:`TokenRouting`)."""
+    workload's routed tokens where its dispatcher deduplicates them (:class:`TokenRouting`);
+    ``nccl_algo``: the all-reduce algorithm (NCCL_ALGO's role, ``ALGORITHMS``)."""
     if name == "calibrated":
-        return CalibratedNetwork(cluster, routing=routing)
+        if nccl_algo not in ALGORITHMS:
+            raise UserError("nccl-algo", f"must be one of {', '.join(ALGORITHMS)}, got {nccl_algo!r}")
+        return CalibratedNetwork(cluster, algorithm=nccl_algo, routing=routing)
     raise UserError("network-model", f"must be one of {', '.join(NETWORK_MODELS)}, got {name!r}")
 
 
@@ -194,7 +198,8 @@ def stages_symmetric(w: Workload, network: NetworkModel,
 
 
 def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
-                        progress: Callable[[str, int, int], None] | None = None) -> Simulation:
+                        progress: Callable[[str, int, int], None] | None = None, nccl_algo: str = "auto"
+                        ) -> Simulation:
     """Every rank's step, node by node: one rank per pipeline stage where
     :func:`stages_symmetric` proves it stands exactly for every rank of its stage (the result
     is then the per-rank replay's), else every rank replayed. ``config.ranks_replayed`` says
@@ -202,14 +207,14 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     with gc_paused():
-        network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel))
+        network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo)
         if progress is not None:
             progress("building the stages' graphs", 0, 1)
         proven = w.parallel.pp < w.world_size and stages_symmetric(
             w, network, None if progress is None else lambda done, n: progress("checking every rank", done, n))
         if progress is not None:
             progress(f"replaying {w.parallel.pp if proven else w.world_size} ranks", 0, 1)
-        result, rep, programs = _simulate_roofline(w, cluster, network_model, proven, True)
+        result, rep, programs = _simulate_roofline(w, cluster, network_model, proven, True, nccl_algo)
     result.config["ranks_replayed"] = len(programs or ())
     result.config["symmetric"] = proven
     return Simulation(result, rep, programs)
@@ -218,7 +223,7 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
 # -- the backend -------------------------------------------------------------------------------
 
 def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *,
-             symmetric: bool = True, exact: bool | None = None) -> Simulation:
+             symmetric: bool = True, exact: bool | None = None, nccl_algo: str = "auto") -> Simulation:
     """Simulate one training step with the engine's network model (``calibrated``).
 
     ``symmetric``: one rank per pipeline stage stands for all its ranks. ``exact``: replay
@@ -231,13 +236,13 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
     # the stages' graphs (built on first use), the programs and the replay's events are many
     # small acyclic objects: the cycle collector would only rescan them
     with gc_paused():
-        return Simulation(*_simulate_roofline(w, cluster, network_model, symmetric, exact))
+        return Simulation(*_simulate_roofline(w, cluster, network_model, symmetric, exact, nccl_algo))
 
 
-def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None
-                       ) -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
+def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None,
+                       nccl_algo: str = "auto") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     compute = ComputeModel(cluster.gpu)
-    network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel))
+    network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo)
     if exact is None:
         # The pass-level fast path times each pass as if it started on idle streams; ZeRO-3's
         # parameter gathers prefetch across passes, which a pipeline's interleaved passes turn
@@ -264,7 +269,10 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
         finish_of = dict(enumerate(finishes))
         bd_of = dict(enumerate(totals))
         step = max(finishes)
-    return step_result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step), rep, programs
+    result = step_result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step)
+    if nccl_algo != "auto":
+        result.config["nccl_algo"] = nccl_algo      # what --nccl-algo forced
+    return result, rep, programs
 
 
 def step_result(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool,

@@ -24,9 +24,11 @@ from stage_cosim.errors import UserError
                    "8,1M,1G. nccl-tests' size: all-gather's whole output, reduce-scatter's whole input, every other "
                    "collective's buffer per rank.")
 @click.option("--algorithm", default=None,
-              help="auto (default: the faster of ring and tree, the rule simulate uses), ring, tree (double binary "
-                   "tree, all-reduce only) or nvls (NVLink SHARP: all-reduce inside one NVSwitch domain of Hopper or "
-                   "Blackwell GPUs).")
+              help="auto (default: the fastest that can run of ring, tree, nvls and collnet, the rule simulate uses), "
+                   "ring, tree "
+                   "(double binary tree, all-reduce only), nvls (NVLink SHARP: all-reduce inside one NVSwitch domain "
+                   "of Hopper or Blackwell GPUs) or collnet (all-reduce reduced in the scale-out switches, where the "
+                   "cluster's scale_out.in_network_reduction is true).")
 @click.option("--validate", is_flag=True,
               help="Instead: run every row of the shared nccl-tests file (stage_cosim/validation/data/nccl_busbw.csv) "
                    "the command can express on its preset, and print measured against predicted busbw, the error "

@@ -24,7 +24,9 @@ def significant(v: float, digits: int = 3) -> str:
 
 
 def _fmt_values(values: dict) -> str:
-    return ", ".join(f"{k}={significant(v)}" for k, v in values.items())
+    # (a choice variable's value, a topology's name or a switch, prints as it is)
+    return ", ".join(f"{k}={significant(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v}"
+                     for k, v in values.items())
 
 
 # How each objective's value reads (lower is better for all of them)
@@ -129,6 +131,10 @@ def print_report(doc: dict, s) -> None:  # noqa: ANN001 (ExploreSpec)
         click.echo(f"\nsensitivity around the baseline (elasticity: % of {label} per % of the resource):")
         for d in doc["sensitivity"]:
             el = "n/a" if d["elasticity"] is None else f"{d['elasticity']:+.3f}"
+            if d["elasticity"] is None and d.get("step_time_s") and isinstance(d.get("baseline"), (str, bool)):
+                # a choice: the objective on each alternative instead of an elasticity
+                alts = ", ".join(f"{k} {'—' if t is None else f'{t:.4g}'}" for k, t in d["step_time_s"].items())
+                el = f"a choice ({d['baseline']}); the others: {alts}"
             click.echo(f"  {d['variable']:<28} {el}")
         top = doc["sensitivity"][0]
         if top["elasticity"]:

@@ -229,7 +229,9 @@ def print_summary(r: SimResult, run: dict | None = None) -> None:
         click.echo(f"HBM traffic      {inf['bytes_read'] / 1e9:,.2f} GB read (weights per micro-batch, KV cache), "
                    f"MBU {100 * inf['mbu']:.1f} %")
         click.echo(f"KV cache         {inf['kv_cache_bytes_per_gpu'] / GiB:.2f} GiB per GPU, "
-                   f"{inf['kv_cache_bytes_per_token_per_gpu'] / 1024:.1f} KiB per token per GPU ({inf['kv_cache_dtype']})")
+                   f"{inf['kv_cache_bytes_per_token_per_gpu'] / 1024:.1f} KiB per token per GPU ({inf['kv_cache_dtype']})"
+                   + (f" + {inf['state_bytes_per_sequence_per_gpu'] / 2**20:.2f} MiB SSM state per request"
+                      if inf.get("state_bytes_per_sequence_per_gpu") else ""))
     fits = "fits" if r.fits_in_memory else "DOES NOT FIT"
     click.echo(f"peak memory      {r.peak_memory_bytes / GiB:.1f} GiB of {r.memory_capacity_bytes / GiB:.0f} GiB ({fits})")
     if run:
@@ -302,6 +304,11 @@ def plot_stages(r: SimResult, path: Path) -> None:
 @inference_options
 @cluster_option
 @network_model_option
+@click.option("--nccl-algo", type=click.Choice(("auto", "ring", "tree", "nvls", "collnet")), default="auto",
+              show_default=True,
+              help="All-reduce algorithm, as NCCL_ALGO: auto (the fastest of ring, tree and, where the cluster's "
+                   "switches reduce, collnet, by size and scale), or one forced where it can run (nvls: inside one "
+                   "NVSwitch domain; collnet: scale_out.in_network_reduction). Calibrated network model only.")
 @click.option("--traces", type=click.Path(path_type=Path), default=None,
               help="Simulate these Chakra traces (any generator; a trace directory or an export's run "
                    "directory) instead of synthesizing.")
@@ -329,7 +336,8 @@ def plot_stages(r: SimResult, path: Path) -> None:
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="astra-sim backend: seconds.")
 @with_astra_options
 @emit_option
-def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups: Path | None, full: bool,
+def simulate(cluster: str, network_model: str, nccl_algo: str, traces: Path | None, comm_groups: Path | None,
+             full: bool,
              as_json: bool, timeline: Path | None, plot: Path | None, train_tokens: str | None, price: float | None,
              quiet: bool, backend: str, astra_bin: str | None, keep: Path | None, timeout: float, compute_mode: str,
              **kw) -> None:
@@ -359,6 +367,9 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
         launch = launch_for(target, model, parallel, resolve_cluster(cluster, parallel.world_size).gpu)
     if tokens is not None and inference is not None:
         raise UserError("train-tokens", "is the length of a training run (not with --phase prefill|decode)")
+    if nccl_algo != "auto" and (backend == "astra-sim" or traces is not None or network_model == "astra"):
+        raise UserError("nccl-algo", "chooses the calibrated network model's all-reduce algorithm for a synthesized "
+                                     "workload (not with --backend astra-sim, --network-model astra or --traces)")
     programs = rep = names = None
     if backend == "astra-sim":
         from stage_cosim.adapters.astra_sim.backend import simulate_astra_sim
@@ -387,21 +398,26 @@ def simulate(cluster: str, network_model: str, traces: Path | None, comm_groups:
         if full:
             with _progress(quiet) as progress:
                 result, rep, programs = simulate_every_rank(workload, machine, network_model, astra_settings=settings,
-                                                            compute_mode=compute_mode, progress=progress)
+                                                            compute_mode=compute_mode, progress=progress,
+                                                            nccl_algo=nccl_algo)
         else:
             # the result is the same with or without a timeline: a timeline is recorded from a
             # node-level replay of its own (for the astra model, the replay that gives the result)
             astra = network_model == "astra"
             result, rep, programs = run(workload, machine, network_model, exact=True if astra and timeline else None,
-                                        astra_settings=settings, compute_mode=compute_mode)
+                                        astra_settings=settings, compute_mode=compute_mode, nccl_algo=nccl_algo)
             if timeline is not None and rep is None:
                 recorded, rep, programs = run(workload, machine, network_model, exact=True,
-                                              astra_settings=settings, compute_mode=compute_mode)
+                                              astra_settings=settings, compute_mode=compute_mode, nccl_algo=nccl_algo)
                 _compare_recorded(result, recorded)
         if timeline is not None:
             names = [[n.name for n in workload.role(workload.role_of(p.rank)).nodes] for p in programs or []]
     if traces is None:
         warn_positions(model, parallel, inference)      # with the result, never before an error
+        from stage_cosim.hardware.gpu import calibration_warning
+
+        if (note := calibration_warning(resolve_cluster(cluster, parallel.world_size).gpu)) is not None:
+            click.echo(f"warning: {note}", err=True)    # the GPU's efficiencies are borrowed, not measured
     doc_run = training_run(result, tokens, price)
     if as_json:
         doc = result.to_dict()

@@ -164,6 +164,17 @@ class NcclRow:
     def per_node(self) -> int:
         return self.gpus // self.nodes
 
+    @property
+    def nccl_algo(self) -> str:
+        """The all-reduce algorithm the row ran, as the network model names it: a ring where
+        its label says so (NCCL_NVLS_ENABLE=0 or NCCL_ALGO=ring), NVLS where it says so on a GPU
+        that has it, else NCCL's own choice (auto; A100's "NVLS" label is not NVLS)."""
+        if self.algorithm.startswith("Ring"):
+            return "ring"
+        if self.algorithm.startswith("NVLS") and not self.gpu.startswith("A100"):
+            return "nvls"
+        return "auto"
+
 
 @lru_cache(maxsize=1)
 def nccl_rows() -> tuple[NcclRow, ...]:
@@ -201,7 +212,8 @@ def nccl_busbw(row: NcclRow, network) -> float:  # noqa: ANN001 (a CalibratedNet
     n = len(members)
     # our sizes: an all-gather's per-rank shard; every other collective's per-rank buffer
     nbytes = row.nbytes // n if row.collective == "all_gather" else row.nbytes
-    t = network.duration(_COLL[row.collective], nbytes, members)
+    algorithm = row.nccl_algo if row.collective == "all_reduce" else None
+    t = network.duration(_COLL[row.collective], nbytes, members, algorithm)
     return row.nbytes / t * _BUS[row.collective](n) / 1e9
 
 
