@@ -118,9 +118,19 @@ class Workload:
         out: dict[int | None, float] = {}
         for i in self.stage_layers(stage):
             window = self.model.layer_window(i)
-            if kv.get(window):
-                out[window] = out.get(window, 0.0) + blocks.layers[i][1].cache_bytes / kv[window]
+            costs = blocks.layers[i][1]
+            if kv.get(window) and costs.cache_bytes - costs.state_bytes > 1e-9 * costs.cache_bytes:
+                # an SSM layer's fixed state is not per token (state_bytes_per_sequence)
+                out[window] = out.get(window, 0.0) + (costs.cache_bytes - costs.state_bytes) / kv[window]
         return out
+
+    def state_bytes_per_sequence(self, stage: int) -> float:
+        """An inference step: the fixed state one sequence holds on a rank of ``stage`` whatever
+        its length (the scan state and convolution window of each SSM layer; 0 without)."""
+        blocks: ModelBlocks = self._role_args["blocks"]
+        if self.shape is None or not self.shape.sequences:
+            return 0.0
+        return sum(blocks.layers[i][1].state_bytes for i in self.stage_layers(stage)) / self.shape.sequences
 
     # -- ranks and groups ---------------------------------------------------------------------
 
@@ -282,13 +292,13 @@ def training_blocks(model: ModelConfig, parallel: ParallelConfig, precision: Pre
             values[degree_symbol(axis)] = degrees[axis]
         return block.evaluate(values) if evaluate is None else evaluate(block, values)
 
-    # One evaluation per distinct layer kind (dense or with experts; global attention or each
+    # One evaluation per distinct layer kind ((mixer, MLP) kind; global attention or each
     # sliding window).
-    kinds = list(zip(model.moe_layers(), model.layer_windows()))
-    layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, w) for moe, w in set(kinds)}
+    hybrid = model.switches().hybrid_kinds
+    kinds = list(zip(model.layer_kinds(), model.layer_windows()))
+    layer_costs = {(k, w): costs(compiled.block(k, hybrid), w) for k, w in set(kinds)}
     return ModelBlocks((compiled.embedding, costs(compiled.embedding)),
-                       tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)])
-                             for moe, w in kinds),
+                       tuple((compiled.block(k, hybrid), layer_costs[(k, w)]) for k, w in kinds),
                        (compiled.head, costs(compiled.head)))
 
 
@@ -370,14 +380,13 @@ def synthesize_step(model: ModelConfig, parallel: ParallelConfig, shape: BatchSh
         values.update({B: b, S: s, T: t, W: w})
         return block.evaluate(values)
 
-    kinds = list(zip(model.moe_layers(), model.layer_windows()))
+    hybrid = model.switches().hybrid_kinds
+    kinds = list(zip(model.layer_kinds(), model.layer_windows()))
 
     def model_blocks(shape: BatchShape) -> ModelBlocks:
-        layer_costs = {(moe, w): costs(compiled.moe_layer if moe else compiled.layer, shape, w, attends=True)
-                       for moe, w in set(kinds)}
+        layer_costs = {(k, w): costs(compiled.block(k, hybrid), shape, w, attends=True) for k, w in set(kinds)}
         return ModelBlocks((compiled.embedding, costs(compiled.embedding, shape)),
-                           tuple((compiled.moe_layer if moe else compiled.layer, layer_costs[(moe, w)])
-                                 for moe, w in kinds),
+                           tuple((compiled.block(k, hybrid), layer_costs[(k, w)]) for k, w in kinds),
                            (compiled.head, costs(compiled.head, shape)))
 
     # two-batch overlap: the micro-batch runs as two whose passes share the rank (a micro-batch of

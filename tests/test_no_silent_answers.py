@@ -126,7 +126,7 @@ def test_optimize_interrupted_before_any_result_does_not_claim_infeasibility(run
 
 # -- Mixture-of-Experts families ----------------------------------------------------------------------
 
-MODELLED_MOE = "deepseek_v2, deepseek_v3, gpt_oss, mixtral, qwen2_moe, qwen3_moe"
+MODELLED_MOE = "deepseek_v2, deepseek_v3, gpt_oss, jamba, mixtral, qwen2_moe, qwen3_moe, qwen3_next"
 
 
 @pytest.mark.parametrize("config, family", [

@@ -22,6 +22,10 @@ def einsum_flops(op: Op, local: LocalSize) -> sp.Expr:
 # Elementwise work per score of soft-capping, cap * tanh(x / cap): divide, tanh, multiply
 # (forward), and its derivative (backward).
 SOFTCAP_FLOPS_PER_SCORE = 3
+# ALiBi (Press et al. 2022, BLOOM): each score gets its head's slope times the query-key
+# distance added, a multiply and an add per score, in the forward and again where the backward
+# recomputes the scores.
+ALIBI_FLOPS_PER_SCORE = 2
 
 
 def attention_scores(op: Op, local: LocalSize) -> sp.Expr:
@@ -59,6 +63,8 @@ def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.
         # Soft-capped scores cost elementwise work inside the kernel (not model FLOPs).
         if op.softcap:
             executed += SOFTCAP_FLOPS_PER_SCORE * attention_scores(op, local)
+        if op.alibi:
+            executed += ALIBI_FLOPS_PER_SCORE * attention_scores(op, local)
         if op.causal:
             executed *= causal_fraction()
         return executed, (f if op.kind == "attention" else 2 * f)

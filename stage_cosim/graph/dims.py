@@ -28,6 +28,12 @@ LQ, LKV, NOPE, ROPE = sp.symbols("q_lora kv_lora qk_nope qk_rope", positive=True
 # inference the context held in the KV cache (the prompt in a prefill, every token so far in a
 # decode step), which is not the number of new tokens ``s``.
 T = sp.Symbol("t", positive=True, integer=True)
+# State-space and linear-attention mixers (Mamba-2, gated DeltaNet): head groups, heads per
+# group, a head's dimension, the state dimension, the scan's chunk length, the depthwise
+# convolution's kernel; Mamba-1: the inner width and the step size's rank.
+SG, SR, SP, SN, SK, SX = sp.symbols("ssm_groups ssm_group_heads ssm_head_dim ssm_state ssm_chunk ssm_conv",
+                                    positive=True, integer=True)
+SI, SD = sp.symbols("ssm_inner ssm_dt_rank", positive=True, integer=True)
 
 MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "micro_batch": B, "seq": S, "hidden": H, "ffn": F, "kv_heads": G,
@@ -35,7 +41,8 @@ MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "num_experts": E, "moe_router_topk": K, "moe_ffn_hidden_size": FI,
     "moe_shared_expert_intermediate_size": FJ, "moe_load": L, "q_lora_rank": LQ, "kv_lora_rank": LKV,
     "qk_head_dim": NOPE, "qk_pos_emb_head_dim": ROPE,
-    "context": T,
+    "context": T, "mamba_num_groups": SG, "mamba_group_heads": SR, "mamba_head_dim": SP,
+    "mamba_state_dim": SN, "mamba_chunk_size": SK, "mamba_d_conv": SX, "mamba_inner": SI, "mamba_dt_rank": SD,
 }
 
 def degree_symbol(axis: str) -> sp.Symbol:
@@ -75,6 +82,15 @@ LABEL_SIZE: dict[str, sp.Expr] = {
     "y": LKV + ROPE,   # key/value down-projection: latent and the rotary key
     "z": NOPE + D,     # key/value up-projection per head: the key without rotary part, the value
     "w": H,            # hidden, as the output of a projection from hidden-sized inputs (MTP)
+    # State-space / linear-attention mixers (upper case: the lower-case letters are taken).
+    "G": SG,           # head groups (Mamba-2 n_groups; gated DeltaNet key heads)
+    "R": SR,           # heads per group
+    "P": SP,           # a head's dimension (gated DeltaNet: the value head's)
+    "N": SN,           # state dimension (Mamba d_state; gated DeltaNet: the key head's)
+    "K": sp.Min(SK, S),  # positions of a chunk of the chunked scan (a sequence shorter than a chunk is one)
+    "X": SX,           # the depthwise convolution's kernel
+    "I": SI,           # Mamba-1 inner width
+    "D": SD,           # Mamba-1 step-size rank
 }
 
 LABEL_MEANING: dict[str, str] = {
@@ -84,7 +100,8 @@ LABEL_MEANING: dict[str, str] = {
     "e": "experts", "c": "tokens per expert", "i": "expert ffn", "j": "shared expert ffn",
     "l": "query latent", "m": "key/value latent", "o": "rotary head dim", "x": "query/key head dim without rotary",
     "a": "query/key head dim", "y": "key/value latent and rotary key", "z": "key without rotary and value",
-    "w": "hidden (projected)",
+    "w": "hidden (projected)", "G": "ssm head groups", "R": "ssm heads per group", "P": "ssm head dim",
+    "N": "ssm state dim", "K": "scan chunk", "X": "conv kernel", "I": "mamba inner", "D": "mamba dt rank",
 }
 
 DTYPE_BYTES: dict[str, int | sp.Rational] = {
@@ -118,4 +135,15 @@ def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821
             E: model.num_experts if moe else 1, K: model.moe_router_topk if moe else 1,
             FI: model.expert_ffn if moe else 1, FJ: shared if moe and shared else 1, L: moe_load,
             LQ: model.q_lora_rank if mla and model.q_lora_rank else 1, LKV: model.kv_lora_rank if mla else 1,
-            NOPE: model.qk_head_dim if mla else 1, ROPE: model.qk_pos_emb_head_dim if mla else 1, T: seq}
+            NOPE: model.qk_head_dim if mla else 1, ROPE: model.qk_pos_emb_head_dim if mla else 1, T: seq,
+            **ssm_values(model, seq)}
+
+
+def ssm_values(model: "ModelConfig", seq: int) -> dict[sp.Symbol, int]:  # noqa: F821
+    """The state-space symbols of ``model`` (1 where it has no such layers)."""
+    ssm = model.mamba_num_heads is not None
+    return {SG: model.mamba_num_groups if ssm else 1,
+            SR: model.mamba_num_heads // model.mamba_num_groups if ssm else 1,
+            SP: model.mamba_head_dim if ssm else 1, SN: model.mamba_state_dim,
+            SK: model.mamba_chunk_size, SX: model.mamba_d_conv,
+            SI: model.mamba_inner or 1, SD: model.mamba_dt_rank}

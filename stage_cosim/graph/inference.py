@@ -54,6 +54,7 @@ import sympy as sp
 
 from stage_cosim.graph.dims import LABEL_SIZE
 from stage_cosim.graph.ir import Block, BlockBuilder, Op, Tensor
+from stage_cosim.graph.ssm import with_state_cache
 from stage_cosim.graph.transformer import ModelGraph, _norm, build_blocks, build_layer
 from stage_cosim.model.config import ArchSwitches
 
@@ -311,16 +312,19 @@ def _inference_blocks(arch: ArchSwitches, kv_cache_dtype: str, absorb: bool) -> 
         layer, moe = build_layer(a, absorb=True), build_layer(a, moe=True, absorb=True) if a.moe else None
     layer = with_kv_cache(layer, kv_cache_dtype)
     moe = with_kv_cache(moe, kv_cache_dtype) if moe is not None else None
-    return fused_forms(ModelGraph(g.embedding, layer, None, moe), a)
+    # hybrid layers: attention reads its KV cache, an SSM mixer its state (graph.ssm)
+    hybrid = tuple(with_state_cache(with_kv_cache(h, kv_cache_dtype)) for h in g.hybrid)
+    return fused_forms(ModelGraph(g.embedding, layer, None, moe, hybrid), a)
 
 
 def fused_forms(g: ModelGraph, arch: ArchSwitches) -> ModelGraph:
     """The blocks in the form inference engines run them (see the module docstring): residual
     adds fused with the RMSNorm of their sum, the boundary between blocks moved to the layers'
     input norms where every layer kind allows it; the sampling head after them."""
-    kinds = [b for b in (g.layer, g.moe_layer) if b is not None]
+    kinds = [b for b in (g.layer, g.moe_layer, *g.hybrid) if b is not None]
     shift = all(_shiftable(b) for b in kinds)
     layer = _fused_layer(g.layer, shift)
     moe = _fused_layer(g.moe_layer, shift) if g.moe_layer is not None else None
+    hybrid = tuple(_fused_layer(h, shift) for h in g.hybrid)
     embedding = _normalized_embedding(g.embedding, g.layer) if shift else g.embedding
-    return ModelGraph(embedding, layer, inference_head(arch, g.embedding, normalized=shift), moe)
+    return ModelGraph(embedding, layer, inference_head(arch, g.embedding, normalized=shift), moe, hybrid)

@@ -42,6 +42,9 @@ OpKind = Literal[
     # token permutation into expert order and back (memory-bound kernels; the collectives
     # around them follow from placements).
     "mesh_change", "permute", "unpermute",
+    # State-space and linear-attention mixers (stage_cosim.graph.ssm): the fused chunked scan
+    # and its backward, and an elementwise product whose every input is differentiated (a gate).
+    "ssm_scan", "ssm_scan_grad", "product",
 ]
 # Fused (flash) attention and its backward: kernels with their own rate and, under context
 # parallelism, operands that arrive in pieces.
@@ -106,6 +109,8 @@ class Op:
     causal: bool = False
     # Fused attention with soft-capped scores (elementwise work inside the kernel).
     softcap: bool = False
+    # Fused attention adding ALiBi's linear position bias to every score inside the kernel (BLOOM).
+    alibi: bool = False
     # Times the op streams its inputs and outputs through HBM (an unfused implementation runs
     # several kernels over the same data).
     memory_passes: int = 1
@@ -277,7 +282,8 @@ class BlockBuilder:
         return outs
 
     def attention(self, name: str, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-                  softcap: bool = False, rotary_key: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
+                  softcap: bool = False, rotary_key: Tensor | None = None, sinks: Tensor | None = None,
+                  alibi: bool = False) -> Tensor:
         """Fused (flash) attention: never materializes the score matrix. The last label of q
         and of v is the head dimension of the scores and of the values (they may differ:
         multi-latent attention). ``rotary_key``: a rotary key part shared by every head, read
@@ -292,7 +298,8 @@ class BlockBuilder:
         # them to be gathered, as the rules say, or exchanged (sharding.context_parallel)
         self._add(Op(name, "attention", [q, *keys, v, *extra], [out, lse], spec=f"{qk},{vd}",
                      unsharded="".join(sorted({qk, vd})), key_inputs=tuple(range(1, len(keys) + 2)),
-                     saves=[q, *keys, v, out, lse], attention_core=True, causal=causal, softcap=softcap))
+                     saves=[q, *keys, v, out, lse], attention_core=True, causal=causal, softcap=softcap,
+                     alibi=alibi))
         return out
 
     def lookup(self, name: str, table: Tensor, ids: Tensor) -> Tensor:

@@ -16,10 +16,12 @@ import sympy as sp
 
 from typing import NamedTuple
 
+from stage_cosim.graph.cost import ALIBI_FLOPS_PER_SCORE as ALIBI_FLOPS
 from stage_cosim.graph.cost import SOFTCAP_FLOPS_PER_SCORE as SOFTCAP_FLOPS
 from stage_cosim.graph.dims import LABEL_SIZE, NOPE, ROPE
 from stage_cosim.graph.ir import DENSE, EXPERT, Block, BlockBuilder, Tensor
-from stage_cosim.model.config import ArchSwitches, ModelConfig
+from stage_cosim.graph.ssm import product
+from stage_cosim.model.config import ATTENTION, ATTENTION_MAMBA2, MOE_MLP, NO_MIXER, NO_MLP, ArchSwitches, ModelConfig
 
 
 # Work per element of the activations (rough: these kernels are memory-bound).
@@ -28,6 +30,9 @@ SWIGLU_FLOPS = 6          # SiLU (exp, add, divide, multiply) times the up proje
 GEGLU_FLOPS = 9           # tanh-approximated GELU times the up projection
 GELU_FLOPS = 8
 SQUARED_RELU_FLOPS = 2    # a max and a multiply
+RELU_FLOPS = 1            # a max (OPT)
+# The ungated MLPs' activation, by its work per element.
+_ACTIVATION_FLOPS = {"gelu": GELU_FLOPS, "squared_relu": SQUARED_RELU_FLOPS, "relu": RELU_FLOPS}
 # The router's score function and top-k selection, per expert score of a token.
 ROUTER_FLOPS_PER_SCORE = 6
 
@@ -46,10 +51,11 @@ def _bias(b: BlockBuilder, name: str, x: Tensor, labels: str, tp_shard: str | No
     return b.add(name + "_add", x, b.weight(name, labels, tp_shard), residual=residual)
 
 
-def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
+def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches, normed: Tensor | None = None) -> Tensor:
     """Norm, QKV, (QK-norm, RoPE), the attention core and the output projection, up to the
-    row-parallel GEMM's output (not yet reduced over tp)."""
-    y = _norm(b, "input_norm", x, a)
+    row-parallel GEMM's output (not yet reduced over tp). ``normed``: the norm's output, where
+    the layer computes it for the MLP as well (GPT-J's one norm per layer)."""
+    y = normed if normed is not None else _norm(b, "input_norm", x, a)
     qkv = b.einsum("qkv", "bsh,hgrd->bsgrd", y, b.weight("qkv.weight", "hgrd", tp_shard="g"))
     if a.qkv_bias:
         qkv = _bias(b, "qkv.bias", qkv, "grd", "g")
@@ -65,10 +71,14 @@ def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
         k = b.pointwise("rope_k", [k], k.labels, flops_per_element=rope)
     if a.attention == "fused":
         ctx = b.attention("attention", q, k, v, causal=a.causal_flops, softcap=a.attn_softcap,
-                          sinks=b.weight("attention.sinks", "gq", tp_shard="g") if a.attention_sinks else None)
+                          sinks=b.weight("attention.sinks", "gq", tp_shard="g") if a.attention_sinks else None,
+                          alibi=a.position == "alibi")
     else:
         # Materialized scores: the whole s x s matrix, masked (a sliding window saves nothing here).
         scores = b.einsum("scores", "bsgqd,btgd->bgqst", q, k, attention_core=True)
+        if a.position == "alibi":
+            scores = b.pointwise("alibi_bias", [scores], scores.labels, flops_per_element=ALIBI_FLOPS,
+                                 attention_core=True)
         if a.attn_softcap:
             scores = b.pointwise("score_softcap", [scores], scores.labels, flops_per_element=SOFTCAP_FLOPS,
                                  attention_core=True, saves_output=True)
@@ -76,6 +86,10 @@ def _attention(b: BlockBuilder, x: Tensor, a: ArchSwitches) -> Tensor:
         if a.attention_dropout:
             probs = b.dropout("attention_dropout", probs, attention_core=True)
         ctx = b.einsum("context", "bgqst,btgd->bsgqd", probs, v, attention_core=True)
+    if a.attention_output_gate:
+        # Qwen3-Next: the query projection's second half, through a sigmoid, gates each head's output
+        gate = b.einsum("output_gate", "bsh,hgqd->bsgqd", y, b.weight("output_gate.weight", "hgqd", tp_shard="g"))
+        ctx = product(b, "output_gated", ctx, gate, flops_per_element=5)
     return b.einsum("proj", "bsgqd,gqdh->bsh", ctx, b.weight("proj.weight", "gqdh", tp_shard="g"))
 
 
@@ -137,7 +151,7 @@ def _mlp(b: BlockBuilder, y: Tensor, a: ArchSwitches, ffn: str = "f", name: str 
         up = b.einsum(f"{name}fc1", f"bsh,h{ffn}->bs{ffn}", y, b.weight(f"{name}fc1.weight", f"h{ffn}", tp_shard=ffn))
         if a.mlp_bias:
             up = _bias(b, f"{name}fc1.bias", up, ffn, ffn)
-        flops = SQUARED_RELU_FLOPS if a.mlp == "squared_relu" else GELU_FLOPS
+        flops = _ACTIVATION_FLOPS[a.mlp]
         act = b.pointwise(f"{name}{a.mlp}", [up], f"bs{ffn}", flops_per_element=flops, saves=[up])
     return b.einsum(f"{name}fc2", f"bs{ffn},{ffn}h->bsh", act, b.weight(f"{name}fc2.weight", f"{ffn}h", tp_shard=ffn))
 
@@ -151,7 +165,7 @@ def _experts(b: BlockBuilder, slots: Tensor, a: ArchSwitches) -> Tensor:
     if a.mlp_bias:
         up = _bias(b, "experts.fc1.bias", up, f"e{u}i", "i")
     flops = ((SWIGLU_FLOPS if a.mlp == "swiglu" else GEGLU_FLOPS) if gated
-             else SQUARED_RELU_FLOPS if a.mlp == "squared_relu" else GELU_FLOPS)
+             else _ACTIVATION_FLOPS[a.mlp])
     act = b.pointwise(f"experts.{a.mlp}", [up], "eci", flops_per_element=flops, saves=[up])
     down = b.einsum("experts.fc2", "eci,eih->ech", act, b.weight("experts.fc2.weight", "eih", tp_shard="i"))
     if a.mlp_bias:
@@ -206,6 +220,41 @@ def _sublayer_out(b: BlockBuilder, out: Tensor, bias: str | None, post_norm: str
     return out
 
 
+def _hybrid_layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, mixer: str, mlp: str) -> Tensor:
+    """A layer of a hybrid model: its mixer sublayer (none, attention, an SSM mixer, or attention
+    and a Mamba-2 mixer side by side) and its MLP sublayer (none, dense or MoE), each pre-normed
+    with a residual add. Row-parallel biases are added after the tp reduction, as in _layer."""
+    from stage_cosim.graph.ssm import MIXER_BUILDERS, mamba2_mixer
+
+    drop = a.hidden_dropout
+    if mixer != NO_MIXER:
+        bias = None
+        if mixer == ATTENTION:
+            out = _attention(b, x, a)
+            bias = "proj.bias" if a.attention_bias else None
+        elif mixer == ATTENTION_MAMBA2:
+            # Falcon-H1: both read one norm's output; their row-parallel outputs are summed while
+            # still partial over tp, so one reduction serves both (as a parallel residual's)
+            y = _norm(b, "input_norm", x, a)
+            out = b.add("mixer_sum", _attention(b, x, a, normed=y), mamba2_mixer(b, y, a), residual=False)
+            if a.attention_bias:
+                out = _bias(b, "proj.bias", out, "h", None, residual=True)
+            bias = "out_proj.bias" if a.ssm_proj_bias else None
+        else:
+            out = MIXER_BUILDERS[mixer](b, _norm(b, "input_norm", x, a), a)
+            bias = "out_proj.bias" if a.ssm_proj_bias else None
+        out = _sublayer_out(b, out, bias, "post_attention_norm" if a.sandwich_norm else None,
+                            "proj_dropout" if drop else None, a)
+        x = b.add("attention_residual", x, out)
+    if mlp == NO_MLP:
+        return x
+    moe = mlp == MOE_MLP
+    down = _ffn(b, _norm(b, "mlp_norm", x, a), a, moe)
+    down = _sublayer_out(b, down, "fc2.bias" if a.mlp_bias and not moe else None,
+                         "post_mlp_norm" if a.sandwich_norm else None, "mlp_dropout" if drop else None, a)
+    return b.add("mlp_residual", x, down)
+
+
 def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool, absorb: bool = False) -> Tensor:
     """One transformer layer from its input (the residual stream) to its output (``absorb``:
     latent attention in its absorbed form)."""
@@ -217,8 +266,13 @@ def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool, absorb: bo
     if a.parallel_residual:
         # x + attention(norm1(x)) + mlp(norm2(x)): the two row-parallel outputs are summed while
         # still partial over tp (a sum of partial sums), so one reduction serves both.
-        attn = attention(b, x, a)
-        down = _ffn(b, _norm(b, "mlp_norm", x, a), a, moe)
+        if a.shared_input_norm:
+            # GPT-J: attention and MLP read one norm's output
+            y = _norm(b, "input_norm", x, a)
+            attn, down = _attention(b, x, a, normed=y), _ffn(b, y, a, moe)
+        else:
+            attn = attention(b, x, a)
+            down = _ffn(b, _norm(b, "mlp_norm", x, a), a, moe)
         both = b.add("branch_sum", attn, down, residual=False)
         if a.attention_bias:
             both = _bias(b, "proj.bias", both, "h", None, residual=True)
@@ -234,12 +288,16 @@ def _layer(b: BlockBuilder, x: Tensor, a: ArchSwitches, *, moe: bool, absorb: bo
     return b.add("mlp_residual", x, down)
 
 
-def build_layer(model: ModelConfig | ArchSwitches, moe: bool = False, absorb: bool = False) -> Block:
+def build_layer(model: ModelConfig | ArchSwitches, moe: bool = False, absorb: bool = False,
+                kind: tuple[str, str] | None = None) -> Block:
     """A transformer layer; ``moe``: its MLP is a Mixture of Experts; ``absorb``: its latent
-    attention (if any) in the absorbed form serving engines decode with."""
+    attention (if any) in the absorbed form serving engines decode with; ``kind``: a hybrid
+    model's (mixer, MLP) kind instead."""
     a = model.switches() if isinstance(model, ModelConfig) else model
     b = BlockBuilder("layer", "layer")
     x = b.input("x", "bsh")
+    if kind is not None:
+        return b.build([_hybrid_layer(b, x, a, *kind)])
     return b.build([_layer(b, x, a, moe=moe, absorb=absorb)])
 
 
@@ -251,6 +309,8 @@ def build_embedding(model: ModelConfig | ArchSwitches) -> Block:
     if a.position == "learned":
         pos = b.lookup("position_embedding", b.weight("position_embedding", "ph"), ids)
         x = b.add("embedding_sum", x, pos)
+    if a.embedding_norm:
+        x = _norm(b, "embedding_norm", x, a)      # BLOOM's word_embeddings_layernorm
     if a.scale_embeddings:
         # Gemma multiplies the embeddings by sqrt(hidden): one more pass in the residual stream.
         x = b.pointwise("embedding_scale", [x], x.labels, flops_per_element=1, residual=True)
@@ -310,12 +370,20 @@ def _loss(b: BlockBuilder, x: Tensor, w: Tensor | None, labels: Tensor, a: ArchS
 
 class ModelGraph(NamedTuple):
     """The blocks of a model: the embedding, a dense layer, a Mixture-of-Experts layer (None
-    without experts), the head."""
+    without experts), the head; a hybrid model's other layer kinds, one block per entry of
+    its switches' ``hybrid_kinds``."""
 
     embedding: Block
     layer: Block
     head: Block
     moe_layer: Block | None = None
+    hybrid: tuple[Block, ...] = ()
+
+    def block(self, kind: tuple[str, str], hybrid_kinds: tuple[tuple[str, str], ...]) -> Block:
+        """The block of a layer of ``kind`` ((mixer, MLP), as ModelConfig.layer_kind says)."""
+        if kind in hybrid_kinds:
+            return self.hybrid[hybrid_kinds.index(kind)]
+        return self.moe_layer if kind[1] == MOE_MLP else self.layer
 
 
 def build_blocks(model: ModelConfig | ArchSwitches) -> ModelGraph:
@@ -331,7 +399,8 @@ def build_blocks(model: ModelConfig | ArchSwitches) -> ModelGraph:
 def _build_blocks(arch: ArchSwitches) -> ModelGraph:
     embedding = build_embedding(arch)
     return ModelGraph(embedding, build_layer(arch), build_head(arch, embedding),
-                      build_layer(arch, moe=True) if arch.moe else None)
+                      build_layer(arch, moe=True) if arch.moe else None,
+                      tuple(build_layer(arch, kind=k) for k in arch.hybrid_kinds))
 
 
 def symbolic_param_count(model: ModelConfig) -> int:
@@ -341,12 +410,13 @@ def symbolic_param_count(model: ModelConfig) -> int:
 
     g = build_blocks(model)
     values = model_values(model, 1, 1)
-    moe_layers = sum(model.moe_layers())
     seen: set[int] = set()
     total = 0
-    blocks = [(g.embedding, 1), (g.layer, model.layers - moe_layers), (g.head, 1)]
-    if g.moe_layer is not None:
-        blocks.append((g.moe_layer, moe_layers))
+    kinds = model.layer_kinds()
+    hybrid = model.switches().hybrid_kinds
+    blocks = [(g.embedding, 1), (g.head, 1)]
+    for kind in sorted(set(kinds)):
+        blocks.append((g.block(kind, hybrid), kinds.count(kind)))
     for block, repeat in blocks:
         for w in block.weights:
             if id(w) in seen:

@@ -17,12 +17,29 @@ MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy", "moe_shared_expe
 NORMS = ("layernorm", "rmsnorm")
 # "gelu": one up-projection and a GELU; "squared_relu": the same with relu(x)^2 (Nemotron-4,
 # Megatron-Core's squared_relu); "swiglu" / "geglu": gated (gate and up projections, SiLU or
-# GELU on the gate, times the up projection), as Llama and Gemma do.
-MLPS = ("gelu", "squared_relu", "swiglu", "geglu")
-POSITIONS = ("learned", "rope")
+# GELU on the gate, times the up projection), as Llama and Gemma do; "relu": one up-projection
+# and a ReLU (OPT).
+MLPS = ("gelu", "squared_relu", "swiglu", "geglu", "relu")
+# "alibi": no position embedding; each attention score gets a per-head linear bias in the
+# query-key distance (Press et al. 2022; BLOOM).
+POSITIONS = ("learned", "rope", "alibi")
 # Hugging Face's names for the attention of one layer (``layer_types``).
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# The token mixer of one layer: softmax attention, a Mamba-1 selective scan (Jamba), a Mamba-2
+# (SSD) mixer, a gated DeltaNet linear attention (Qwen3-Next's linear_attention), or none (an
+# MLP-only layer: Nemotron-H's "-"). And its MLP: dense, Mixture of Experts, or none (a
+# mixer-only layer: Nemotron-H's "M" and "*"). ``attention_mamba2``: attention and a Mamba-2
+# mixer side by side on one norm's output, their outputs summed (Falcon-H1's parallel hybrid).
+ATTENTION, MAMBA, MAMBA2, GATED_DELTANET, NO_MIXER = "attention", "mamba", "mamba2", "gated_deltanet", "none"
+ATTENTION_MAMBA2 = "attention_mamba2"
+MIXERS = (ATTENTION, MAMBA, MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2, NO_MIXER)
+SSM_MIXERS = (MAMBA, MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2)
+# The mixers with softmax attention (a KV cache per token), and those with Mamba-2's dimensions.
+ATTENDING_MIXERS = (ATTENTION, ATTENTION_MAMBA2)
+_MAMBA2_LIKE = {MAMBA2, ATTENTION_MAMBA2}
+DENSE_MLP, MOE_MLP, NO_MLP = "dense", "moe", "none"
+MLP_KINDS = (DENSE_MLP, MOE_MLP, NO_MLP)
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,8 @@ class ArchSwitches:
     qk_layernorm: bool = False
     rotary_percent: Fraction = Fraction(1)
     parallel_residual: bool = False
+    shared_input_norm: bool = False
+    embedding_norm: bool = False
     sandwich_norm: bool = False
     scale_embeddings: bool = False
     attn_softcap: bool = False
@@ -65,6 +84,15 @@ class ArchSwitches:
     # Multi-token prediction modules in the head, and whether their layer has experts.
     mtp_layers: int = 0
     mtp_moe: bool = False
+    # Hybrid models: the distinct (mixer, MLP) kinds of the layers that are not a transformer
+    # layer (attention with a dense or MoE MLP), each one more block; biases of the SSM mixers;
+    # a sigmoid gate on the attention output (Qwen3-Next).
+    hybrid_kinds: tuple[tuple[str, str], ...] = ()
+    ssm_conv_bias: bool = True
+    ssm_proj_bias: bool = False
+    attention_output_gate: bool = False
+    mamba_inner_norms: bool = False
+    mamba_gated_norm: bool = True
 
     @property
     def qkv_bias(self) -> bool:
@@ -98,8 +126,8 @@ class ModelConfig:
     max_seq: int
     tied_embeddings: bool
     norm: Literal["layernorm", "rmsnorm"]
-    mlp: Literal["gelu", "squared_relu", "swiglu", "geglu"]
-    position: Literal["learned", "rope"]
+    mlp: Literal["gelu", "squared_relu", "swiglu", "geglu", "relu"]
+    position: Literal["learned", "rope", "alibi"]
     # Biases: on the QKV and output projections of attention (Hugging Face's attention_bias),
     # on the MLP's projections (mlp_bias), on QKV alone (Megatron-Core's add_qkv_bias, Qwen2).
     attention_bias: bool = False
@@ -134,6 +162,11 @@ class ModelConfig:
     # Attention and MLP read the same input and their outputs are summed into the residual
     # (GPT-NeoX, GPT-J): with tensor parallelism the two row-parallel outputs share one reduction.
     parallel_residual: bool = False
+    # With parallel_residual: attention and MLP read the same norm's output (GPT-J's ln_1), one
+    # norm per layer instead of two.
+    shared_input_norm: bool = False
+    # A norm on the embedding output before the first layer (BLOOM's word_embeddings_layernorm).
+    embedding_norm: bool = False
     # A second norm on each sublayer's output before the residual add (Gemma-2's
     # post_attention_layernorm / post_feedforward_layernorm): four norms per layer.
     sandwich_norm: bool = False
@@ -194,6 +227,38 @@ class ModelConfig:
     # -- Multi-token prediction (DeepSeek-V3): modules after the last layer, each predicting one
     # more token with one more layer (of the last layer's kind), sharing embedding and head.
     mtp_num_layers: int = 0
+    # -- Hybrid layers (data, not branches) -------------------------------------------------------
+    # One mixer kind per layer (empty: every layer attends), one MLP kind per layer (empty: from
+    # moe_layer_freq, dense or MoE). Where layer_mlps is given it decides which layers are MoE.
+    layer_mixers: tuple[str, ...] = ()
+    layer_mlps: tuple[str, ...] = ()
+    # Mamba-2 (Megatron-Core's mamba_* names) and gated DeltaNet share one description: groups
+    # of heads (Mamba-2 n_groups, each group's B and C shared by its heads; gated DeltaNet's key
+    # heads, each shared by num_heads / num_groups value heads), a head's dimension (Mamba-2
+    # head_dim; the value head's), the state per head is mamba_state_dim x mamba_head_dim
+    # (Mamba-2 d_state; gated DeltaNet's key head dimension), the depthwise causal convolution's
+    # kernel, the chunk length of the chunked scan.
+    mamba_num_heads: int | None = None
+    mamba_num_groups: int = 1
+    mamba_head_dim: int = 64
+    mamba_state_dim: int = 128
+    mamba_d_conv: int = 4
+    mamba_chunk_size: int = 256
+    # Mamba-1 (Jamba): the inner width (expand x hidden), the rank of the step-size projection,
+    # and RMSNorms on the step size, B and C (Jamba's dt/b/c_layernorm).
+    mamba_inner: int | None = None
+    mamba_dt_rank: int = 1
+    mamba_inner_norms: bool = False
+    # Biases: the depthwise convolution's and the input/output projections' (Hugging Face's
+    # use_conv_bias / use_bias, Jamba's mamba_conv_bias / mamba_proj_bias).
+    ssm_conv_bias: bool = True
+    ssm_proj_bias: bool = False
+    # A sigmoid gate on each attention head's output, from a second half of the query
+    # projection (Qwen3-Next's attn_output_gate).
+    attention_output_gate: bool = False
+    # Mamba-2's RMSNorm of the gated scan output (Falcon-H1's mamba_rms_norm: without it the
+    # output is only gated, y * silu(z)).
+    mamba_gated_norm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq"):
@@ -223,6 +288,8 @@ class ModelConfig:
             _choice(t, "layer-types", LAYER_TYPES)
         require(self.sliding_window is not None or SLIDING_ATTENTION not in self.layer_types, "layer-types",
                 "has sliding_attention layers but sliding-window is not set")
+        require(not self.shared_input_norm or self.parallel_residual, "shared-input-norm",
+                "shares the norm of a parallel residual: set parallel-residual too")
         self._check_moe()
         if self.multi_latent_attention:
             if self.q_lora_rank is not None:
@@ -232,6 +299,33 @@ class ModelConfig:
         require(isinstance(self.mtp_num_layers, int) and not isinstance(self.mtp_num_layers, bool)
                 and self.mtp_num_layers >= 0, "mtp-num-layers",
                 f"must be a non-negative integer, got {self.mtp_num_layers!r}")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        for name, allowed in (("layer_mixers", MIXERS), ("layer_mlps", MLP_KINDS)):
+            kinds = tuple(getattr(self, name))
+            object.__setattr__(self, name, kinds)
+            require(not kinds or len(kinds) == self.layers, name.replace("_", "-"),
+                    f"needs one entry per layer ({self.layers}), got {len(kinds)}")
+            for k in kinds:
+                _choice(k, name.replace("_", "-"), allowed)
+        require(MOE_MLP not in self.layer_mlps or self.num_experts is not None, "layer-mlps",
+                "has moe layers but num-experts is not set")
+        mixers = set(self.layer_mixers)
+        for i in range(self.layers):
+            require(self.layer_kind(i) != (NO_MIXER, NO_MLP), "layer-mixers", f"layer {i} has neither mixer nor MLP")
+        if mixers & {MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2}:
+            require(not (GATED_DELTANET in mixers and mixers & _MAMBA2_LIKE), "layer-mixers",
+                    "mamba2 and gated_deltanet layers share the SSM dimensions: one kind per model")
+            positive_int(self.mamba_num_heads, "mamba-num-heads")
+            for name in ("mamba_num_groups", "mamba_head_dim", "mamba_state_dim", "mamba_d_conv", "mamba_chunk_size"):
+                positive_int(getattr(self, name), name.replace("_", "-"))
+            require(self.mamba_num_heads % self.mamba_num_groups == 0, "mamba-num-groups",
+                    f"must divide mamba-num-heads ({self.mamba_num_heads}), got {self.mamba_num_groups}")
+        if MAMBA in mixers:
+            positive_int(self.mamba_inner, "mamba-inner")
+            for name in ("mamba_dt_rank", "mamba_state_dim", "mamba_d_conv"):
+                positive_int(getattr(self, name), name.replace("_", "-"))
 
     def _check_moe(self) -> None:
         if self.num_experts is None:
@@ -288,10 +382,47 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
+    def layer_mixer(self, layer: int) -> str:
+        """The token mixer of layer ``layer`` (attention unless ``layer_mixers`` says otherwise)."""
+        return self.layer_mixers[layer] if self.layer_mixers else ATTENTION
+
+    def layer_mlp(self, layer: int) -> str:
+        """The MLP kind of layer ``layer``: dense, moe or none."""
+        if self.layer_mlps:
+            return self.layer_mlps[layer]
+        return MOE_MLP if self.is_moe_layer(layer) else DENSE_MLP
+
+    def layer_kind(self, layer: int) -> tuple[str, str]:
+        return self.layer_mixer(layer), self.layer_mlp(layer)
+
+    def layer_kinds(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self.layer_kind(i) for i in range(self.layers))
+
+    def ssm_tp_dims(self) -> tuple[tuple[str, int], ...]:
+        """What tensor parallelism splits in this model's SSM mixers (it must divide them):
+        Mamba-2's groups / gated DeltaNet's key heads, Mamba-1's inner width."""
+        mixers = set(self.layer_mixers)
+        out = []
+        if mixers & {MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2}:
+            out.append(("mamba-num-groups", self.mamba_num_groups))
+        if MAMBA in mixers:
+            out.append(("mamba-inner", self.mamba_inner))
+        return tuple(out)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(k not in ((ATTENTION, DENSE_MLP), (ATTENTION, MOE_MLP)) for k in self.layer_kinds())
+
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with softmax attention (the only ones holding a KV cache)."""
+        return tuple(i for i in range(self.layers) if self.layer_mixer(i) in ATTENDING_MIXERS)
+
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether layer ``layer`` has routed experts (Megatron's moe_layer_freq)."""
+        """Whether layer ``layer`` has routed experts (Megatron's moe_layer_freq, or layer_mlps)."""
         if self.num_experts is None:
             return False
+        if self.layer_mlps:
+            return self.layer_mlps[layer] == MOE_MLP
         freq = self.moe_layer_freq
         if isinstance(freq, tuple):
             return bool(freq[layer])
@@ -362,23 +493,58 @@ class ModelConfig:
         width = 2 * ffn if self.mlp in ("swiglu", "geglu") else ffn
         return h * width + ffn * h + (width + h) * self.mlp_bias
 
+    def _mixer_params(self, mixer: str) -> int:
+        if mixer == ATTENTION:
+            gate = self.heads * self.head_dim * self.hidden if self.attention_output_gate else 0
+            return self._attention_params() + gate
+        if mixer == ATTENTION_MAMBA2:
+            return self._mixer_params(ATTENTION) + self._mixer_params(MAMBA2)
+        if mixer == NO_MIXER:
+            return 0
+        h, conv, cbias, pbias = self.hidden, self.mamba_d_conv, self.ssm_conv_bias, self.ssm_proj_bias
+        if mixer == MAMBA:
+            di, n, r = self.mamba_inner, self.mamba_state_dim, self.mamba_dt_rank
+            norms = (r + 2 * n) if self.mamba_inner_norms else 0
+            return (h * 2 * di + 2 * di * pbias + di * conv + di * cbias + di * (r + 2 * n) + r * di + di
+                    + di * n + di + di * h + h * pbias + norms)
+        heads, groups, p, n = self.mamba_num_heads, self.mamba_num_groups, self.mamba_head_dim, self.mamba_state_dim
+        inner = heads * p
+        if mixer == MAMBA2:
+            # in_proj to z, x, B, C and dt; the convolution over x, B and C; dt_bias, A_log, D;
+            # the gated RMSNorm's weight; out_proj
+            proj = 2 * inner + 2 * groups * n + heads
+            channels = inner + 2 * groups * n
+            return (h * proj + proj * pbias + channels * (conv + cbias) + 3 * heads + inner * self.mamba_gated_norm
+                    + inner * h + h * pbias)
+        # gated DeltaNet: q, k (per key head), v, z (per value head), beta and the decay's gate a
+        # (per value head); the convolution over q, k, v; dt_bias, A_log; the gated RMSNorm's
+        # weight (one head's); out_proj
+        proj = 2 * groups * n + 2 * inner + 2 * heads
+        channels = 2 * groups * n + inner
+        return h * proj + proj * pbias + channels * (conv + cbias) + 2 * heads + p + inner * h + h * pbias
+
     def _layer_params(self, layer: int, *, active: bool) -> int:
         h = self.hidden
         per_norm = 2 if self.norm == "layernorm" else 1
-        norms = h * per_norm * (4 if self.sandwich_norm else 2)
-        if not self.is_moe_layer(layer):
-            return self._attention_params() + self._mlp_params(self.ffn) + norms
+        mixer, mlp = self.layer_kind(layer)
+        sublayers = (mixer != NO_MIXER) + (mlp != NO_MLP)
+        norms = h * per_norm * (sublayers * (2 if self.sandwich_norm else 1) - self.shared_input_norm)
+        if mlp == NO_MLP:
+            return self._mixer_params(mixer) + norms
+        if mlp == DENSE_MLP:
+            return self._mixer_params(mixer) + self._mlp_params(self.ffn) + norms
         e = self.num_experts
         experts = (self.moe_router_topk if active else e) * self._mlp_params(self.expert_ffn)
         router = h * e + e * self.moe_router_bias
         shared = 0
         if self.moe_shared_expert_intermediate_size is not None:
             shared = self._mlp_params(self.moe_shared_expert_intermediate_size) + h * self.moe_shared_expert_gate
-        return self._attention_params() + router + experts + shared + norms
+        return self._mixer_params(mixer) + router + experts + shared + norms
 
     def embedding_param_count(self) -> int:
         """Parameters of the embedding tables and the untied output layer."""
         embed = self.vocab * self.hidden + (self.max_seq * self.hidden if self.position == "learned" else 0)
+        embed += self.hidden * (2 if self.norm == "layernorm" else 1) * self.embedding_norm
         return embed + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     def switches(self) -> ArchSwitches:
@@ -389,7 +555,8 @@ class ModelConfig:
             causal_flops=self.causal_flops, tied_embeddings=self.tied_embeddings,
             cross_entropy=self.cross_entropy, qk_layernorm=self.qk_layernorm,
             rotary_percent=Fraction(str(self.rotary_percent)) if self.position == "rope" else Fraction(1),
-            parallel_residual=self.parallel_residual, sandwich_norm=self.sandwich_norm,
+            parallel_residual=self.parallel_residual, shared_input_norm=self.shared_input_norm,
+            embedding_norm=self.embedding_norm, sandwich_norm=self.sandwich_norm,
             scale_embeddings=self.scale_embeddings, attn_softcap=self.attn_logit_softcapping is not None,
             final_softcap=self.final_logit_softcapping is not None, moe=self.is_moe,
             moe_shared_expert=self.is_moe and self.moe_shared_expert_intermediate_size is not None,
@@ -399,7 +566,12 @@ class ModelConfig:
             mtp_layers=self.mtp_num_layers, mtp_moe=self.mtp_num_layers > 0 and self.is_moe_layer(self.layers - 1),
             multi_latent_attention=self.multi_latent_attention,
             q_lora=self.multi_latent_attention and self.q_lora_rank is not None,
-            attention_sinks=self.attention_sinks)
+            attention_sinks=self.attention_sinks,
+            hybrid_kinds=tuple(sorted(k for k in set(self.layer_kinds())
+                                      if k not in ((ATTENTION, DENSE_MLP), (ATTENTION, MOE_MLP)))),
+            ssm_conv_bias=self.ssm_conv_bias, ssm_proj_bias=self.ssm_proj_bias,
+            attention_output_gate=self.attention_output_gate,
+            mamba_inner_norms=self.mamba_inner_norms, mamba_gated_norm=self.mamba_gated_norm)
 
     def with_overrides(self, **overrides: Any) -> "ModelConfig":
         """A copy with the given fields replaced (None values are ignored)."""
@@ -414,11 +586,19 @@ class ModelConfig:
             # a layer-count override keeps the pattern's first layers (DeepSeek's dense ones) and
             # repeats its last entry
             values["moe_layer_freq"] = (tuple(freq) + (freq[-1],) * layers)[:layers]
+        if layers is not None:
+            # a hybrid pattern is repeated (or cut) to the new depth
+            for name in ("layer_mixers", "layer_mlps"):
+                pattern = values.get(name, getattr(self, name))
+                if pattern and len(pattern) != layers:
+                    values[name] = tuple(pattern[i % len(pattern)] for i in range(layers))
         return replace(self, **values)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["layer_types"] = list(self.layer_types)
+        d["layer_mixers"] = list(self.layer_mixers)
+        d["layer_mlps"] = list(self.layer_mlps)
         if isinstance(self.moe_layer_freq, tuple):
             d["moe_layer_freq"] = list(self.moe_layer_freq)
         return d

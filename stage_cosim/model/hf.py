@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from stage_cosim.errors import UserError
+from stage_cosim.model import hf_hybrid as _hybrid
 from stage_cosim.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, ModelConfig
+from stage_cosim.model.hf_layers import sparse_layers as _sparse_layers
 
 # Hugging Face activation names, by what they cost (the tanh and erf forms of GELU alike).
 _GELU = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "gelu_accurate")
@@ -244,16 +246,6 @@ def _experts(c: HFConfig, *, experts: tuple[str, ...], topk: str = "num_experts_
     return out
 
 
-def _sparse_layers(c: HFConfig, layers: int) -> tuple[int, ...]:
-    """Qwen-MoE: layer i has experts unless it is in mlp_only_layers, every decoder_sparse_step-th."""
-    step = c.int("decoder_sparse_step", 1)
-    only = c.cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
-        raise c.error("mlp_only_layers", only, "must be a list of layer indices")
-    pattern = tuple(int(i not in only and (i + 1) % step == 0) for i in range(layers))
-    return 1 if all(pattern) else pattern
-
-
 def _no_qwen_moe_windows(c: HFConfig) -> None:
     # The Qwen MoE implementations have changed which layers slide across versions; the published
     # models train without windows.
@@ -357,18 +349,98 @@ def _gpt_neox(c: HFConfig) -> dict[str, Any]:
                 hidden_dropout=c.number("hidden_dropout", 0.0), attention_dropout=c.number("attention_dropout", 0.0))
 
 
+# -- older dense families: GPT-J, OPT, BLOOM -------------------------------------------------
+
+def _first_key(c: HFConfig, *keys: str) -> str:
+    """The first of ``keys`` the file has (configs of one family name a dimension differently
+    across releases: BLOOM's n_embed / hidden_size), else the first."""
+    return next((k for k in keys if k in c.cfg), keys[0])
+
+
+def _gptj(c: HFConfig) -> dict[str, Any]:
+    """GPT-J: attention and MLP side by side on one LayerNorm's output (one norm per layer),
+    RoPE on the first rotary_dim dimensions of each head, no biases on the attention
+    projections, biases on the MLP. (Its output layer's bias, vocab_size parameters and one add
+    over the logits, is not modelled: 0.001 % of GPT-J-6B.)"""
+    c.refuse_if("add_cross_attention", bool, "cross-attention is not modelled")
+    hidden, heads = c.int("n_embd", 4096), c.int("n_head", 16)
+    if hidden % heads:
+        raise c.error("n_head", heads, f"must divide n_embd ({hidden})")
+    head_dim = hidden // heads
+    rotary = c.int("rotary_dim", 64, nullable=True)
+    if rotary is not None and (rotary > head_dim or rotary % 2):
+        raise c.error("rotary_dim", rotary, f"must be an even number of dimensions up to the head's ({head_dim})")
+    return dict(arch="gpt", layers=c.int("n_layer", 28), hidden=hidden, heads=heads, kv_heads=heads, head_dim=head_dim,
+                ffn=c.int("n_inner", None, nullable=True) or 4 * hidden, vocab=c.int("vocab_size", 50400),
+                max_seq=c.int("n_positions", 2048), tied_embeddings=c.flag("tie_word_embeddings", False),
+                norm="layernorm", position="rope", rotary_percent=(rotary or head_dim) / head_dim,
+                mlp=c.mlp("activation_function", "gelu_new", gated=False), attention_bias=False, mlp_bias=True,
+                parallel_residual=True, shared_input_norm=True,
+                hidden_dropout=c.dropout("resid_pdrop", "embd_pdrop"), attention_dropout=c.number("attn_pdrop", 0.0))
+
+
+def _opt(c: HFConfig) -> dict[str, Any]:
+    """OPT: learned positions, a ReLU (or GELU) MLP of ffn_dim, pre-LayerNorm, biases on every
+    projection (enable_bias). OPT-350m's projected embedding (word_embed_proj_dim) and post-norm
+    layers are refused. (Its position table's two offset rows, 2 x hidden parameters, are not
+    counted.)"""
+    hidden = c.int("hidden_size", 768)
+    proj = c.int("word_embed_proj_dim", None, nullable=True)
+    if proj is not None and proj != hidden:
+        raise c.error("word_embed_proj_dim", proj, f"an embedding projected to hidden_size ({hidden}) and back "
+                                                   "(OPT-350m) is not modelled")
+    c.refuse_if("do_layer_norm_before", lambda v: v is False, "post-LayerNorm layers (OPT-350m) are not modelled")
+    c.refuse_if("_remove_final_layer_norm", lambda v: v is True, "a model without its final LayerNorm is not modelled")
+    c.refuse_if("layer_norm_elementwise_affine", lambda v: v is False, "LayerNorms without weights are not modelled")
+    c.refuse_if("layerdrop", lambda v: v != 0, "layer dropout (skipping layers at random) is not modelled")
+    act = c.text("activation_function", "relu")
+    if act != "relu" and act not in _GELU:
+        raise c.error("activation_function", act, "only ReLU and GELU MLPs are modelled for opt")
+    heads = c.int("num_attention_heads", 12)
+    if hidden % heads:
+        raise c.error("num_attention_heads", heads, f"must divide hidden_size ({hidden})")
+    bias = c.flag("enable_bias", True)
+    return dict(arch="gpt", layers=c.int("num_hidden_layers", 12), hidden=hidden, heads=heads, kv_heads=heads,
+                head_dim=hidden // heads, ffn=c.int("ffn_dim", 3072), vocab=c.int("vocab_size", 50272),
+                max_seq=c.int("max_position_embeddings", 2048), tied_embeddings=c.flag("tie_word_embeddings", True),
+                norm="layernorm", position="learned", mlp="relu" if act == "relu" else "gelu",
+                attention_bias=bias, mlp_bias=bias, hidden_dropout=c.dropout("dropout", default=0.1),
+                attention_dropout=c.number("attention_dropout", 0.0))
+
+
+def _bloom(c: HFConfig) -> dict[str, Any]:
+    """BLOOM: ALiBi instead of position embeddings, a LayerNorm on the embedding, a 4h GELU MLP,
+    biases everywhere, tied embeddings. ALiBi has no length limit: max_seq is the training
+    sequence length (seq_length, 2048 when absent). The residual from after the LayerNorm
+    (apply_residual_connection_post_layernorm) costs the same ops."""
+    c.refuse_if("slow_but_exact", lambda v: v is True and c.cfg.get("pretraining_tp", 1) != 1,
+                "projections split into pretraining_tp slices (more, smaller GEMMs) are not modelled")
+    hidden = c.int(_first_key(c, "n_embed", "hidden_size"), 64)
+    heads = c.int(_first_key(c, "n_head", "num_attention_heads"), 8)
+    if hidden % heads:
+        raise c.error("n_head", heads, f"must divide the hidden size ({hidden})")
+    return dict(arch="gpt", layers=c.int(_first_key(c, "n_layer", "num_hidden_layers"), 2), hidden=hidden,
+                heads=heads, kv_heads=heads, head_dim=hidden // heads, ffn=4 * hidden,
+                vocab=c.int("vocab_size", 250880), max_seq=c.int("seq_length", 2048),
+                tied_embeddings=c.flag("tie_word_embeddings", True), norm="layernorm", position="alibi",
+                embedding_norm=True, mlp="gelu", attention_bias=True, mlp_bias=True,
+                hidden_dropout=c.number("hidden_dropout", 0.0), attention_dropout=c.number("attention_dropout", 0.0))
+
+
 READERS: dict[str, Callable[[HFConfig], dict[str, Any]]] = {
     "gpt2": _gpt2, "gpt_neox": _gpt_neox, "llama": _llama, "mistral": _mistral, "qwen2": _qwen2,
     "qwen3": _qwen3, "gemma2": _gemma2, "phi3": _phi3,
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
     "deepseek_v2": lambda c: _deepseek(c, mtp=False), "deepseek_v3": lambda c: _deepseek(c, mtp=True),
     "gpt_oss": _gpt_oss,
+    "gptj": _gptj, "opt": _opt, "bloom": _bloom,
 }
 
 ARCHITECTURES: dict[str, str] = {
     "GPT2LMHeadModel": "gpt2", "GPTNeoXForCausalLM": "gpt_neox", "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2", "Phi3ForCausalLM": "phi3",
+    "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt", "BloomForCausalLM": "bloom",
     # Mixture-of-Experts families (those without a reader are refused as such)
     "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
@@ -376,6 +448,10 @@ ARCHITECTURES: dict[str, str] = {
     "PhimoeForCausalLM": "phimoe", "JambaForCausalLM": "jamba", "GraniteMoeForCausalLM": "granitemoe",
     "Llama4ForConditionalGeneration": "llama4", "Llama4ForCausalLM": "llama4_text",
 }
+
+# The hybrid and state-space families (stage_cosim.model.hf_hybrid).
+READERS.update(_hybrid.READERS)
+ARCHITECTURES.update(_hybrid.ARCHITECTURES)
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "dbrx", "olmoe",
              "phimoe", "jamba", "granitemoe", "granitemoeshared", "jetmoe", "llama4", "llama4_text", "minimax",
@@ -436,6 +512,8 @@ def model_type_of(cfg: dict[str, Any], file: Path) -> str:
         modelled = ", ".join(sorted(t for t in MOE_TYPES if t in READERS))
         raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: the {model_type} Mixture-of-Experts "
                                  f"family is not modelled (modelled Mixture-of-Experts families: {modelled})")
+    if model_type in _hybrid.REFUSED:
+        raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: {_hybrid.REFUSED[model_type]}")
     if not isinstance(model_type, str) or model_type not in READERS:
         raise UserError("model", f"{file}: model_type = {json.dumps(model_type)}: not a known model type "
                                  f"(known: {known})")

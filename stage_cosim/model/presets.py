@@ -50,7 +50,37 @@ PRESETS: dict[str, ModelConfig] = {
                                      v_head_dim=128, num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
                                      moe_shared_expert_intermediate_size=2048, moe_layer_freq=(0,) * 3 + (1,) * 58,
                                      moe_router_num_groups=8, moe_router_group_topk=4, mtp_num_layers=1),
+    # Older dense families people still serve, from their config.json files (the values the
+    # Hugging Face readers take). GPT-J: attention and MLP side by side on one LayerNorm, RoPE on
+    # 64 of each head's 256 dimensions.
+    "gptj-6b": ModelConfig.build("gptj-6b", "gpt", layers=28, hidden=4096, heads=16, vocab=50400, max_seq=2048,
+                                 tied_embeddings=False, position="rope", rotary_percent=0.25, parallel_residual=True,
+                                 shared_input_norm=True, attention_bias=False, hidden_dropout=0.0,
+                                 attention_dropout=0.0),
+    # OPT (Zhang et al. 2022): learned positions, ReLU MLPs, biases, tied embeddings.
+    **{f"opt-{size}": ModelConfig.build(f"opt-{size}", "gpt", layers=layers, hidden=hidden, heads=heads, vocab=50272,
+                                        max_seq=2048, mlp="relu", attention_dropout=0.0)
+       for size, layers, hidden, heads in (("6.7b", 32, 4096, 32), ("13b", 40, 5120, 40), ("30b", 48, 7168, 56),
+                                           ("66b", 64, 9216, 72), ("175b", 96, 12288, 96))},
+    # BLOOM (BigScience 2022): ALiBi, a LayerNorm on the embedding, GELU MLPs, a 250,880-token vocabulary.
+    "bloom-7b1": ModelConfig.build("bloom-7b1", "gpt", layers=30, hidden=4096, heads=32, vocab=250880, max_seq=2048,
+                                   position="alibi", embedding_norm=True, hidden_dropout=0.0, attention_dropout=0.0),
+    "bloom-176b": ModelConfig.build("bloom-176b", "gpt", layers=70, hidden=14336, heads=112, vocab=250880,
+                                    max_seq=2048, position="alibi", embedding_norm=True, hidden_dropout=0.0,
+                                    attention_dropout=0.0),
 }
+
+
+def _hybrid_presets() -> dict[str, ModelConfig]:
+    """Hybrid and state-space models, read from their published config.json values by the
+    same readers a user's file goes through."""
+    from stage_cosim.model.hf import model_from_hf_dict
+    from stage_cosim.model.hf_hybrid import PUBLISHED
+
+    return {name: model_from_hf_dict(cfg, name) for name, cfg in PUBLISHED.items()}
+
+
+PRESETS.update(_hybrid_presets())
 
 DEFAULT_MODEL = "llama3-8b"
 

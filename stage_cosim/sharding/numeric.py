@@ -12,14 +12,18 @@ from typing import Callable, NamedTuple, Sequence
 
 import sympy as sp
 
-from stage_cosim.graph.dims import B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, T, V, W, degree_symbol
+from stage_cosim.graph.dims import (
+    B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, SD, SG, SI, SK, SN, SP, SR, SX, T, V, W, degree_symbol,
+)
 from stage_cosim.graph.transformer import build_blocks
 from stage_cosim.model.config import ArchSwitches
 from stage_cosim.parallel.axes import BLOCK_AXES
+from stage_cosim.sharding.layout import input_placement, local_bytes
 from stage_cosim.sharding.propagate import shard_block, shard_forward
 from stage_cosim.sharding.steps import ShardedBlock, ShardingPolicy
 
-SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE, T)
+SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE, T,
+                                   SG, SR, SP, SN, SK, SX, SI, SD)
                                   + tuple(degree_symbol(a) for a in BLOCK_AXES))
 _DEGREES = frozenset(degree_symbol(a) for a in BLOCK_AXES)
 
@@ -48,6 +52,8 @@ class BlockCosts:
     weight_params: tuple[float, ...]                 # per WeightSync
     weight_sync_bytes: tuple[tuple[float, ...], ...]  # per WeightSync, per collective
     cache_bytes: float = 0.0                         # the KV cache on one rank (inference)
+    # of cache_bytes, the fixed state whatever the context (SSM scan and convolution state)
+    state_bytes: float = 0.0
 
 
 @dataclass
@@ -74,11 +80,17 @@ class CompiledBlock:
 
         fwd = StepCosts(take(nf), take(nf), take(nf), take(nf), take(nf))
         bwd = StepCosts(take(nb), take(nb), take(nb), take(nb), take(nb))
-        saved, workspace, boundary, cached, exchange, cache = take(6)
+        saved, workspace, boundary, cached, exchange, cache, state = take(7)
         params = take(nw)
         syncs = tuple(take(n) for n in sync_lens)
         return BlockCosts(fwd, bwd, saved, workspace, boundary, cached, exchange, float(values[W]), params, syncs,
-                          cache)
+                          cache, state)
+
+
+def _state_bytes(sb: ShardedBlock) -> sp.Expr:
+    """The part of ``sb``'s cache that has no context label (``t``): the state an SSM layer
+    keeps per sequence, placed as the forward placed its caches (shard_forward)."""
+    return sp.Add(*(local_bytes(c, input_placement(c, sb.policy)) for c in sb.block.caches if "t" not in c.labels))
 
 
 def compile_block(sb: ShardedBlock) -> CompiledBlock:
@@ -87,7 +99,7 @@ def compile_block(sb: ShardedBlock) -> CompiledBlock:
         exprs += [s.flops for s in steps] + [s.model_flops for s in steps]
         exprs += [s.mem_bytes for s in steps] + [s.comm_bytes for s in steps] + [s.groups for s in steps]
     exprs += [sb.saved_bytes, sb.workspace_bytes, sb.boundary_bytes, sb.cached_bytes, sb.exchange_bytes,
-              sb.cache_bytes]
+              sb.cache_bytes, _state_bytes(sb)]
     exprs += [w.params for w in sb.weight_syncs]
     for w in sb.weight_syncs:
         exprs += [b for _, _, b in w.grad_collectives]
@@ -108,6 +120,13 @@ class CompiledGraph(NamedTuple):
     layer: CompiledBlock
     head: CompiledBlock
     moe_layer: CompiledBlock | None = None
+    hybrid: tuple[CompiledBlock, ...] = ()      # per ArchSwitches.hybrid_kinds
+
+    def block(self, kind: tuple[str, str], hybrid_kinds: tuple[tuple[str, str], ...]) -> CompiledBlock:
+        """The compiled block of a layer of ``kind`` (see ModelGraph.block)."""
+        if kind in hybrid_kinds:
+            return self.hybrid[hybrid_kinds.index(kind)]
+        return self.moe_layer if kind[1] == "moe" else self.layer
 
 
 @lru_cache(maxsize=128)
@@ -122,7 +141,8 @@ def compiled_blocks(arch: ArchSwitches, policy: ShardingPolicy) -> CompiledGraph
     edges = replace(policy, recompute="none")
     return CompiledGraph(compile_block(shard_block(g.embedding, edges)), compile_block(shard_block(g.layer, policy)),
                          compile_block(shard_block(g.head, edges)),
-                         compile_block(shard_block(g.moe_layer, policy)) if g.moe_layer is not None else None)
+                         compile_block(shard_block(g.moe_layer, policy)) if g.moe_layer is not None else None,
+                         tuple(compile_block(shard_block(b, policy)) for b in g.hybrid))
 
 
 @lru_cache(maxsize=128)
@@ -134,4 +154,5 @@ def compiled_inference_blocks(arch: ArchSwitches, policy: ShardingPolicy, kv_cac
     from stage_cosim.graph.inference import inference_blocks
 
     g = inference_blocks(arch, kv_cache_dtype, absorb)
-    return CompiledGraph(*(compile_block(shard_forward(b, policy)) if b is not None else None for b in g))
+    return CompiledGraph(*(compile_block(shard_forward(b, policy)) if b is not None else None for b in g[:4]),
+                         tuple(compile_block(shard_forward(b, policy)) for b in g.hybrid))

@@ -20,6 +20,7 @@ import sympy as sp
 # rule and the dense ops').
 import stage_cosim.sharding.context_parallel  # noqa: F401
 import stage_cosim.sharding.dispatch  # noqa: F401
+import stage_cosim.sharding.ssm  # noqa: F401
 from stage_cosim.graph.autodiff import differentiate
 from stage_cosim.graph.dims import DTYPE_BYTES
 from stage_cosim.graph.ir import Block, Op, Tensor
