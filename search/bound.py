@@ -16,10 +16,13 @@ Why it holds, from the simulator's rules:
   starts: it is left out.)
 * A pass's kernels that come after its input (they read the pipeline receive, through the
   block entries) start after it arrives; the input leaves the stage before once that stage's
-  pass reaches its exits. Every schedule starts with micro-batch 0's forward of chunk 0 and
-  ends with one micro-batch's backward of chunk 0 on every stage, so the first micro-batch's
-  forward fills the pipeline stage by stage and the last backward drains it: the classic bubble,
-  in kernels of the passes themselves (:meth:`StepBound.step`).
+  pass reaches its exits. Where a schedule starts with micro-batch 0's forward of chunk 0 on
+  every stage (all but DualPipe's), the first micro-batch's forward fills the pipeline stage by
+  stage, and where it ends with one micro-batch's backward of chunk 0 on every stage (those
+  whose backward is one pass), the last backward drains it: the classic bubble, in kernels of
+  the passes themselves (:meth:`StepBound.step`, which checks the schedule's pass orders). A
+  split backward's two passes (B and W) hold the whole backward's kernels, and every one that
+  leads to a sink of the whole still leads to one of its half.
 
 The kernels are computed without building any role graph: those of a pass are its blocks',
 generated one block at a time by the code that builds the pass templates
@@ -50,6 +53,7 @@ from stage_cosim.parallel import ParallelConfig
 from stage_cosim.parallel.axes import DENSE, MESHES
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.schedule.nodes import COLL, COMP, ENTRY, BlockInstance
+from stage_cosim.schedule.pipeline import Layout
 from stage_cosim.sharding.placement import Collective
 
 SLACK = 1e-9          # relative: a bound is lowered this much (float rounding of long sums)
@@ -298,8 +302,9 @@ class StepBound:
         holds, and the optimizer.
 
         The chunks are laid out as the role graphs lay them out
-        (:func:`~stage_cosim.schedule.program._stage_layout`): virtual stage ``chunk * pp +
-        stage`` holds its run of layers, the first also the embedding, the last the head."""
+        (:func:`~stage_cosim.schedule.program._stage_layout`, where each chunk lies:
+        :class:`~stage_cosim.schedule.pipeline.Layout`): each virtual stage holds its run of
+        layers, the first also the embedding, the last the head."""
         from stage_cosim.workload import precision_for, training_blocks
 
         blocks = training_blocks(self.model, par, precision_for(par, self.cluster.gpu), evaluate=self._evaluate)
@@ -308,7 +313,10 @@ class StepBound:
         degrees = degrees | dict(mesh.size)        # what the role graphs resolve groups with
         overlap, m, pp, vp = par.tp_comm_overlap, par.num_microbatches, par.pp, par.vp
         per_vstage = par.layers_per_stage(self.model.layers)
-        nv = pp * vp
+        layout = Layout(par.schedule, pp, vp)
+        nv = layout.nv
+        # micro-batches through each chunk of a stage (DualPipe's two copies take half each)
+        per_chunk = [m // layout.lines] * layout.chunks
         # the model's layers as runs of one kind (the same compiled block bound to the same numbers)
         reps: dict[tuple, BlockInstance] = {}
         layer_runs: list[list] = []         # [first layer, end, kind]
@@ -348,13 +356,16 @@ class StepBound:
 
         out = []
         for s in range(pp):
-            comps = tuple(chunk(c * pp + s, starts[c * pp + s]) for c in range(vp))
+            comps = tuple(chunk(layout.place(s, c)[1], starts[layout.place(s, c)[1]]) for c in range(layout.chunks))
             st = stages.get(comps)
             if st is None:
                 every = live = rooted = 0.0
                 kinds: dict[tuple, list] = {}
                 ends_of: dict[int, tuple[_Pass, _Pass]] = {}
                 for c, runs in enumerate(comps):
+                    # a split backward's B and W passes are the whole backward's kernels (the
+                    # split keeps every kernel that leads to a sink leading to one)
+                    m = per_chunk[c]
                     fwd, bwd = one(runs, "fwd", False), one(runs, "bwd", False)
                     first = one(runs, "fwd", True) if any(self._casts(reps[k].compiled) for k, _ in runs) else fwd
                     amax = self._amax_time(runs, reps, "fwd", degrees) * m + self._amax_time(runs, reps, "bwd", degrees) * m
@@ -404,8 +415,11 @@ class StepBound:
             orders = [schedule_order(par.schedule, pp, s, par.num_microbatches, par.vp) for s in range(pp)]
             # the chain holds where every stage starts with micro-batch 0's forward of chunk 0
             # and ends with one micro-batch's backward of chunk 0, the same on every stage
+            # (DualPipe's F&B passes are two micro-batches' rows interleaved: only the stage's
+            # kernels in all are claimed for them)
+            paired = any(p.paired for o in orders for p in o)
             ends = self._schedules[key] = (
-                all(o[0].phase == "fwd" and o[0].micro_batch == 0 and o[0].chunk == 0 for o in orders),
+                not paired and all(o[0].phase == "fwd" and o[0].micro_batch == 0 and o[0].chunk == 0 for o in orders),
                 all(o[-1].phase == "bwd" and o[-1].chunk == 0 and o[-1].micro_batch == orders[0][-1].micro_batch
                     for o in orders))
         fill_ok, drain_ok = ends

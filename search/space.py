@@ -77,6 +77,10 @@ class SearchSpace:
 
 
 MAX_MICRO_BATCH = 8          # the largest micro-batch the default space tries
+# The pipeline schedules searched, by their one-chunk-per-stage name: with vp > 1 each is its
+# chunked form (1f1b interleaved, zb-h1 ZB-V, dualpipe DualPipeV; see canonical()).
+SCHEDULES_SEARCHED = ("1f1b", "zb-h1", "dualpipe")
+CHUNKED = {"1f1b": "interleaved", "zb-h1": "zb-v", "dualpipe": "dualpipev"}
 
 
 def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_len: int, *,
@@ -101,6 +105,7 @@ def default_space(model: ModelConfig, cluster: Cluster, global_batch: int, seq_l
                              if a > 1) or (2,),
         "pp": tuple(p for p in powers_of_two(min(n, model.layers)) if n % p == 0),
         "vp": (1, 2, 4),
+        "schedule": SCHEDULES_SEARCHED,
         "micro_batch": powers_of_two(min(MAX_MICRO_BATCH, global_batch)),
         "sp": (False, True),
         "zero": (0, 1, 2, 3),
@@ -161,6 +166,10 @@ def canonical(space: SearchSpace, point: dict[str, Any]) -> dict[str, Any]:
         p["cp_a2a_size"] = None
     if p.get("pp", 1) == 1 and "vp" in p:
         p["vp"] = 1
+    if "schedule" in p:
+        # no pipeline: no schedule to choose; virtual stages: the schedule's chunked form
+        p["schedule"] = "1f1b" if p.get("pp", 1) == 1 else p["schedule"]
+        p["schedule"] = CHUNKED.get(p["schedule"], p["schedule"]) if p.get("vp", 1) > 1 else p["schedule"]
     sharded = _sharded(p)
     if "zero" in p and sharded and space.num_gpus % sharded == 0 and space.num_gpus // sharded == 1:
         p["zero"] = 0
@@ -183,7 +192,10 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
     if space.global_batch % (dp * mb):
         return None, "global batch not divisible by dp * micro-batch"
     m_count = space.global_batch // (dp * mb)
-    if vp > 1 and m_count % pp:
+    schedule = point.get("schedule")
+    if schedule in CHUNKED:            # (a point written before canonical())
+        schedule = CHUNKED[schedule] if vp > 1 and pp > 1 else schedule
+    if vp > 1 and schedule in (None, "interleaved") and m_count % pp:
         return None, "interleaving needs micro-batches divisible by pp"
     if tp > cluster.domain and not allow_cross_domain_tp:
         return None, "tp exceeds the scale-up domain"
@@ -199,6 +211,10 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
         return None, "expert-tp exceeds the scale-up domain"
     if m.is_moe:
         kw.update(ep=ep, expert_tp=etp)
+    if schedule is not None:
+        kw["schedule"] = schedule
+        if schedule == "dualpipe" and _dualpipe_states_exceed(space, point, cluster, dp):
+            return None, "dualpipe: its two copies of the parameters do not fit in memory"
     kw.update(dp=dp, tp=tp, pp=pp, vp=vp, micro_batch=mb, global_batch=space.global_batch,
               seq_len=space.seq_len, sp=bool(point.get("sp", False)), zero=point.get("zero", 0),
               recompute=point.get("recompute", "none"))
@@ -221,3 +237,19 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
     except UserError as exc:
         return None, f"{exc.parameter}: {exc.rule.split(',')[0]}"
     return par, None
+
+
+def _dualpipe_states_exceed(space: SearchSpace, point: dict[str, Any], cluster: Cluster, dp: int) -> bool:
+    """Whether DualPipe's two copies of the model states (weights, gradients, Adam state) alone,
+    spread as evenly as the point's degrees allow, exceed a GPU's whole memory: a lower bound
+    on the largest stage's, so a point ruled out here is over the memory when simulated too
+    (what does not fit beyond the states is the simulation's memory check's to say)."""
+    from stage_cosim.schedule.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+
+    zero = point.get("zero", 0)
+    shard = dp * point.get("cp", 1)         # ZeRO shards over the data-parallel ranks
+    per_param = (WEIGHT_BYTES / (shard if zero >= 3 else 1) + GRAD_BYTES / (shard if zero >= 2 else 1)
+                 + OPTIMIZER_BYTES / (shard if zero >= 1 else 1))
+    split = point.get("pp", 1) * max(point.get("tp", 1), point.get("ep", 1) * point.get("expert_tp", 1))
+    states = 2 * space.model.param_count() / split * per_param
+    return states > cluster.gpu.memory_bytes

@@ -15,7 +15,10 @@ from stage_cosim.search.space import default_space
 
 MODEL = get_preset("llama3-8b").with_overrides(layers=8)
 CLUSTER = resolve_cluster("dgx-h100:16")
-SMALL_SPACE = dict(overrides={"vp": (1, 2), "zero": (0, 1), "recompute": ("none", "full"), "micro_batch": (1, 2)})
+# (the pipeline schedule held at 1F1B: these tests are of the search itself; the schedule as a
+# dimension is tests/test_schedules.py's)
+SMALL_SPACE = dict(overrides={"vp": (1, 2), "zero": (0, 1), "recompute": ("none", "full"), "micro_batch": (1, 2),
+                              "schedule": ("1f1b",)})
 
 
 def _space(**kw):
@@ -94,7 +97,8 @@ def test_objectives(exhaustive) -> None:
 
 def test_memory_headroom_and_domain_rule() -> None:
     big = default_space(get_preset("llama3-70b").with_overrides(layers=8), CLUSTER, 16, 4096,
-                        overrides={"vp": (1,), "zero": (0,), "recompute": ("none",), "micro_batch": (1,), "sp": (False,)})
+                        overrides={"vp": (1,), "zero": (0,), "recompute": ("none",), "micro_batch": (1,), "sp": (False,),
+                                   "schedule": ("1f1b",)})
     r = optimize(big, CLUSTER, OptimizeSettings(headroom=0.5))
     assert r.infeasible.get("does not fit in memory", 0) > 0
     for e in r.evaluated:
@@ -213,7 +217,8 @@ def test_expert_parallelism_is_searched_with_its_rules() -> None:
     moe = get_preset("mixtral-8x7b").with_overrides(layers=4, hidden=1024, ffn=2048, heads=8, kv_heads=8)
     space = default_space(moe, CLUSTER, 32, 1024, overrides={"vp": (1,), "zero": (1,), "recompute": ("none",),
                                                              "micro_batch": (1,), "sp": (True,), "pp": (1, 2),
-                                                             "cp": (1, 2), "cp_comm": ("p2p",)})
+                                                             "cp": (1, 2), "cp_comm": ("p2p",),
+                                                             "schedule": ("1f1b",)})
     assert {"ep", "expert_tp"} <= set(space.names()) and space.point([0] * len(space.names()))["ep"] == 1
     truth = optimize(space, CLUSTER, OptimizeSettings())
     assert truth.proven_optimal and truth.infeasible.get("expert-tp * ep does not divide tp * cp * dp", 0) > 0

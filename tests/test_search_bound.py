@@ -1,9 +1,10 @@
 """The search's lower bound on a step (search/bound.py) and the branch and bound built on it.
 
 * The bound is a stage's kernels summed over the step: it never exceeds the simulated step
-  (random configurations of a dense model with cp, fp8 and interleaving, a tied-embedding GPT,
-  Mixture-of-Experts models, sliding-window and latent-attention layers), and it is exactly the
-  kernels of the role graphs it never builds (every kernel a later pass waits for).
+  (random configurations of a dense model with cp, fp8, interleaving and the zero-bubble and
+  DualPipe schedules, a tied-embedding GPT, Mixture-of-Experts models, sliding-window and
+  latent-attention layers), and it is exactly the kernels of the role graphs it never builds
+  (every kernel a later pass waits for).
 * Branch and bound gives the answer full enumeration gives, proven, simulating fewer.
 """
 
@@ -103,6 +104,8 @@ def test_bound_is_below_the_simulated_step_everywhere(case: str, n: int) -> None
     if case == "llama":
         assert any(p.cp > 1 for p in configs) and any(p.dtype == "fp8" for p in configs)
         assert any(p.vp > 1 for p in configs) and any(p.tp_comm_overlap for p in configs)
+        # every pipeline schedule the search tries (the split backward, the V, the two copies)
+        assert {"zb-h1", "zb-v", "dualpipe", "dualpipev"} <= {p.schedule for p in configs}
     if case == "mixtral":
         assert any(p.ep > 1 for p in configs)
 

@@ -9,7 +9,7 @@ written down here but fall out of sharding propagation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 from stage_cosim.graph.dims import LABEL_SIZE
 from stage_cosim.graph.ir import UNFUSED_CROSS_ENTROPY_PASSES, Block, Op, Tensor
@@ -26,6 +26,16 @@ class Backward:
     input_grads: dict[Tensor, Tensor]    # block input -> its gradient (handed to the previous block)
     weight_grads: dict[Tensor, Tensor]   # weight -> its gradient
     output_grads: dict[Tensor, Tensor]   # block output -> the gradient that arrives for it
+
+    def split(self) -> tuple[list[Op], list[Op]]:
+        """(B, W): the ops the input gradients need, in program order, and the rest, which
+        compute weight gradients only (:func:`weight_grad_rows`)."""
+        index = {id(op): i for i, op in enumerate(self.ops)}
+        producer = {id(t): index[id(op)] for op in self.ops for t in op.outputs}
+        deps = [[producer[id(t)] for t in op.inputs if id(t) in producer] for op in self.ops]
+        exits = [producer[id(g)] for g in self.input_grads.values() if id(g) in producer]
+        weight = weight_grad_rows(deps, exits)
+        return ([op for op, w in zip(self.ops, weight) if not w], [op for op, w in zip(self.ops, weight) if w])
 
 
 @dataclass
@@ -130,7 +140,7 @@ def _attention(op: Op, douts: list[Tensor | None], st: _State) -> None:
     st.ops.append(Op(f"{op.name}.grad", "attention_grad", [douts[0], *op.saves], grads, spec=op.spec,
                      key_inputs=tuple(i + 1 for i in op.key_inputs), key_outputs=op.key_inputs,
                      unsharded=op.unsharded, grad_of=op, attention_core=True, causal=op.causal,
-                     softcap=op.softcap))
+                     softcap=op.softcap, alibi=op.alibi))
     for t, g in zip(op.inputs, grads):
         st.contribute(t, g)
 
@@ -198,6 +208,27 @@ RULES: dict[str, Callable[[Op, list[Tensor | None], _State], None]] = {
     "attention": _attention, "lookup": _lookup, "cross_entropy": _cross_entropy, "view": _view,
     "mesh_change": _mesh_change, "permute": _permute, "unpermute": _unpermute,
 }
+
+
+def weight_grad_rows(deps: Sequence[Iterable[int]], exits: Iterable[int]) -> list[bool]:
+    """Which nodes of a backward program only compute weight gradients (Qi et al.'s W), given
+    each node's dependencies (indices, in program order; negative ones ignored) and the nodes
+    that produce the block's input gradients: W is every node the input gradients do not
+    depend on. For an op that consumes a weight the rules above emit dX (which the input
+    gradient chains through) and dW (which nothing downstream reads) as separate ops, so dX
+    falls in B and dW in W, with what only dW reads (its gradient sums, its reductions, an
+    activation recomputed for it alone); an op that computes both at once (a norm's fused
+    backward) stays in B."""
+    deps = [list(d) for d in deps]
+    needed = [False] * len(deps)
+    stack = [e for e in exits if e >= 0]
+    while stack:
+        i = stack.pop()
+        if needed[i]:
+            continue
+        needed[i] = True
+        stack.extend(d for d in deps[i] if d >= 0 and not needed[d])
+    return [not n for n in needed]
 
 
 def differentiate(block: Block) -> Backward:

@@ -150,8 +150,8 @@ def refuse_what_megatron_core_lacks(target: str, par: ParallelConfig) -> None:
     """What Megatron-Core, which both Megatron-LM and NeMo 2 run, cannot run or be told: the
     same refusals for either target (``knob``: a pretrain_gpt.py flag, a recipe override)."""
     knob = "flag" if target == "megatron" else "override"
-    if par.schedule == "gpipe":
-        raise refuse(target, "has no GPipe schedule (Megatron-Core runs 1F1B, interleaved with virtual stages)")
+    if par.schedule not in ("1f1b", "interleaved"):
+        raise refuse(target, f"has no {'GPipe' if par.schedule == 'gpipe' else par.schedule} schedule (Megatron-Core runs 1F1B, interleaved with virtual stages)")
     if par.cp > 1 and not par.cp_load_balance:
         raise refuse(target, "always splits the sequence into 2*cp load-balanced chunks (--cp-load-balance)")
     if par.te_layernorm_mlp:

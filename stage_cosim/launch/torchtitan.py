@@ -19,7 +19,8 @@ from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 
 ROTATE_METHOD = {"p2p": "alltoall", "all-gather": "allgather"}
-SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B"}
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zb-v": "ZBVZeroBubble",
+             "dualpipev": "DualPipeV"}
 RESHARD = {2: "never", 3: "always"}
 
 
@@ -40,6 +41,8 @@ def torchtitan_toml(model: ModelConfig, par: ParallelConfig) -> dict[str, dict[s
         raise refuse("torchtitan", f"shards data parallelism with FSDP (--zero 2 or 3), not ZeRO {par.zero}")
     if par.tp > 1 and not par.sp:
         raise refuse("torchtitan", "tensor parallelism always shards the sequence too (--sp)")
+    if par.schedule not in SCHEDULES:
+        raise refuse("torchtitan", f"has no {par.schedule} schedule (its zero-bubble ones: zb-v, dualpipev)")
     if par.dtype != "bf16":
         raise refuse("torchtitan", "emission covers BF16 training (its float8 converters are not emitted)")
     if par.recompute == "selective":

@@ -16,7 +16,9 @@ MESH_AXES = MESHES[DENSE]                 # the axes a rank's position is given 
 DEFAULT_AXIS_ORDER = MESHES[DENSE]        # innermost first: tp groups fall inside a node
 
 # Each vocabulary once, as the type of its field; the tuple of choices is derived from it.
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
+# zb-h1 / zb-v: Qi et al.'s zero-bubble schedules (the backward split into input and weight
+# gradients); dualpipe / dualpipev: DeepSeek-V3's bidirectional schedule and its V variant.
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipe", "dualpipev"]
 TokenDispatcher = Literal["alltoall", "allgather", "flex"]
 # How attention exchanges keys and values over cp (Megatron's --cp-comm-type): a ring of
 # send/recv steps, an all-gather of K and V, DeepSpeed-Ulysses all-to-alls, or all-to-alls
@@ -91,7 +93,9 @@ class ParallelConfig:
     per-op selective ``op`` (matmul and attention outputs kept, every second matmul of a layer
     and every other op recomputed) or full."""
     schedule: Schedule | None = None
-    """Pipeline schedule (default 1f1b, interleaved when vp > 1)."""
+    """Pipeline schedule (default 1f1b, interleaved when vp > 1): gpipe, 1f1b, interleaved, the
+    zero-bubble zb-h1 and zb-v (vp 2), DeepSeek-V3's dualpipe (two parameter copies) and
+    dualpipev (vp 2)."""
     pp_layers: tuple[int, ...] | None = None
     """Layers per virtual pipeline stage, in pipeline order (pp*vp entries), instead of an even
     split."""
@@ -194,9 +198,20 @@ class ParallelConfig:
         schedule = self.schedule or ("interleaved" if self.vp > 1 else "1f1b")
         object.__setattr__(self, "schedule", schedule)
         require(schedule in SCHEDULES, "schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-        require(self.vp == 1 or schedule == "interleaved", "vp",
-                f"virtual stages need the interleaved schedule, got schedule {schedule}")
-        require(schedule != "interleaved" or self.pp > 1, "schedule", "interleaved needs pp > 1")
+        require(self.vp == 1 or schedule in ("interleaved", "zb-v", "dualpipev"), "vp",
+                f"virtual stages need the interleaved, zb-v or dualpipev schedule, got schedule {schedule}")
+        require(schedule in ("1f1b", "gpipe") or self.pp > 1, "schedule", f"{schedule} needs pp > 1")
+        require(schedule not in ("zb-v", "dualpipev") or self.vp == 2, "vp",
+                f"{schedule} places 2 model chunks per stage in a V: needs vp 2, got {self.vp}")
+        require(schedule != "dualpipe" or self.pp % 2 == 0, "pp",
+                f"dualpipe runs half the stages from each end: needs an even pp, got {self.pp}")
+        require(schedule != "dualpipe" or (self.num_microbatches % 2 == 0 and self.num_microbatches >= 2 * self.pp),
+                "global-batch", f"dualpipe feeds half the micro-batches from each end: needs an even number of "
+                f"micro-batches >= 2*pp = {2 * self.pp}, got {self.num_microbatches}")
+        require(schedule != "dualpipev" or self.num_microbatches >= 2 * self.pp, "global-batch",
+                f"dualpipev needs micro-batches >= 2*pp = {2 * self.pp}, got {self.num_microbatches}")
+        require(schedule != "zb-v" or self.num_microbatches >= self.pp, "global-batch",
+                f"zb-v needs micro-batches >= pp = {self.pp}, got {self.num_microbatches}")
         if schedule == "interleaved":
             require(self.num_microbatches % self.pp == 0, "global-batch",
                     f"the interleaved schedule needs the number of micro-batches ({self.num_microbatches}) "
@@ -373,6 +388,8 @@ class ParallelConfig:
         require(model.heads % self.tp == 0, "tp", f"must divide heads ({model.heads}), got {self.tp}")
         require(model.kv_heads % self.tp == 0, "tp", f"must divide kv-heads ({model.kv_heads}), got {self.tp}")
         require(model.ffn % self.tp == 0, "tp", f"must divide ffn ({model.ffn}), got {self.tp}")
+        for what, size in model.ssm_tp_dims():      # SSM mixers shard their head groups
+            require(size % self.tp == 0, "tp", f"must divide {what} ({size}), got {self.tp}")
         # (an explicit --pp-layers may leave the first and last stage with the embedding or the
         # loss alone, as Llama 3's 405B run did; layers_per_stage checks its sum)
         require(self.virtual_stages <= model.layers or self.pp_layers is not None, "pp",

@@ -6,7 +6,7 @@ reductions, the optimizer and the parameter gathers; and the stage's peak memory
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from stage_cosim.parallel.axes import group_name, resolve_group
@@ -18,12 +18,16 @@ from stage_cosim.schedule.nodes import (
     COLL, COMP, EMBEDDING_GROUP, FIRST_FWD, PP_GROUP, RECV, SEND, Node, PlacedPass, RoleGraph, ceil_int, DeferredPass,
     BlockInstance,
 )
-from stage_cosim.schedule.pipeline import Pass, schedule_order
-from stage_cosim.schedule.templates import pass_template, PassTemplate, two_batch
+from stage_cosim.schedule.pipeline import BACKWARD, Layout, Pass, schedule_order
+from stage_cosim.schedule.templates import pass_template, PassTemplate, split_backward, two_batch
 from stage_cosim.sharding.placement import Collective
 
 if TYPE_CHECKING:          # the compiled blocks (sympy) are only handed through here
     from stage_cosim.sharding.numeric import BlockCosts, CompiledBlock
+
+
+FB = "fb"              # the template key of an F&B pass: (FB, forward chunk, backward chunk)
+EMPTY = ("empty",)     # a pass of no nodes: holds an F&B's second receive or send
 
 
 class _Builder:
@@ -70,13 +74,16 @@ class ModelBlocks:
 
 
 def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ...],
-                  blocks: ModelBlocks) -> dict[int, list[BlockInstance]]:
-    """The blocks of each model chunk held by ``stage``, in forward order."""
-    nv = pp * vp
+                  blocks: ModelBlocks, schedule: str = "1f1b") -> dict[int, list[BlockInstance]]:
+    """The blocks of each model chunk held by ``stage``, in forward order (where each chunk
+    lies: :class:`~stage_cosim.schedule.pipeline.Layout`; DualPipe's two chunks are stages of
+    two copies of the model, each split as ``layers_per_vstage`` says)."""
+    layout = Layout(schedule, pp, vp)
+    nv = layout.nv
     starts = [sum(layers_per_vstage[:i]) for i in range(nv)]
     chunks: dict[int, list[BlockInstance]] = {}
-    for c in range(vp):
-        vs = c * pp + stage
+    for c in range(layout.chunks):
+        _, vs = layout.place(stage, c)
         out = []
         if vs == 0:
             out.append(BlockInstance("embedding", -1, *blocks.embedding))
@@ -91,7 +98,7 @@ def _stage_layout(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ..
 def _order(schedule: str, pp: int, stage: int, num_microbatches: int, vp: int, inference: bool) -> list[Pass]:
     """The stage's passes: the schedule's, or (an inference step) the forwards alone, in order."""
     order = schedule_order(schedule, pp, stage, num_microbatches, vp)
-    return [p for p in order if p.phase == "fwd"] if inference else order
+    return [replace(p, paired=False) for p in order if p.phase == "fwd"] if inference else order
 
 
 def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
@@ -100,22 +107,22 @@ def stage_memory(stage: int, *, pp: int, vp: int, schedule: str, num_microbatche
                  tp_comm_overlap: bool = False, overlap_grad_reduce: bool = True, inference: bool = False,
                  overlapped: ModelBlocks | None = None, block_cache: dict | None = None) -> StageMemory:
     """Peak memory of a rank of ``stage``, without building its graph."""
-    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, schedule)
     order = _order(schedule, pp, stage, num_microbatches, vp, inference)
-    instances = [inst for c in range(vp) for inst in chunks[c]]
+    instances = [inst for c in sorted(chunks) for inst in chunks[c]]
     if inference:
         return inference_memory(instances, num_microbatches, tied_embeddings,
-                                 _overlapped_instances(stage, pp, vp, layers_per_vstage, overlapped))
+                                 _overlapped_instances(stage, pp, vp, layers_per_vstage, overlapped, schedule))
     return training_memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
 
 
 def _overlapped_instances(stage: int, pp: int, vp: int, layers_per_vstage: tuple[int, ...],
-                          overlapped: ModelBlocks | None) -> list[BlockInstance]:
+                          overlapped: ModelBlocks | None, schedule: str = "1f1b") -> list[BlockInstance]:
     """The blocks of the second micro-batch of each two-batch-overlapped pass (none without)."""
     if overlapped is None:
         return []
-    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped)
-    return [inst for c in range(vp) for inst in chunks[c]]
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped, schedule)
+    return [inst for c in sorted(chunks) for inst in chunks[c]]
 
 
 def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches: int,
@@ -128,25 +135,36 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     with ``overlapped`` (two-batch overlap) each of its passes is two micro-batches at once,
     ``blocks`` bound to the first's shape and ``overlapped`` to the second's. ``block_cache``:
     blocks generated for the workload's other stages, copied here instead of generated again."""
-    nv = pp * vp
-    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks)
+    layout = Layout(schedule, pp, vp)
+    nv = layout.nv
+    chunks = _stage_layout(stage, pp, vp, layers_per_vstage, blocks, schedule)
     order = _order(schedule, pp, stage, num_microbatches, vp, inference)
     phases = ("fwd",) if inference else ("fwd", "bwd")
-    templates = {(c, ph): pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
-                                         tp_comm_overlap, shared=block_cache)
-                 for c in range(vp) for ph in phases}
+    templates: dict = {(c, ph): pass_template(chunks[c] if ph == "fwd" else list(reversed(chunks[c])), ph, degrees,
+                                               tp_comm_overlap, shared=block_cache)
+                       for c in chunks for ph in phases}
+    # the zero-bubble split of each backward: input gradients (B), then weight gradients (W)
+    if any(p.phase in ("bwd_input", "bwd_weight") for p in order):
+        for c in chunks:
+            templates[(c, "bwd_input")], templates[(c, "bwd_weight")] = split_backward(templates[(c, "bwd")])
     # the first forward of each chunk also casts the FP8 weights the other micro-batches reuse
-    for c in range(vp):
+    for c in chunks:
         if any(st.first_microbatch for inst in chunks[c] for st in inst.compiled.sharded.fwd):
             templates[(c, FIRST_FWD)] = pass_template(chunks[c], "fwd", degrees, tp_comm_overlap, first=True,
                                                        shared=block_cache)
-    second = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped) if overlapped is not None else None
+    second = _stage_layout(stage, pp, vp, layers_per_vstage, overlapped, schedule) if overlapped is not None else None
     if second is not None:
         templates = {(c, ph): two_batch(t, pass_template(second[c], "fwd", degrees, tp_comm_overlap,
                                                            first=ph == FIRST_FWD))
                      for (c, ph), t in templates.items()}
+    # DualPipe's F&B: a forward and another micro-batch's backward as one pass, taking turns at
+    # their communication as two-batch overlap does
+    for p, q in zip(order, order[1:]):
+        if p.paired and (FB, p.chunk, q.chunk) not in templates:
+            templates[(FB, p.chunk, q.chunk)] = two_batch(templates[(p.chunk, "fwd")], templates[(q.chunk, "bwd")])
     b = _Builder(degrees)
-    last_bwd_nodes: dict[str, list[int]] = {}   # block instance -> its nodes in the last backward
+    last_b: dict[str, list[int]] = {}   # block instance -> its nodes in the last input-gradient pass
+    last_w: dict[str, list[int]] = {}   # … and in the last weight-gradient pass
     prev_sinks: list[int] = []
     chain: list[int] = []
     # every layer hands on the same activation (b, s, h): the first layer's says how large
@@ -163,18 +181,86 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     # The attention exchange's sends and receives: every pass gets its own block of tags after
     # the pipeline's (a cp neighbour runs the same schedule, so its passes number alike).
     ring_tags = max((t.pairs for t in templates.values()), default=0)
-    ring_base = 2 * num_microbatches * nv
-    for k, p in enumerate(order):
-        vs = p.chunk * pp + stage
-        common = dict(micro_batch=p.micro_batch, chunk=p.chunk, phase=p.phase, category="pp", group=PP_GROUP,
-                      comm_bytes=act_bytes)
-        entry: list[int] = []
-        if p.phase == "fwd" and vs > 0:
-            entry = [b.add(f"recv_fwd.mb{p.micro_batch}.vs{vs}", RECV, [], peer=-1,
-                           tag=_tag(p.micro_batch, vs - 1, nv, 0), **common)]
-        if p.phase == "bwd" and vs < nv - 1:
-            entry = [b.add(f"recv_bwd.mb{p.micro_batch}.vs{vs}", RECV, [], peer=+1,
-                           tag=_tag(p.micro_batch, vs, nv, 1), **common)]
+    nb = layout.lines * nv                       # pipeline boundaries, over every model copy
+    ring_base = 2 * num_microbatches * nb
+
+    def boundary(p: Pass, forward: bool, side: int) -> tuple[int, int] | None:
+        """The (peer, tag) of pass ``p``'s pipeline message: its input (``side`` -1) or its
+        output (+1), forward or backward; None where there is none or the neighbour virtual
+        stage is this stage's own other chunk (the V's turn: nothing to send)."""
+        line, vs = layout.place(stage, p.chunk)
+        other = vs + (side if forward else -side)
+        if not 0 <= other < nv:
+            return None
+        holder, _ = layout.holder(line, other)
+        if holder == stage:
+            return None
+        low = min(vs, other)
+        # the stage after virtual stage ``low`` is one further along its chunk's direction
+        # (modulo pp: the interleaved schedule's chunks wrap round to stage 0)
+        step = layout.direction(layout.holder(line, low)[1])
+        peer = step if vs == low else -step
+        return peer, _tag(p.micro_batch, line * nv + low, nb, 0 if forward else 1)
+
+    def recv(p: Pass) -> list[int]:
+        fwd = p.phase == "fwd"
+        if p.phase not in ("fwd", *BACKWARD) or (msg := boundary(p, fwd, -1)) is None:
+            return []
+        _, vs = layout.place(stage, p.chunk)
+        name = "recv_fwd" if fwd else "recv_bwd"
+        return [b.add(f"{name}.mb{p.micro_batch}.vs{vs}", RECV, [], peer=msg[0], tag=msg[1], **common(p))]
+
+    def send(p: Pass, exits: list[int]) -> int:
+        fwd = p.phase == "fwd"
+        if p.phase not in ("fwd", *BACKWARD) or (msg := boundary(p, fwd, +1)) is None:
+            return -1
+        _, vs = layout.place(stage, p.chunk)
+        name = "send_fwd" if fwd else "send_bwd"
+        nid = b.add(f"{name}.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=msg[0], tag=msg[1], **common(p))
+        sends.append(nid)
+        return nid
+
+    def common(p: Pass) -> dict:
+        return dict(micro_batch=p.micro_batch, chunk=p.chunk, phase=p.phase, category="pp", group=PP_GROUP,
+                    comm_bytes=act_bytes)
+
+    def record(t: PassTemplate, base: int, phase: str, skip: int = 0) -> None:
+        """The nodes of each block in its last backward pass (``skip``: the blocks of an F&B's forward)."""
+        for label, lo, hi in t.blocks[skip:]:
+            nodes = list(range(base + lo, base + hi))
+            if phase in ("bwd", "bwd_input"):
+                last_b[label] = nodes
+            if phase in ("bwd", "bwd_weight"):
+                last_w[label] = nodes
+
+    k = 0
+    while k < len(order):
+        p = order[k]
+        if p.paired:
+            # F&B: both inputs before the pass, both outputs after it (a pass has at most one
+            # receive and one send: the forward's go with an empty pass before and after it)
+            q = order[k + 1]
+            key = (FB, p.chunk, q.chunk)
+            t = templates[key]
+            rf, rb = recv(p), recv(q)
+            if rf and rb:
+                placed.append(PlacedPass(p, EMPTY, len(b.nodes), rf[0], -1, False))
+                templates.setdefault(EMPTY, PassTemplate.of_rows([], [], [], [], None))
+            base = b.defer(t, entry=rf + rb, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
+                           params={}, tag_base=ring_base + len(placed) * ring_tags)
+            nf = len(templates[(p.chunk, "fwd")].rows)
+            exits_f = [base + e for e in t.exits if e < nf] or rf
+            exits_b = [base + e for e in t.exits if e >= nf] or rb
+            sb, sf = send(q, exits_b), send(p, exits_f)
+            placed.append(PlacedPass(q, key, base, (rb or rf or [-1])[0], sb if sb >= 0 else sf, False))
+            if sb >= 0 and sf >= 0:
+                templates.setdefault(EMPTY, PassTemplate.of_rows([], [], [], [], None))
+                placed.append(PlacedPass(p, EMPTY, len(b.nodes), -1, sf, False))
+            record(t, base, "bwd", skip=len(templates[(p.chunk, "fwd")].blocks))
+            prev_sinks = [base + i for i in t.sinks] or prev_sinks
+            k += 2
+            continue
+        entry = recv(p)
         key = (p.chunk, p.phase)
         params: dict[int, list[int]] = {}
         if p.phase == "fwd" and p.chunk not in first_fwd_done:
@@ -184,30 +270,22 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
                 key = (p.chunk, FIRST_FWD)
         t = templates[key]
         base = b.defer(t, entry=entry, chain=chain, ctrl=prev_sinks, micro_batch=p.micro_batch, chunk=p.chunk,
-                       params=params, tag_base=ring_base + k * ring_tags)
+                       params=params, tag_base=ring_base + len(placed) * ring_tags)
         if t.last_prologue is not None:
             chain = [base + t.last_prologue]
         exits = [base + e for e in t.exits] or entry
-        if p.phase == "bwd":
-            for label, lo, hi in t.blocks:
-                last_bwd_nodes[label] = list(range(base + lo, base + hi))
-        send = -1
-        if p.phase == "fwd" and vs < nv - 1:
-            send = b.add(f"send_fwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=+1,
-                         tag=_tag(p.micro_batch, vs, nv, 0), **common)
-        if p.phase == "bwd" and vs > 0:
-            send = b.add(f"send_bwd.mb{p.micro_batch}.vs{vs}", SEND, exits, peer=-1,
-                         tag=_tag(p.micro_batch, vs - 1, nv, 1), **common)
-        if send >= 0:
-            sends.append(send)
-        placed.append(PlacedPass(p, key, base, entry[0] if entry else -1, send, bool(params)))
+        record(t, base, p.phase)
+        placed.append(PlacedPass(p, key, base, entry[0] if entry else -1, send(p, exits), bool(params)))
         prev_sinks = [base + i for i in t.sinks] or prev_sinks
+        k += 1
 
-    instances = [inst for c in range(vp) for inst in chunks[c]]
+    last_bwd_nodes = {label: sorted(set(last_b.get(label, []) + last_w.get(label, [])))
+                      for label in dict.fromkeys([*last_b, *last_w])}
+    instances = [inst for c in sorted(chunks) for inst in chunks[c]]
     step_end_start = len(b.nodes)
     if inference:
         memory = inference_memory(instances, num_microbatches, tied_embeddings,
-                                   [inst for c in range(vp) for inst in second[c]] if second is not None else [])
+                                   [inst for c in sorted(second) for inst in second[c]] if second is not None else [])
     else:
         _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings,
                   degrees=degrees, gather_after_update=not gathered, flush=prev_sinks + sends,
@@ -218,7 +296,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
 
 
 def _tag(micro_batch: int, vs: int, nv: int, direction: int) -> int:
-    """Unique per (micro-batch, pipeline boundary after virtual stage ``vs``, direction)."""
+    """Unique per (micro-batch, pipeline boundary after virtual stage ``vs`` of ``nv``, direction)."""
     return (micro_batch * nv + vs) * 2 + direction
 
 
@@ -252,9 +330,13 @@ def _step_end(b: _Builder, instances: list[BlockInstance], last_bwd: dict[str, l
     params_of = block_params(instances, tied)
     bytes_of = block_params(instances, tied, as_bytes=True)
     tied_bytes: dict[str, float] = {}
+    # the embedding group sums the tied table's two copies where they lie on two stages; a
+    # stage holding both ends (the V schedules' first stage, each of DualPipe's end stages)
+    # holds the table once and has nothing to sum with another stage
+    one_end = len({inst.kind for inst in instances} & {"embedding", "head"}) == 1
     for inst, j in unique_weights(instances, tied):
         ws = inst.compiled.sharded.weight_syncs[j]
-        if tied and pp > 1 and ws.weight.name == "word_embedding":
+        if tied and pp > 1 and one_end and ws.weight.name == "word_embedding":
             tied_bytes[inst.label] = inst.costs.weight_params[j] * GRAD_BYTES
         buckets = per_block.setdefault(inst.label, {})
         for (axes, coll, _), nbytes in zip(ws.grad_collectives, inst.costs.weight_sync_bytes[j]):

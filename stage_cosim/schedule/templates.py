@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from stage_cosim.graph.autodiff import weight_grad_rows
 from stage_cosim.graph.precision import AMAX_TENSORS_BWD, AMAX_TENSORS_FWD
 from stage_cosim.parallel.axes import DENSE, mesh_axes, resolve_group
 from stage_cosim.schedule.memory import FP32_BYTES
@@ -460,6 +461,60 @@ def two_batch(first: PassTemplate, second: PassTemplate) -> PassTemplate:
     return PassTemplate.of_rows(rows, first.exits + [e + n for e in second.exits],
                                  first.sinks + [i + n for i in second.sinks], blocks, first.last_prologue,
                                  first.pairs + second.pairs)
+
+
+def split_backward(t: PassTemplate) -> tuple[PassTemplate, PassTemplate]:
+    """A backward pass template cut into its input-gradient pass (B: what the gradient handed to
+    the stage before needs) and its weight-gradient pass (W: the rest,
+    :func:`~stage_cosim.graph.autodiff.weight_grad_rows`), each in the backward's own order.
+    Run back to back they are the backward. W reads what B produced only through the stage's
+    memory (B is over by then), so its rows lose their dependencies on B's; a row left with
+    none waits for the pass before it, as a pass's first rows do."""
+    rows = t.rows
+    deps = [r[2] for r in rows]
+    roots = list(t.exits)
+    weight = weight_grad_rows(deps, roots)
+    # A ring exchange's send feeds nothing on its own rank (what needs it is the neighbour's
+    # receive, of the same tag): it goes where its receive goes, with what it sends, or B
+    # would wait for a message the neighbour's W has yet to send.
+    while True:
+        received = {rows[j][15] for j, r in enumerate(rows) if r[1] == RECV and not weight[j]}
+        more = [j for j, r in enumerate(rows) if r[1] == SEND and weight[j] and r[15] in received]
+        if not more:
+            break
+        roots += more
+        weight = weight_grad_rows(deps, roots)
+    new: list[int] = []             # old row -> its row in its own pass
+    counts = [0, 0]
+    for w in weight:
+        new.append(counts[w])
+        counts[w] += 1
+
+    def part(w: bool) -> PassTemplate:
+        out: list[tuple] = []
+        for j, r in enumerate(rows):
+            if weight[j] != w:
+                continue
+            deps = {new[d] for d in r[2] if d >= 0 and weight[d] == w}
+            if w:       # the pass's input arrived for B; the previous pass is what W waits for
+                deps |= {d for d in r[2] if d < 0 and d != ENTRY}
+                if not any(d >= 0 for d in deps):
+                    deps.add(CTRL)
+            else:
+                deps |= {d for d in r[2] if d < 0}
+            out.append((r[0], r[1], tuple(sorted(deps)), *r[3:]))
+        blocks = []
+        for label, lo, hi in t.blocks:
+            inside = [new[j] for j in range(lo, min(hi, len(rows))) if weight[j] == w]
+            if inside:
+                blocks.append((label, inside[0], inside[-1] + 1))
+        exits = [new[e] for e in t.exits if weight[e] == w]
+        prologue = new[t.last_prologue] if t.last_prologue is not None and weight[t.last_prologue] == w else None
+        used = {d for r in out for d in r[2] if d >= 0}
+        sinks = sorted({i for i, r in enumerate(out) if r[1] == COMP and i not in used} | set(exits))
+        return PassTemplate.of_rows(out, exits, sinks, blocks, prologue, t.pairs)
+
+    return part(False), part(True)
 
 
 def _has_amax_reduction(insts: list[BlockInstance], phase: str) -> bool:  # noqa: ARG001 (both phases alike)
