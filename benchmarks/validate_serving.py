@@ -1,6 +1,7 @@
-"""Serving predictions against published serving measurements (checks, never fitted).
+"""Serving predictions against published serving measurements, and the fit of the engine
+profiles' per-step overheads with its errors held out by source.
 
-    python benchmarks/validate_serving.py [--rows N] [--max-requests N]
+    python benchmarks/validate_serving.py [--rows N] [--max-requests N] [--skip-throughput]
 
 * TensorRT-LLM's offline throughput benchmark (trtllm-bench: every request queued at once,
   fixed input and output lengths, FP8 checkpoints, FP8 KV cache, max batch 2048, 8192 tokens per
@@ -13,25 +14,50 @@
   share; per-GPU throughput against the published per-node figures over 8. DeepSeek's units
   split each batch into two micro-batches that overlap one's all-to-alls with the other's
   compute (``two_batch_overlap``), and DeepSeek-V3's FP8 checkpoint scales activations
-  dynamically (its ``activation_scheme``).
+  dynamically (its ``activation_scheme``). Both steps are priced as ``serve-sim`` prices them
+  (its step timer: GEMMs by the measured microbenchmarks).
+* The Azure guide's offline throughput runs (``inference_throughput.csv``: trtllm-bench on
+  H100, H200 and GB200; vLLM's benchmark_throughput on MI300X; 1000 requests of fixed lengths,
+  FP8 weights and KV cache): ``serve-sim`` with the engine's profile (``trtllm``, ``vllm-0.6``)
+  and the run's own settings where its note gives them (``--max-num-seqs``).
 
-Prints measured against predicted per row, and the mean and worst absolute error.
+Every throughput row is simulated once without host overhead; all its requests are queued at
+once, so the schedule does not depend on time and a per-step overhead ``o`` adds ``steps · o``
+to its duration exactly. The overhead ``o(tp) = step_s + step_per_tp_worker_s · (tp − 1)`` of
+each engine is fitted to the rows of that engine (least mean absolute relative error, both
+terms non-negative); the report gives each source's error with the profile's shipped values,
+and leave-one-source-out: each source predicted by a fit to the other sources only.
+
+Prints measured against predicted per row, the mean and worst absolute error (over all rows and
+per table), per source. The fit is reported, not shipped: the profiles' overheads are what their
+files say.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+import numpy as np
+from scipy.optimize import minimize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stage_cosim import api  # noqa: E402
 
-CLUSTERS = {"H100-SXM": "dgx-h100", "H800-SXM": "dgx-h800"}
+CLUSTERS = {"H100-SXM": "dgx-h100", "H800-SXM": "dgx-h800", "H100-SXM5-80GB": "dgx-h100",
+            "H200-SXM-141GB": "dgx-h200", "MI300X": "mi300x-8", "GB200-NVL72": "gb200-nvl72"}
+AZURE_MODELS = {"LLAMA 3.1 (8B)": "llama3-8b", "LLAMA 3.1 (70B)": "llama3-70b", "LLAMA 3 (70B)": "llama3-70b",
+                "LLAMA 3 (405B)": "llama3.1-405b"}
+# trtllm-bench's settings (max batch 2048, 8192 tokens per step, the trtllm profile's) and KV
+# cache at 95 % of memory; vLLM's benchmark_throughput runs the LLM class at its defaults
 # DeepSeek's decode units hold 2 routed experts per GPU (256 + 32 redundant over 144); 128 GPUs
 # with ep 128 hold the same 2 (ep must divide the 256 experts here).
 DEEPSEEK_DECODE_GPUS = 128
@@ -44,34 +70,100 @@ DEEPSEEK_PREFILL_TOKENS = 16384    # assumed new tokens per rank per prefill ste
 DEEPSEEK_RUN = dict(two_batch_overlap=True, weight_dtype="fp8", fp8_activation_scale="dynamic")
 
 
-def rows() -> list[dict[str, str]]:
-    with resources.files("stage_cosim.validation").joinpath("data", "serving_published.csv").open() as f:
+def _csv(name: str) -> list[dict[str, str]]:
+    with resources.files("stage_cosim.validation").joinpath("data", name).open() as f:
         return list(csv.DictReader(f))
 
 
-def trtllm(row: dict[str, str], max_requests: int) -> float:
+def rows() -> list[dict[str, str]]:
+    return _csv("serving_published.csv")
+
+
+def azure_rows() -> list[dict[str, str]]:
+    """inference_throughput.csv in serving_published.csv's columns (one source per results file
+    and commit: a GPU generation measured once)."""
+    out = []
+    for r in _csv("inference_throughput.csv"):
+        engine = "vllm-0.6" if r["engine"].startswith("vLLM") else "trtllm"
+        # the run's own scheduler settings where its note gives them (vLLM's --max-num-seqs)
+        seqs = re.search(r"max-num-seqs (\d+)", r["note"])
+        out.append(dict(source=r["source"].split(":")[0].split("@")[0].split("/")[0] + " " +
+                        r["source"].split("@")[1][:7] + " " + r["gpu"].split("-")[0], engine=engine,
+                        model=AZURE_MODELS[r["model"]], gpu=r["gpu"], gpus=r["tp"], tp=r["tp"], ep="1",
+                        attention_dp="false", weight_dtype="fp8", kv_cache_dtype="fp8", input_len=r["input_len"],
+                        output_len=r["output_len"], num_requests=r["num_requests"], metric="output_tokens_per_s",
+                        value=r["output_tokens_per_s"], max_num_seqs=seqs.group(1) if seqs else ""))
+    return out
+
+
+@dataclass(frozen=True)
+class Offline:
+    """An offline run simulated without host overhead: what any per-step overhead changes."""
+
+    tokens: int          # output tokens
+    duration_s: float
+    steps: int
+    tp: int
+
+    def throughput(self, overhead_s: float) -> float:
+        return self.tokens / (self.duration_s + self.steps * overhead_s)
+
+
+def offline_run(row: dict[str, str], max_requests: int, engine: str = "trtllm") -> Offline:
+    """Every request queued at once through ``serve-sim`` with ``engine``'s scheduler and no
+    host overhead (added afterwards: see :class:`Offline`)."""
     n = min(int(row["num_requests"]), max_requests)
     isl, osl = int(row["input_len"]), int(row["output_len"])
     req = dict(model=row["model"], cluster=f"{CLUSTERS[row['gpu']]}:{row['gpus']}", tp=int(row["tp"]),
                weight_dtype=row["weight_dtype"], kv_cache_dtype=row["kv_cache_dtype"], rate=1e9, num_requests=n,
-               input_len=isl, output_len=osl, lengths="fixed", max_num_seqs=2048, chunk_tokens=8192,
-               hbm_utilization=0.95, max_seq=max(8192, isl + osl))
+               input_len=isl, output_len=osl, lengths="fixed", engine=engine, step_overhead=0.0,
+               request_overhead=0.0, request_timeout=0, max_seq=max(8192, isl + osl))
+    if engine == "trtllm":
+        req.update(hbm_utilization=0.95)
+    if row.get("max_num_seqs"):
+        req.update(max_num_seqs=int(row["max_num_seqs"]))
     if row["attention_dp"] == "true":
         req.update(dp=int(row["gpus"]) // int(row["tp"]) if int(row["tp"]) < int(row["gpus"]) else int(row["gpus"]),
                    tp=1 if int(row["tp"]) == int(row["gpus"]) else int(row["tp"]), attention_dp=True,
                    ep=int(row["ep"]), expert_tp=1)
-    return api.serve_sim(req)["throughput"]["output_tokens_per_s"]
+    r = api.serve_sim(req)
+    return Offline(r["requests"]["output_tokens"], r["duration_s"], r["steps"]["count"], int(req["tp"]))
+
+
+def _overhead(params: np.ndarray, tp: int) -> float:
+    return abs(params[0]) + abs(params[1]) * (tp - 1)
+
+
+def fit_overhead(runs: list[tuple[Offline, float]]) -> tuple[float, float]:
+    """(step_s, step_per_tp_worker_s) minimizing the mean |relative error| of ``runs``
+    ((simulation, measured tokens/s) pairs): a grid, then Nelder-Mead from its best point."""
+    def loss(p: np.ndarray) -> float:
+        return float(np.mean([abs(sim.throughput(_overhead(p, sim.tp)) / meas - 1) for sim, meas in runs]))
+
+    grid = [(a, b) for a in np.linspace(0, 0.02, 41) for b in np.linspace(0, 0.004, 21)]
+    start = min(grid, key=lambda p: loss(np.asarray(p)))
+    best = minimize(loss, np.asarray(start) + 1e-5, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-6})
+    return abs(float(best.x[0])), abs(float(best.x[1]))
 
 
 def deepseek_decode(row: dict[str, str]) -> float:
-    """Output tokens/s per GPU of a decode step whose time is the service's per-user token gap."""
+    """Output tokens/s per GPU of a decode step whose time is the service's per-user token gap
+    (the step as ``serve-sim`` prices it: GEMMs by the measured microbenchmarks)."""
+    from stage_cosim.hardware import resolve_cluster
+    from stage_cosim.inference.config import BatchShape, InferenceConfig
+    from stage_cosim.model import resolve_model
+    from stage_cosim.parallel import ParallelConfig
+    from stage_cosim.serving.steptime import StepTimer
+
     per_gpu = float(row["value"])
     batch = round(per_gpu * DEEPSEEK_TPOT_S)          # requests per attention rank
     g = DEEPSEEK_DECODE_GPUS
-    r = api.simulate(dict(model="deepseek-v3", cluster=f"dgx-h800:{g}", phase="decode", batch=batch * g,
-                          context_len=int(row["input_len"]), dp=g, ep=g, attention_dp=True,
-                          kv_cache_dtype=row["kv_cache_dtype"], **DEEPSEEK_RUN))
-    return batch / r["step_time_s"]
+    model = resolve_model("deepseek-v3")
+    timer = StepTimer(model, ParallelConfig(dp=g, ep=g), InferenceConfig("decode", attention_dp=True,
+                      kv_cache_dtype=row["kv_cache_dtype"], **DEEPSEEK_RUN), resolve_cluster(f"dgx-h800:{g}"), 0)
+    # input_len is the service's average KV length: the cache each decoded token reads
+    step = timer.simulate(BatchShape.uniform(batch, 1, int(row["input_len"]) - 1, frozenset(model.layer_windows())))
+    return batch / step
 
 
 def deepseek_prefill(row: dict[str, str]) -> float:
@@ -94,29 +186,77 @@ def deepseek_prefill(row: dict[str, str]) -> float:
 
 
 def main() -> None:
+    from stage_cosim.serving.engines import engine_profile
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=None, help="Only the first N rows.")
+    ap.add_argument("--rows", type=int, default=None, help="Only the first N rows of each table.")
     ap.add_argument("--max-requests", type=int, default=3000,
                     help="Requests per benchmark row at most (the published runs used up to 30,000).")
+    ap.add_argument("--skip-throughput", action="store_true", help="Leave out inference_throughput.csv.")
     args = ap.parse_args()
-    errs = []
-    print(f"{'source':<28} {'model':<16} {'GPUs':>4} {'ISL/OSL':>10} {'metric':<34} {'measured':>10} "
+    table = [dict(r, engine="trtllm") for r in rows()[:args.rows]]
+    if not args.skip_throughput:
+        table += azure_rows()[:args.rows]
+    print(f"{'source':<34} {'engine':<8} {'model':<14} {'GPUs':>4} {'ISL/OSL':>10} {'metric':<22} {'measured':>10} "
           f"{'predicted':>10} {'error':>8} {'time s':>7}")
-    for row in rows()[:args.rows]:
+    results = []           # (row, predicted, Offline | None)
+    for row in table:
         t0 = time.perf_counter()
-        if row["source"] == "trtllm_perf_overview":
-            pred = trtllm(row, args.max_requests)
+        sim = None
+        if row["metric"] == "output_tokens_per_s":
+            sim = offline_run(row, args.max_requests, row["engine"])
+            pred = sim.throughput(engine_profile(row["engine"]).step_overhead(sim.tp))
         elif row["metric"].startswith("decode"):
             pred = deepseek_decode(row)
         else:
             pred = deepseek_prefill(row)
         meas = float(row["value"])
         err = (pred - meas) / meas
-        errs.append(abs(err))
+        results.append((row, pred, sim))
         lengths = f"{row['input_len']}/{row['output_len']}"
-        print(f"{row['source']:<28} {row['model']:<16} {row['gpus']:>4} {lengths:>10} {row['metric']:<34} "
-              f"{meas:>10,.0f} {pred:>10,.0f} {100 * err:>+7.1f}% {time.perf_counter() - t0:>7.1f}", flush=True)
-    print(f"\nmean |error| {100 * sum(errs) / len(errs):.1f} %, worst {100 * max(errs):.1f} % over {len(errs)} rows")
+        print(f"{row['source'][:34]:<34} {row['engine']:<8} {row['model']:<14} {row['gpus']:>4} {lengths:>10} "
+              f"{row['metric'][:22]:<22} {meas:>10,.0f} {pred:>10,.0f} {100 * err:>+7.1f}% "
+              f"{time.perf_counter() - t0:>7.1f}", flush=True)
+    errs = [abs(p / float(r["value"]) - 1) for r, p, _ in results]
+    print(f"\nmean |error| {100 * np.mean(errs):.1f} %, worst {100 * max(errs):.1f} % over {len(errs)} rows "
+          f"(the engine profiles' shipped overheads)")
+    # each table on its own: serving_published.csv alone is the set earlier reports quote
+    n_pub = len(table) - (0 if args.skip_throughput else len(azure_rows()[:args.rows]))
+    for name, part in (("serving_published.csv", errs[:n_pub]), ("inference_throughput.csv", errs[n_pub:])):
+        if part:
+            print(f"  {name:<25} mean |error| {100 * np.mean(part):.1f} %, worst {100 * max(part):.1f} % "
+                  f"over {len(part)} rows")
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for (row, _, _), e in zip(results, errs):
+        by_source[row["source"]].append(e)
+    # the overhead fit per engine, and each source predicted by a fit to the others
+    fitted = [(r, sim) for r, _, sim in results if sim is not None]
+    held: dict[str, list[float]] = defaultdict(list)
+    print(f"\n{'engine':<9} {'fit on':<10} {'step_s (ms)':>11} {'per tp worker (ms)':>18}   shipped profile (ms)")
+    for engine in sorted({r["engine"] for r, _ in fitted}):
+        mine = [(r, sim) for r, sim in fitted if r["engine"] == engine]
+        a, b = fit_overhead([(sim, float(r["value"])) for r, sim in mine])
+        prof = engine_profile(engine)
+        print(f"{engine:<9} {'all rows':<10} {1e3 * a:>11.3f} {1e3 * b:>18.3f}   "
+              f"{1e3 * prof.step_overhead_s:.3f} + {1e3 * prof.step_overhead_per_tp_s:.3f} x (tp-1)")
+        sources = sorted({r["source"] for r, _ in mine})
+        for src in sources:
+            rest = [(sim, float(r["value"])) for r, sim in mine if r["source"] != src]
+            if not rest:
+                continue
+            a, b = fit_overhead(rest)
+            print(f"{'':<9} {'w/o ' + src[:30]:<40} {1e3 * a:>7.3f} {1e3 * b:>8.3f}")
+            for r, sim in mine:
+                if r["source"] == src:
+                    held[src].append(abs(sim.throughput(a + b * (sim.tp - 1)) / float(r["value"]) - 1))
+    print(f"\n{'source':<40} {'rows':>4} {'mean |err|':>10} {'held out':>9}")
+    for src, es in by_source.items():
+        h = f"{100 * np.mean(held[src]):>8.1f}%" if held.get(src) else f"{'-':>9}"
+        print(f"{src[:40]:<40} {len(es):>4} {100 * np.mean(es):>9.1f}% {h}")
+    all_held = [e for es in held.values() for e in es]
+    if all_held:
+        print(f"\nleave-one-source-out mean |error| {100 * np.mean(all_held):.1f} % over {len(all_held)} rows "
+              f"(each source predicted by the fit to the others)")
 
 
 if __name__ == "__main__":

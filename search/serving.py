@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
@@ -31,6 +31,9 @@ from stage_cosim.search.evaluate import Evaluation
 from stage_cosim.search.space import Dimension, SearchSpace, powers_of_two
 from stage_cosim.serving.config import SLO, ServingConfig
 from stage_cosim.serving.requests import RequestStream
+
+if TYPE_CHECKING:
+    from stage_cosim.search.optimize import OptimizeResult
 
 SPLITS = ("none", "1:1", "1:2", "1:3", "2:1")      # prefill:decode instances of a disaggregated unit
 MAX_NUM_SEQS = (32, 64, 128, 256, 512)
@@ -217,6 +220,15 @@ class ServingProblem:
         return (goodput, self.space.model, self.cluster, config, point, self.target, self.num_requests)
 
 
+def proof(result: OptimizeResult) -> tuple[bool, int | None]:
+    """(proven optimal, feasible layouts never simulated): one statement, counted as optimize
+    counts (distinct canonical layouts, not raw grid points). Every feasible layout simulated
+    is a proof whatever method visited them; None: the space was not counted."""
+    unexplored = None if result.feasible is None else max(0, result.feasible - len(result.evaluated))
+    proven = result.proven_optimal or (unexplored == 0 and not result.interrupted)
+    return proven, 0 if proven else unexplored
+
+
 def optimize_serving(model: ModelConfig, cluster: Cluster, target: ServeTarget, settings, *,  # noqa: ANN001
                      overrides: dict[str, Sequence[Any]] | None = None, num_requests: int = 300,
                      progress=None, should_stop=None) -> dict[str, Any]:  # noqa: ANN001
@@ -236,12 +248,12 @@ def optimize_serving(model: ModelConfig, cluster: Cluster, target: ServeTarget, 
         r["throughput"] = report.get("throughput")
         return {**r, "point": e.point, "score": e.score}
 
+    proven, unexplored = proof(result)
     return {"best": entry(ranked[0]) if ranked else None, "top": [entry(e) for e in ranked[:settings.top_k]],
-            "proven_optimal": result.proven_optimal, "evaluations": len(result.evaluated),
+            "proven_optimal": proven, "evaluations": len(result.evaluated),
             "infeasible": dict(sorted(result.infeasible.items())), "objective": "goodput-per-gpu",
             "method": result.method, "space_size": result.space_size, "interrupted": result.interrupted,
-            "unexplored": max(0, result.space_size - len(result.evaluated) - sum(result.infeasible.values()))
-            if not result.proven_optimal else 0,
+            "unexplored": 0 if proven else unexplored, "feasible": result.feasible,
             "target": {"slo": target.slo.to_dict(), "attainment": target.attainment,
                        "input_len": target.stream.input_len, "output_len": target.stream.output_len,
                        "lengths": target.stream.lengths, "requests_per_probe": num_requests}}

@@ -184,20 +184,36 @@ def synth(req: Mapping[str, Any], out: Path, *, fmt: str = "chakra", force: bool
 # A serving simulation: the request stream, the engine's settings, the latency targets.
 SERVE_KEYS = {"rate", "num_requests", "output_len", "lengths", "length_spread", "seed", "requests", "trace",
               "max_num_seqs", "chunk_tokens", "kv_block_size", "hbm_utilization", "step_overhead",
-              "step_resolution", "prefill_gpus", "decode_gpus", "routing", "slo_ttft", "slo_tpot", "rates"}
+              "step_resolution", "prefill_gpus", "decode_gpus", "routing", "slo_ttft", "slo_tpot", "rates",
+              "enable_prefix_caching", "request_timeout", "request_overhead", "prefix_len", "prefix_groups",
+              "requests_out", "engine", "enable_chunked_prefill"}
+# a serving run's client timeout unless the request says otherwise (0: none): the measuring
+# harnesses' (vLLM's benchmark_serving and its kin give up after 300 s)
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # the inference fields a serving run takes (the phase and batch are the engine's)
 SERVE_INFERENCE_KEYS = ("kv_cache_dtype", "weight_dtype", "fp8_activation_scale", "attention_dp", "two_batch_overlap")
 
 
-def serving_of(req: Mapping[str, Any]):  # noqa: ANN201 (ServingConfig, SLO)
-    """The engine settings and latency targets of a serving request."""
+def serving_of(req: Mapping[str, Any], timeout: float | None = None):  # noqa: ANN201 (ServingConfig, SLO)
+    """The engine settings and latency targets of a serving request: what it gives, else its
+    engine profile's defaults (``engine``), else ServingConfig's; ``timeout`` the client
+    timeout unless ``request_timeout`` is given (0: none)."""
     from stage_cosim.serving.config import SLO, ServingConfig
+    from stage_cosim.serving.engines import engine_profile
 
     names = {"max_num_seqs": "max_num_seqs", "chunk_tokens": "chunk_tokens", "kv_block_size": "kv_block_size",
              "hbm_utilization": "hbm_utilization", "step_overhead": "step_overhead_s",
              "step_resolution": "step_resolution", "prefill_gpus": "prefill_gpus", "decode_gpus": "decode_gpus",
-             "routing": "routing"}
-    cfg = ServingConfig(**{field: req[key] for key, field in names.items() if req.get(key) is not None})
+             "routing": "routing", "enable_prefix_caching": "enable_prefix_caching",
+             "enable_chunked_prefill": "enable_chunked_prefill",
+             "request_timeout": "request_timeout_s", "request_overhead": "request_overhead_s"}
+    given = {field: req[key] for key, field in names.items() if req.get(key) is not None}
+    given.setdefault("request_timeout_s", timeout)
+    if given["request_timeout_s"] == 0:
+        given["request_timeout_s"] = None
+    if req.get("engine") is not None:
+        given = {**engine_profile(req["engine"]).settings(int(req.get("tp") or 1)), **given}
+    cfg = ServingConfig(**given)
     return cfg, SLO(req.get("slo_ttft"), req.get("slo_tpot"))
 
 
@@ -209,7 +225,8 @@ def requests_of(req: Mapping[str, Any]):  # noqa: ANN201 (RequestStream | Reques
     if len(given) > 1:
         raise UserError("trace", "give the requests as a trace file or inline, not both")
     if given:
-        for k in ("rate", "num_requests", "lengths", "length_spread", "output_len", "input_len", "rates"):
+        for k in ("rate", "num_requests", "lengths", "length_spread", "output_len", "input_len", "rates", "prefix_len",
+                  "prefix_groups"):
             if req.get(k) is not None:
                 raise UserError(k, f"describes generated requests; the {given[0]} gives them")
         if given[0] == "trace":
@@ -220,7 +237,8 @@ def requests_of(req: Mapping[str, Any]):  # noqa: ANN201 (RequestStream | Reques
         return requests_from_rows(rows, "requests")
     if req.get("rate") is None:
         raise UserError("rate", "is required (requests per second), unless a trace gives the requests")
-    kw = {k: req[k] for k in ("num_requests", "input_len", "output_len", "lengths", "seed") if req.get(k) is not None}
+    kw = {k: req[k] for k in ("num_requests", "input_len", "output_len", "lengths", "seed", "prefix_len", "prefix_groups")
+          if req.get(k) is not None}
     if req.get("length_spread") is not None:
         kw["spread"] = req["length_spread"]
     return RequestStream(rate=req["rate"], **kw)
@@ -255,12 +273,26 @@ def serve_sim(req: Mapping[str, Any], progress: Callable[[int, int], None] | Non
     for key in req:
         if key not in SERVE_KEYS | (REQUEST_KEYS - {"phase", "batch", "context_len", "backend"}):
             raise UserError(key, "is not a serve-sim request field")
+    if req.get("request_timeout") is None:
+        req = {**req, "request_timeout": DEFAULT_REQUEST_TIMEOUT_S}
+    if req.get("requests_out") is not None:
+        from stage_cosim.files import check_output, local_files_allowed
+
+        if not local_files_allowed():
+            raise UserError("requests-out", "no file is written here: run serve-sim locally for per-request output")
+        check_output(Path(req["requests_out"]), "requests-out", (".csv",))
     stream = requests_of(req)
     dep = deployment_of(req)
     _, slo = serving_of(req)
     requests = stream.generate() if isinstance(stream, RequestStream) else stream
-    report = simulate_serving(dep, requests, slo, progress)
+    report = simulate_serving(dep, requests, slo, progress, req.get("requests_out"))
+    if req.get("engine") is not None:
+        report["engine"] = req["engine"]
     report["workload"] = _workload_doc(stream, requests)
+    from stage_cosim.hardware.gpu import calibration_warning
+
+    if (note := calibration_warning(dep.cluster.gpu)) is not None:
+        report["warnings"] = [note]          # the GPU's efficiencies are borrowed, not measured
     rates = req.get("rates")
     if rates:
         if not isinstance(stream, RequestStream):

@@ -383,3 +383,21 @@ def test_full_cli_reports_the_replay(run_cli) -> None:
     code, out, err = run_cli("simulate", *PIPELINED, "--full")
     assert code == 0, err
     assert "4 of 16 ranks replayed (each stands for its pipeline stage: proven exact for every rank)" in out
+
+
+def test_a_serving_search_states_one_proof() -> None:
+    """Every feasible layout simulated is a proof whatever method visited them; otherwise the
+    count of feasible layouts never simulated (never "not proven, 0 unexplored")."""
+    from stage_cosim.search.evaluate import Evaluation, Objective
+    from stage_cosim.search.optimize import OptimizeResult
+    from stage_cosim.search.serving import proof
+
+    def result(feasible: int | None, evaluated: int, interrupted: bool = False) -> OptimizeResult:
+        evs = [Evaluation({"tp": i}, None, True, None, 1.0, {}) for i in range(evaluated)]
+        return OptimizeResult(Objective(), evs, False, {}, 50, "differential_evolution", interrupted,
+                              feasible=feasible)
+
+    assert proof(result(3, 3)) == (True, 0)
+    assert proof(result(5, 3)) == (False, 2)
+    assert proof(result(3, 3, interrupted=True))[0] is False
+    assert proof(result(None, 3)) == (False, None)

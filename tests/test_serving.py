@@ -34,9 +34,22 @@ def _one(arrival: float, n_in: int, n_out: int) -> Requests:
     return Requests(np.array([arrival]), np.array([n_in]), np.array([n_out]))
 
 
-def _step(kind: str, **kw) -> float:
-    """A prefill or decode step of the 4-layer Llama 3 8B on one H100, simulated on its own."""
-    return api.simulate(_req(phase=kind, **kw))["step_time_s"]
+def _step(kind: str, batch: int = 1, input_len: int = 0, context_len: int = 0) -> float:
+    """A prefill or decode step of the 4-layer Llama 3 8B on one H100, simulated on its own.
+
+    Serving prices a step's GEMMs by the measured microbenchmarks (the kernel model that
+    tests/test_serving_decode_cost.py checks against bytes and measured rates), not by the
+    training fit that ``simulate --phase`` uses, so the reference is the simulator run with
+    that kernel model on the one step: what is tested here is how the engine composes steps.
+    """
+    from stage_cosim.model import resolve_model
+
+    model = resolve_model("llama3-8b").with_overrides(layers=4)
+    timer = StepTimer(model, ParallelConfig(), InferenceConfig("decode"), resolve_cluster("dgx-h100", 1), 0.0)
+    ws = frozenset(model.layer_windows())
+    # a decode step's context_len counts the token it decodes (the inference config's meaning)
+    new, past = (input_len, 0) if kind == "prefill" else (1, context_len - 1)
+    return timer.simulate(BatchShape.uniform(batch, new, past, ws))
 
 
 def _deployment(llama, resolution: float = 0.0, gpus: int = 1, **serving):

@@ -68,7 +68,9 @@ def print_serving(doc: dict[str, Any]) -> None:
                    else "no feasible serving layout", err=True)
     else:
         verdict = "proven optimum (every feasible layout simulated)" if doc["proven_optimal"] else \
-            f"best found by {doc['method']}; not proven optimal, {doc['unexplored']} layouts unexplored"
+            f"best found by {doc['method']}; not proven optimal, " + (
+                "the feasible layouts were not counted" if doc["unexplored"] is None
+                else f"{doc['unexplored']:,} of {doc['feasible']:,} feasible layouts not simulated")
         click.echo(f"best: {_describe(best['point'])}  —  {best['goodput_requests_per_s_per_gpu']:.3f} requests/s per GPU "
                    f"({best['cluster_goodput_requests_per_s']:,.1f} on the cluster)  [{verdict}]")
         click.echo("")

@@ -15,6 +15,7 @@ from stage_cosim.files import FIGURE_SUFFIXES, check_output
 from stage_cosim.inference.config import FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, WEIGHT_DTYPES
 from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, TOKEN_DISPATCHERS
 from stage_cosim.serving.config import ROUTING
+from stage_cosim.serving.engines import engine_names
 from stage_cosim.serving.requests import LENGTH_DISTRIBUTIONS
 
 GiB = 1 << 30
@@ -33,6 +34,10 @@ def print_report(r: dict[str, Any]) -> None:
     if inst["attention_ranks"] > 1:
         layout += f" attention-dp{inst['attention_ranks']}"
     click.echo(f"deployment       {pools} of {layout} ({inst['gpus']} GPUs each, {dep['gpus']} GPUs)")
+    sv = r["serving"]
+    click.echo(f"engine           {r.get('engine', 'settings as given')}: max-num-seqs {sv['max_num_seqs']}, "
+               f"{sv['chunk_tokens']} tokens per step{' (chunked prefill)' if sv['enable_chunked_prefill'] else ' (whole prompts)'}, "
+               f"overhead {1e3 * sv['step_overhead_s']:.2f} ms per step, {1e3 * sv['request_overhead_s']:.1f} ms per request")
     click.echo(f"memory per GPU   weights {inst['weights_bytes_per_gpu'] / GiB:.1f} GiB, working set "
                f"{inst['workspace_bytes_per_gpu'] / GiB:.1f} GiB, KV cache {inst['kv_capacity_bytes_per_gpu'] / GiB:.1f} GiB"
                f" = {inst['kv_capacity_tokens_per_rank']:,} tokens per attention rank")
@@ -42,6 +47,13 @@ def print_report(r: dict[str, Any]) -> None:
     click.echo(f"requests         {req['total']:,} ({src})")
     click.echo(f"completed        {req['completed']:,} in {r['duration_s']:,.1f} s ({req['rejected']} rejected: too long "
                f"for the KV cache; {req['preempted']} preempted {req['preemptions']} times)")
+    timeout = r["serving"]["request_timeout_s"]
+    click.echo(f"dropped          {req['dropped']:,} " + (f"(not finished {timeout:g} s after arriving: the client gave up)"
+                                                         if timeout else "(no client timeout)"))
+    if r["serving"]["enable_prefix_caching"]:
+        pc = r["prefix_cache"]
+        click.echo(f"prefix cache     {100 * pc['hit_rate']:.1f} % of prompt tokens hit ({pc['hit_tokens']:,} of "
+                   f"{pc['queried_tokens']:,}); {pc['evicted_blocks']:,} blocks evicted")
     t = r["throughput"]
     click.echo(f"throughput       {t['requests_per_s']:,.2f} requests/s, {t['output_tokens_per_s']:,.0f} output tokens/s "
                f"({t['output_tokens_per_s_per_gpu']:,.0f} per GPU), {t['total_tokens_per_s']:,.0f} tokens/s in all")
@@ -132,8 +144,25 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
 @click.option("--length-spread", "length_spread", type=float, default=None,
               help="Shape (sigma) of the log-normal lengths (default 0.6).")
 @click.option("--seed", type=int, default=None, help="Random seed of the generated requests.")
+@click.option("--prefix-len", "prefix_len", type=int, default=None,
+              help="Generated prompts open with a shared prefix of this many tokens (added to --input-len).")
+@click.option("--prefix-groups", "prefix_groups", type=int, default=None,
+              help="Distinct shared prefixes, one drawn per request (default 1).")
 @click.option("--trace", type=click.Path(path_type=Path), default=None,
-              help="Requests from a file: CSV with arrival_s,input_len,output_len, or JSON lines.")
+              help="Requests from a file: CSV with arrival_s,input_len,output_len[,hash_ids], or JSON lines "
+                   "(Mooncake traces as they are).")
+@click.option("--engine", type=click.Choice(engine_names()), default=None,
+              help="Engine release profile: its scheduler defaults and host overheads (default: the settings as given).")
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching", default=None,
+              help="Automatic prefix caching (default: the engine's; off without --engine).")
+@click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", "enable_chunked_prefill", default=None,
+              help="Prompts in chunks batched with decodes (default: the engine's; on without --engine).")
+@click.option("--request-timeout", "request_timeout", type=float, default=None,
+              help="Seconds a client waits for a request before dropping it (default 300; 0: forever).")
+@click.option("--request-overhead", "request_overhead", type=float, default=None,
+              help="Host seconds per request outside the engine's steps (default: the engine's; 0 without --engine).")
+@click.option("--requests-out", "requests_out", type=click.Path(path_type=Path), default=None,
+              help="Write every request's arrival, first token, finish, tokens and drop to this CSV.")
 @click.option("--max-num-seqs", "max_num_seqs", type=int, default=None,
               help="Requests running at once per attention rank (default 256).")
 @click.option("--chunk-tokens", "chunk_tokens", type=int, default=None,
@@ -142,7 +171,7 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
 @click.option("--hbm-utilization", "hbm_utilization", type=float, default=None,
               help="Fraction of HBM the engine uses (default 0.9).")
 @click.option("--step-overhead", "step_overhead", type=float, default=None,
-              help="Host seconds per step not hidden behind the GPU (default 0).")
+              help="Host seconds per step not hidden behind the GPU (default: the engine's; 0 without --engine).")
 @click.option("--step-resolution", "step_resolution", type=float, default=None,
               help="Step-time grid resolution (default 1/32; 0 simulates every step's shape).")
 @click.option("--prefill-gpus", "prefill_gpus", type=int, default=None, help="Disaggregated: GPUs that prefill.")
@@ -168,6 +197,8 @@ def serve_sim(plot: Path | None, as_json: bool, quiet: bool, rates: str | None, 
 
     check_output(plot, "plot", FIGURE_SUFFIXES)
     req = {k: v for k, v in kw.items() if v is not None and k not in ("arch",)}
+    if req.get("requests_out") is not None:
+        req["requests_out"] = str(req["requests_out"])
     if kw.get("arch") is not None:
         raise UserError("arch", "serve-sim takes a model by --model (a preset or config.json)")
     if plot is not None:
@@ -187,6 +218,8 @@ def serve_sim(plot: Path | None, as_json: bool, quiet: bool, rates: str | None, 
         click.echo(json.dumps(report, indent=1))
     else:
         print_report(report)
+    for warning in report.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
     if plot is not None:
         try:
             plot_sweep(report["runs"], plot)

@@ -32,6 +32,10 @@ class ServingConfig:
     # Tokens one step may process on one attention rank: every decode token and the prompt
     # chunks that fill the rest (chunked prefill). A prompt longer than this takes several steps.
     chunk_tokens: int = 8192
+    # Prompts split over steps, batched with the decodes (vLLM's --enable-chunked-prefill); off:
+    # a step runs whole prompts only while any can be admitted, and decodes otherwise (vLLM's
+    # V0 default scheduler).
+    enable_chunked_prefill: bool = True
     # The KV cache is paged in blocks of this many tokens per sequence.
     kv_block_size: int = 16
     # Fraction of HBM the engine may use (weights, working set and KV cache).
@@ -46,6 +50,15 @@ class ServingConfig:
     decode_gpus: int | None = None
     # Which instance (and, with attention data parallelism, which of its ranks) a request joins.
     routing: str = "least-loaded"
+    # Automatic prefix caching (vLLM's --enable-prefix-caching): full KV blocks kept by content
+    # and reused by later prompts that share them (see :mod:`stage_cosim.serving.prefix`).
+    enable_prefix_caching: bool = False
+    # The client gives up on a request not finished this many seconds after it arrived (the
+    # engine aborts it and frees its cache); None: clients wait forever.
+    request_timeout_s: float | None = None
+    # Host time per request outside the steps (API server: tokenizing, detokenizing, the HTTP
+    # round trip), half before the engine sees it and half after its last token.
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive_int(self.max_num_seqs, "max-num-seqs")
@@ -65,6 +78,13 @@ class ServingConfig:
         if self.prefill_gpus is not None:
             positive_int(self.prefill_gpus, "prefill-gpus")
             positive_int(self.decode_gpus, "decode-gpus")
+        require(isinstance(self.enable_chunked_prefill, bool), "enable-chunked-prefill",
+                f"must be true or false, got {self.enable_chunked_prefill!r}")
+        require(isinstance(self.enable_prefix_caching, bool), "enable-prefix-caching",
+                f"must be true or false, got {self.enable_prefix_caching!r}")
+        _positive_seconds(self.request_timeout_s, "request-timeout")
+        require(isinstance(self.request_overhead_s, (int, float)) and 0 <= self.request_overhead_s < math.inf,
+                "request-overhead", f"must be a non-negative number of seconds, got {self.request_overhead_s!r}")
         require(self.routing in ROUTING, "routing", f"must be one of {', '.join(ROUTING)}, got {self.routing!r}")
 
     @property

@@ -10,7 +10,15 @@ instance plans its batch:
 2. prompts being prefilled continue, a chunk each, while the step's token budget
    (``chunk_tokens``) and the cache allow;
 3. waiting requests are admitted in arrival order while the budget, ``max_num_seqs`` and the
-   cache allow (a request that could never fit the cache alone is rejected).
+   cache allow (a request that could never fit the cache alone is rejected). With prefix
+   caching, a prompt's leading blocks already in the cache are referenced, not prefilled: only
+   its uncached tokens take budget and compute, and its full blocks join the cache as they are
+   computed (:mod:`stage_cosim.serving.prefix`); unreferenced cached blocks are evicted, least
+   recently released first, when an allocation needs their room.
+
+With a client timeout, a request not finished ``request_timeout_s`` after it arrived is
+dropped: the engine aborts it (at once if it waits, at the end of the running step if it is in
+it) and frees its cache, so a saturated engine's queue stays bounded by rate x timeout.
 
 The step's time is the simulator's for the batch's shape (the largest over the ranks: they
 step together). When it ends, decoding requests emit a token, a prompt whose last chunk ran
@@ -38,6 +46,7 @@ import numpy as np
 from stage_cosim.inference.config import BatchShape, attention_span, held
 from stage_cosim.serving.config import ServingConfig
 from stage_cosim.serving.instance import InstanceKind, KVLayout, kv_transfer_s
+from stage_cosim.serving.prefix import PrefixCache, block_keys
 from stage_cosim.serving.requests import Requests
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
@@ -60,6 +69,16 @@ class RequestLog:
         self.finish = [np.nan] * n
         self.preemptions = [0] * n
         self.rejected = [False] * n
+        self.dropped = [False] * n                  # the client gave up (its timeout passed)
+        self.drop_time = [np.nan] * n
+        self.cached_tokens = [0] * n                # prompt tokens served from the prefix cache (first admission)
+        # prefix caching: the prompt's block identities (computed when first needed), how many
+        # leading ones the request references in its rank's cache, and the rank it is on
+        self._hash_ids = reqs.hash_ids
+        self._hash_block = reqs.hash_block
+        self.keys: list[list[int] | None] = [None] * n
+        self.owned = [0] * n
+        self.rank: list["Rank | None"] = [None] * n
         # while decoding on a rank: cached tokens and rank step count when it joined, tokens
         # still to emit then, and a stamp that invalidates its heap entries when it leaves
         self.c0 = [0] * n
@@ -68,6 +87,13 @@ class RequestLog:
         self.stamp = [0] * n
         # gaps between consecutive output tokens: (gap, how many tokens had it)
         self.itl: list[tuple[float, int]] = []
+
+    def keys_of(self, r: int, block_size: int) -> list[int]:
+        keys = self.keys[r]
+        if keys is None:
+            ids = self._hash_ids[r] if self._hash_ids is not None else ()
+            keys = self.keys[r] = block_keys(ids, self._hash_block, self.input_len[r], block_size) if ids else []
+        return keys
 
 
 class _Window:
@@ -134,6 +160,12 @@ class Rank:
         self.kv = kv
         self.cfg = cfg
         self.role = role
+        # prefix caching reuses whole blocks of every layer: models with sliding-window layers
+        # (which free blocks out of their window) run without it, as vLLM 0.5-0.6 did, and so
+        # do models with SSM layers (a block of tokens does not hold their state)
+        self.prefix = (PrefixCache(kv.usage_of(kv.block_size))
+                       if cfg.enable_prefix_caching and windows == (None,) and not kv.state_bytes
+                       and role != DECODE else None)
         self.waiting: deque[int] = deque()         # to prefill: new, or preempted (in front)
         self.arrived: deque[int] = deque()         # handed over with their cache (a decode instance)
         self.prefilling: list[int] = []
@@ -148,10 +180,78 @@ class Rank:
         self.used = 0.0                            # KV-cache bytes per GPU
         self.plan: _Plan | None = None
         self._stamp = 0
+        self.pending_drops: list[int] = []         # dropped while in the running step
 
     @property
     def in_system(self) -> int:
         return len(self.waiting) + len(self.arrived) + len(self.prefilling) + self.n
+
+    # -- the cache ----------------------------------------------------------------------------
+
+    def _room(self, extra: float) -> bool:
+        """Whether ``extra`` bytes fit, evicting unreferenced cached blocks if they must."""
+        cap = self.kv.capacity_bytes
+        if self.used + extra <= cap - (self.prefix.free_bytes if self.prefix else 0.0):
+            return True
+        if self.prefix is None or self.used + extra > cap:
+            return False
+        self.prefix.evict(self.used + self.prefix.free_bytes + extra - cap)
+        return True
+
+    def _free(self, r: int, cached: int, log: RequestLog) -> None:
+        """Free the cache of ``r``, which holds ``cached`` tokens: its own blocks, and its
+        references to shared ones (a block nobody references stays cached, as free room)."""
+        owned = log.owned[r]
+        self.used -= self.kv.usage_of(cached)
+        if owned:
+            bb = self.prefix.block_bytes
+            self.used += owned * bb
+            # tail blocks first, so a prefix outlives its continuations under eviction (vLLM's order)
+            self.used -= self.prefix.release(log.keys[r][owned - 1::-1]) * bb
+            log.owned[r] = 0
+
+    def _hit(self, r: int, log: RequestLog) -> int:
+        """Reference the cached leading blocks of ``r``'s prompt (at least its last token is
+        computed, as vLLM does); returns the tokens they hold."""
+        pc = self.prefix
+        keys = log.keys_of(r, self.kv.block_size)
+        if not keys:
+            return 0
+        h = pc.match(keys, min(len(keys), (log.prompt[r] - 1) // self.kv.block_size))
+        if h:
+            self.used += pc.acquire(keys[:h]) * pc.block_bytes
+            log.owned[r] = h
+        return h * self.kv.block_size
+
+    def _register(self, r: int, log: RequestLog) -> None:
+        """Blocks of ``r``'s prompt computed in full join the cache, in order."""
+        keys = log.keys[r]
+        if not keys:
+            return
+        pc = self.prefix
+        full = min(len(keys), log.computed[r] // self.kv.block_size)
+        while log.owned[r] < full and pc.insert(keys[log.owned[r]]):
+            log.owned[r] += 1
+
+    def abort(self, r: int, log: RequestLog) -> bool:
+        """Take dropped ``r`` out of this rank and free its cache; False if it is in the step
+        running now (the caller retries when the step ends)."""
+        if r in self.decoding or r in self.prefilling:
+            if self.plan is not None:
+                return False
+            if r in self.decoding:
+                self._free(r, self._leave(r, log), log)
+            else:
+                self.prefilling.remove(r)
+                self._free(r, log.computed[r], log)
+            return True
+        for q in (self.waiting, self.arrived):
+            try:
+                q.remove(r)
+                return True
+            except ValueError:
+                pass
+        return True
 
     # -- decoding requests ----------------------------------------------------------------------
 
@@ -193,14 +293,14 @@ class Rank:
         """Free the most recently scheduled request's cache; it is recomputed later."""
         if self.prefilling:
             r = self.prefilling.pop()
-            self.used -= self.kv.usage_of(log.computed[r])
+            self._free(r, log.computed[r], log)
         else:
             while self.order and self.order[-1] not in self.decoding:
                 self.order.pop()
             if not self.order:
                 return False
             r = self.order.pop()
-            self.used -= self.kv.usage_of(self._leave(r, log))
+            self._free(r, self._leave(r, log), log)
         log.prompt[r] = log.input_len[r] + log.generated[r]
         log.computed[r] = 0
         log.preemptions[r] += 1
@@ -209,21 +309,28 @@ class Rank:
 
     def schedule(self, log: RequestLog, now: float) -> _Plan | None:
         cfg, kv = self.cfg, self.kv
-        cap = kv.capacity_bytes
         usage = kv.usage_of
+        room = self._room
         # 0. requests handed over with their cache join the decoding ones
         while self.arrived and len(self.prefilling) + self.n < cfg.max_num_seqs:
             r = self.arrived[0]
             extra = usage(log.computed[r])
-            if self.used + extra > cap:
+            if not room(extra):
                 break
             self.arrived.popleft()
             self.used += extra
             self._join(r, log)
             self.fresh.append(r)
+        if not cfg.enable_chunked_prefill:
+            # vLLM V0's default: a step of whole prompts while any can be admitted, the decodes
+            # waiting; else a step of decodes only
+            chunks = self._admit(log, now, cfg.chunk_tokens, [], whole=True)
+            if chunks:
+                self.plan = _Plan(0, chunks, self._shape(0, chunks, log))
+                return self.plan
         # 1. one token for every decoding request; preempt until the cache holds them
         need = self._growth()
-        while self.used + need > cap and self._preempt_one(log):
+        while not room(need) and self._preempt_one(log):
             need = self._growth()
         self.used += need
         decodes = self.n
@@ -236,12 +343,26 @@ class Rank:
             done = log.computed[r]
             c = min(log.prompt[r] - done, budget)
             extra = usage(done + c) - usage(done)
-            if self.used + extra > cap:
+            if not room(extra):
                 break
             self.used += extra
             chunks.append((r, c))
             budget -= c
         # 3. new requests, first come first served
+        if cfg.enable_chunked_prefill:
+            chunks = self._admit(log, now, budget, chunks, whole=False)
+        if not decodes and not chunks:
+            self.plan = None
+            return None
+        self.plan = _Plan(decodes, chunks, self._shape(decodes, chunks, log))
+        return self.plan
+
+    def _admit(self, log: RequestLog, now: float, budget: int, chunks: list[tuple[int, int]],
+               whole: bool) -> list[tuple[int, int]]:
+        """Admit waiting requests into ``chunks`` while ``budget`` tokens, ``max_num_seqs`` and
+        the cache allow; ``whole``: only whole prompts (the first one even past the budget)."""
+        cfg, kv, pc = self.cfg, self.kv, self.prefix
+        cap, usage, room = kv.capacity_bytes, kv.usage_of, self._room
         while self.waiting and budget > 0 and len(self.prefilling) + self.n < cfg.max_num_seqs:
             r = self.waiting[0]
             if usage(log.input_len[r] + log.output_len[r]) > cap:
@@ -249,21 +370,33 @@ class Rank:
                 log.rejected[r] = True
                 log.finish[r] = now
                 continue
+            if pc is not None and log.computed[r] == 0:
+                hit = self._hit(r, log)
+                log.computed[r] = hit
             done = log.computed[r]
-            c = min(log.prompt[r] - done, budget)
-            extra = usage(done + c) - usage(done)
-            if self.used + extra > cap:
+            c = log.prompt[r] - done if whole else min(log.prompt[r] - done, budget)
+            if whole and c > budget and chunks:
+                if pc is not None and log.owned[r]:
+                    self._free(r, done, log)
+                    log.computed[r] = 0
                 break
+            extra = usage(done + c) - usage(done)
+            if not room(extra):
+                if pc is not None and log.owned[r]:     # not admitted: let its hits go again
+                    self._free(r, done, log)
+                    log.computed[r] = 0
+                break
+            if pc is not None:
+                pc.queried_tokens += log.prompt[r]
+                pc.hit_tokens += done
+                if not log.preemptions[r]:
+                    log.cached_tokens[r] = done
             self.waiting.popleft()
             self.used += extra
             self.prefilling.append(r)
             chunks.append((r, c))
             budget -= c
-        if not decodes and not chunks:
-            self.plan = None
-            return None
-        self.plan = _Plan(decodes, chunks, self._shape(decodes, chunks, log))
-        return self.plan
+        return chunks
 
     def _shape(self, decodes: int, chunks: list[tuple[int, int]], log: RequestLog) -> BatchShape:
         kv: list[tuple[int | None, int]] = []
@@ -273,7 +406,7 @@ class Rank:
             # a decoding token sees its whole cache (itself included), or the window of it
             short_n, short_sum = w.short_n, w.short_base + w.short_n * (g + 1)
             long_n = decodes - short_n
-            seen = short_sum + (long_n * w.window if long_n else 0)
+            seen = short_sum + (long_n * w.window if long_n else 0) if decodes else 0
             k, p = seen, seen
             for r, c in chunks:
                 past = log.computed[r]
@@ -312,9 +445,12 @@ class Rank:
                     continue
                 c = self._leave(r, log)
                 log.finish[r] = log.last_token[r] = now
-                self.used -= self.kv.usage_of(c)
+                self._free(r, c, log)
+        pc = self.prefix
         for r, c in plan.chunks:
             log.computed[r] += c
+            if pc is not None:
+                self._register(r, log)
             if log.computed[r] < log.prompt[r]:
                 continue
             self.prefilling.remove(r)
@@ -327,12 +463,16 @@ class Rank:
             log.generated[r] += 1
             if log.generated[r] >= log.output_len[r]:
                 log.finish[r] = now
-                self.used -= self.kv.usage_of(log.computed[r])
+                self._free(r, log.computed[r], log)
             elif self.role == PREFILL:
-                self.used -= self.kv.usage_of(log.computed[r])
+                self._free(r, log.computed[r], log)
                 handoff.append(r)
             else:
                 self._join(r, log)
+        if self.pending_drops:
+            for r in self.pending_drops:
+                self.abort(r, log)
+            self.pending_drops = []
         return handoff
 
 
@@ -385,6 +525,10 @@ class Trace:
     occupancy_n: list[int] = field(default_factory=list)
     end_s: float = 0.0
     kv_capacity: float = 1.0          # KV-cache bytes of every rank, summed (per GPU of each)
+    request_overhead_s: float = 0.0   # of every request's time, spent outside the engines
+    prefix_hit_tokens: int = 0        # prompt tokens served from prefix caches, of
+    prefix_queried_tokens: int = 0    # the prompt tokens admitted (recomputations included)
+    prefix_evicted_blocks: int = 0
 
 
 class Cluster:
@@ -414,16 +558,19 @@ class Cluster:
 
     def run(self, reqs: Requests, progress=None) -> tuple[RequestLog, Trace]:  # noqa: ANN001
         log = RequestLog(reqs)
-        trace = Trace(kv_capacity=self.capacity)
+        cfg = self.cfg
+        trace = Trace(kv_capacity=self.capacity, request_overhead_s=cfg.request_overhead_s)
         events: list[tuple[float, int, int, int]] = []    # (time, seq, kind, payload)
-        STEP, KV = 0, 1
+        STEP, KV, DROP = 0, 1, 2
         seq = 0
+        # the API server's share before a request reaches the engine, and after its last token
+        pre = post = cfg.request_overhead_s / 2
+        timeout = cfg.request_timeout_s
         in_flight = 0                     # requests between a prefill and a decode instance
         n, nxt = len(reqs), 0
-        arrivals = log.arrival
+        arrivals = [a + pre for a in log.arrival] if pre else log.arrival
         finished = 0
         handled = 0
-        cfg = self.cfg
         instances = self.instances
 
         def start(inst: Instance, now: float) -> None:
@@ -463,18 +610,37 @@ class Cluster:
                     trace.kv_time.append(now)
                     trace.kv_used.append(kv_used)
                     for r in handoff:
+                        log.rank[r] = None
                         in_flight += 1
                         heapq.heappush(events, (now + kv_transfer_s(inst.kind, log.computed[r], self.hw),
                                                 seq, KV, r))
                         seq += 1
                     start(inst, now)
-                else:
+                elif kind == KV:
                     r = payload
                     in_flight -= 1
-                    dst, rank = self._route(self.back, "back")
-                    rank.arrived.append(r)
-                    touched = dst
-                    start(dst, now)
+                    if log.dropped[r]:
+                        touched = instances[0]
+                    else:
+                        dst, rank = self._route(self.back, "back")
+                        rank.arrived.append(r)
+                        log.rank[r] = (dst, rank)
+                        touched = dst
+                        start(dst, now)
+                else:
+                    r = payload
+                    if log.finish[r] == log.finish[r] or log.dropped[r]:
+                        continue                  # done in time: nothing happens at its deadline
+                    log.dropped[r] = True
+                    log.drop_time[r] = now
+                    where = log.rank[r]
+                    touched = instances[0]
+                    if where is not None:
+                        inst, rank = where
+                        if not rank.abort(r, log):
+                            rank.pending_drops.append(r)
+                        touched = inst
+                        start(inst, now)
                 handled += 1
                 if progress is not None and handled % 2048 == 0:
                     finished = sum(1 for f in log.finish if f == f)
@@ -483,6 +649,10 @@ class Cluster:
                 now = t_arr
                 inst, rank = self._route(self.front, "front")
                 rank.waiting.append(nxt)
+                log.rank[nxt] = (inst, rank)
+                if timeout is not None:
+                    heapq.heappush(events, (log.arrival[nxt] + timeout - post, seq, DROP, nxt))
+                    seq += 1
                 nxt += 1
                 touched = inst
                 start(inst, now)
@@ -497,6 +667,19 @@ class Cluster:
                 count = c
             trace.end_s = now
         trace.steps = len(trace.step_time_s)
+        if post:
+            for r in range(n):
+                if log.finish[r] == log.finish[r] and not log.rejected[r]:
+                    log.first_token[r] += post
+                    log.last_token[r] += post
+                    log.finish[r] += post
+            trace.end_s += post
+        for inst in instances:
+            for rank in inst.ranks:
+                if rank.prefix is not None:
+                    trace.prefix_hit_tokens += rank.prefix.hit_tokens
+                    trace.prefix_queried_tokens += rank.prefix.queried_tokens
+                    trace.prefix_evicted_blocks += rank.prefix.evicted
         if progress is not None:
             progress(n, n)
         return log, trace

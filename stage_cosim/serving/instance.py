@@ -38,10 +38,13 @@ class KVLayout:
     block_size: int
     bytes_per_token: tuple[tuple[int | None, float], ...]   # per attention window
     capacity_bytes: float                                    # per GPU, for the cache
+    # A hybrid model's fixed state per sequence (its SSM layers' scan state and convolution
+    # window), held from the sequence's first token whatever its length
+    state_bytes: float = 0.0
 
     def usage(self, tokens):  # noqa: ANN001, ANN201 (int or int array -> bytes)
         blocks = (np.asarray(tokens) + self.block_size - 1) // self.block_size
-        out = 0.0
+        out = self.state_bytes * (np.asarray(tokens) > 0)
         for window, per_token in self.bytes_per_token:
             held = blocks if window is None else np.minimum(blocks, -(-window // self.block_size) + 1)
             out = out + held * (per_token * self.block_size)
@@ -50,7 +53,7 @@ class KVLayout:
     def usage_of(self, tokens: int) -> float:
         """Bytes per GPU a sequence with ``tokens`` cached tokens holds (:meth:`usage` for one)."""
         blocks = -(-tokens // self.block_size)
-        return sum(b * min(blocks, cap) for b, cap in self._per_block)
+        return sum(b * min(blocks, cap) for b, cap in self._per_block) + (self.state_bytes if tokens > 0 else 0.0)
 
     @cached_property
     def _per_block(self) -> tuple[tuple[float, float], ...]:
@@ -90,7 +93,8 @@ class InstanceKind:
                 "ep": self.parallel.ep, "weights_bytes_per_gpu": self.weights_bytes,
                 "workspace_bytes_per_gpu": self.workspace_bytes, "kv_capacity_bytes_per_gpu": self.kv.capacity_bytes,
                 "kv_capacity_tokens_per_rank": self.kv.tokens,
-                "kv_bytes_per_token_per_gpu": sum(b for _, b in self.kv.bytes_per_token)}
+                "kv_bytes_per_token_per_gpu": sum(b for _, b in self.kv.bytes_per_token),
+                "state_bytes_per_sequence_per_gpu": self.kv.state_bytes}
 
 
 def attention_dp(inference: InferenceConfig) -> bool:
@@ -125,7 +129,7 @@ def instance_kind(model: ModelConfig, parallel: ParallelConfig, inference: Infer
                                    f"({workspace / GiB:.1f} GiB) per GPU leave no KV cache in "
                                    f"{serving.hbm_utilization:g} of {cluster.gpu.memory_bytes / GiB:.0f} GiB")
     kv = KVLayout(serving.kv_block_size, tuple(sorted(per_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))),
-                  capacity)
+                  capacity, max(w.state_bytes_per_sequence(s) for s in stages))
     ranks_per_stage = par.world_size // par.pp
     per_token_all = sum(sum(w.kv_cache_bytes_per_token_by_window(s).values()) for s in stages) * ranks_per_stage
     return InstanceKind(par, gpus, ranks, timer, kv, weights, workspace, per_token_all / ranks)
@@ -136,7 +140,7 @@ def kv_transfer_s(kind: InstanceKind, tokens: int, cluster) -> float:  # noqa: A
     decode instance: every GPU sends its shard over its own NIC at once."""
     nbytes = kind.transfer_bytes_per_token * tokens / max(1, kind.gpus // kind.ranks)
     out = cluster.scale_out
-    return out.latency_ns * 1e-9 + nbytes / (out.bandwidth_GBps * 1e9 / out.oversubscription)
+    return out.latency_ns * 1e-9 + nbytes / (out.flat_bandwidth_GBps * 1e9)
 
 
 def pool_instances(pool_gpus: int, kind: InstanceKind, parameter: str) -> int:

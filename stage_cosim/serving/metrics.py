@@ -6,7 +6,10 @@ occupancy over time, and Little's law as a check of the run's own bookkeeping.
 * ITL: every gap between two consecutive output tokens of a request, over all requests;
 * end-to-end latency: arrival to the last token;
 * goodput: completed requests per second that met every SLO given (DistServe's definition of
-  the rate that counts), with the attainment (the share of requests that met them);
+  the rate that counts), with the attainment (the share of requests that met them); a request
+  dropped at its client timeout never counts;
+* prefix caching: the share of admitted prompt tokens served from cached blocks (vLLM's hit
+  rate), and the blocks evicted;
 * Little's law: the time-averaged number of requests in the engines (read off their queues
   and batches) equals the arrival rate times the mean time in the system over a window where
   the system starts and ends empty; the report gives both sides.
@@ -64,18 +67,19 @@ class _Columns:
     """A run's request log as arrays."""
 
     def __init__(self, log: RequestLog) -> None:
-        for name in ("arrival", "first_token", "finish"):
+        for name in ("arrival", "first_token", "finish", "drop_time"):
             setattr(self, name, np.asarray(getattr(log, name), dtype=np.float64))
         for name in ("input_len", "output_len", "preemptions"):
             setattr(self, name, np.asarray(getattr(log, name), dtype=np.int64))
         self.rejected = np.asarray(log.rejected, dtype=bool)
+        self.dropped = np.asarray(log.dropped, dtype=bool)
         gaps = np.asarray(log.itl, dtype=np.float64).reshape(-1, 2)
         self.itl, self.itl_weight = gaps[:, 0], gaps[:, 1]
 
 
 def summarize(log: RequestLog, trace: Trace, slo: SLO, gpus: int) -> dict[str, Any]:
     log = _Columns(log)  # type: ignore[assignment]
-    done = ~np.isnan(log.finish) & ~log.rejected
+    done = ~np.isnan(log.finish) & ~log.rejected & ~log.dropped
     n_done = int(np.count_nonzero(done))
     start = float(log.arrival[0]) if len(log.arrival) else 0.0
     span = max(trace.end_s - start, 1e-12)
@@ -91,12 +95,14 @@ def summarize(log: RequestLog, trace: Trace, slo: SLO, gpus: int) -> dict[str, A
     if slo.tpot_s is not None:
         met &= ~multi | (((log.finish - log.first_token) / np.maximum(1, log.output_len - 1)) <= slo.tpot_s)
     n_met = int(np.count_nonzero(met))
-    # Little's law over the whole run (empty at both ends): rejected requests count too, for
-    # the time they waited
-    left = ~np.isnan(log.finish)
+    # Little's law over the whole run (empty at both ends): rejected and dropped requests count
+    # too, for the time they waited; the time is the engines' (less the API server's share)
+    left_at = np.where(log.dropped, log.drop_time, log.finish)
+    left = ~np.isnan(left_at)
     in_system = occupancy_mean(trace, start, trace.end_s)
     rate = len(log.arrival) / span
-    mean_time = float(np.mean((log.finish - log.arrival)[left])) if left.any() else 0.0
+    in_engine = left_at - log.arrival - np.where(log.dropped | log.rejected, 0.0, trace.request_overhead_s)
+    mean_time = float(np.mean(in_engine[left])) if left.any() else 0.0
     little = rate * mean_time * np.count_nonzero(left) / max(1, len(log.arrival))
     kv_t = np.asarray(trace.kv_time)
     kv_u = np.asarray(trace.kv_used)
@@ -104,6 +110,7 @@ def summarize(log: RequestLog, trace: Trace, slo: SLO, gpus: int) -> dict[str, A
     steps = np.asarray(trace.step_time_s)
     return {
         "requests": {"total": len(log.arrival), "completed": n_done, "rejected": int(np.count_nonzero(log.rejected)),
+                     "dropped": int(np.count_nonzero(log.dropped)),
                      "preempted": int(np.count_nonzero(log.preemptions)),
                      "preemptions": int(np.sum(log.preemptions)),
                      "input_tokens": in_tokens, "output_tokens": out_tokens},
@@ -116,6 +123,10 @@ def summarize(log: RequestLog, trace: Trace, slo: SLO, gpus: int) -> dict[str, A
                        "total_tokens_per_s_per_gpu": (in_tokens + out_tokens) / span / gpus},
         "slo": {**slo.to_dict(), "attainment": n_met / max(1, len(log.arrival)), "goodput_requests_per_s": n_met / span,
                 "goodput_requests_per_s_per_gpu": n_met / span / gpus},
+        "prefix_cache": {"hit_rate": trace.prefix_hit_tokens / trace.prefix_queried_tokens
+                         if trace.prefix_queried_tokens else 0.0,
+                         "hit_tokens": trace.prefix_hit_tokens, "queried_tokens": trace.prefix_queried_tokens,
+                         "evicted_blocks": trace.prefix_evicted_blocks},
         "steps": {"count": trace.steps, "time_s": _stats(steps),
                   "decodes_per_step": _stats(np.asarray(trace.step_decodes, dtype=np.float64))},
         "kv_cache": {"peak_occupancy": float(np.max(kv_u)) / trace.kv_capacity if len(kv_u) else 0.0,

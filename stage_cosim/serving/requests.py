@@ -1,9 +1,14 @@
-"""The requests a serving simulation is driven by: arrival time, prompt and output lengths.
+"""The requests a serving simulation is driven by: arrival time, prompt and output lengths, and
+what their prompts share.
 
 Either Poisson arrivals at a rate with lengths drawn from a distribution (fixed, or log-normal
-around the given means, as request lengths of chat workloads are), or a trace file with one
-request per row: ``arrival_s,input_len,output_len`` (CSV with that header, or JSON lines with
-those keys).
+around the given means, as request lengths of chat workloads are), optionally each prompt
+opening with one of ``prefix_groups`` shared prefixes of ``prefix_len`` tokens (a system prompt,
+few-shot examples); or a trace file with one request per row: ``arrival_s,input_len,output_len``
+(CSV with that header, or JSON lines with those keys) and optionally ``hash_ids`` (the prompt's
+512-token blocks by content id, see :mod:`stage_cosim.serving.prefix`). Mooncake traces (JSON
+lines of ``timestamp`` in milliseconds, ``input_length``, ``output_length``, ``hash_ids``) are
+read as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 
 from stage_cosim.errors import UserError, positive_int, require
 from stage_cosim.files import local_files_allowed, refuse_local_file
+from stage_cosim.serving.prefix import MOONCAKE_HASH_BLOCK
 
 TRACE_FIELDS = ("arrival_s", "input_len", "output_len")
 LENGTH_DISTRIBUTIONS = ("lognormal", "fixed")
@@ -30,6 +36,9 @@ class Requests:
     arrival_s: np.ndarray      # float64, non-decreasing
     input_len: np.ndarray      # int64, >= 1
     output_len: np.ndarray     # int64, >= 1 (the first output token comes out of the prefill)
+    # per request, the content ids of its prompt's hash blocks (None: every prompt its own)
+    hash_ids: tuple[tuple[int, ...], ...] | None = None
+    hash_block: int = MOONCAKE_HASH_BLOCK          # tokens per hash id
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -44,7 +53,7 @@ class Requests:
         """Every request fits ``max_context`` tokens (prompt plus output): prompts are cut first."""
         out = np.minimum(self.output_len, max_context - 1)
         inp = np.minimum(self.input_len, max_context - out)
-        return Requests(self.arrival_s, inp, out)
+        return Requests(self.arrival_s, inp, out, self.hash_ids, self.hash_block)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,10 @@ class RequestStream:
     lengths: str = "lognormal"
     spread: float = 0.6
     seed: int = 0
+    # every prompt opens with one of prefix_groups shared prefixes of prefix_len tokens (added
+    # to its own input_len tokens, as vLLM's benchmark random prefix is)
+    prefix_len: int = 0
+    prefix_groups: int = 1
 
     def __post_init__(self) -> None:
         require(isinstance(self.rate, (int, float)) and self.rate > 0 and math.isfinite(self.rate), "rate",
@@ -71,12 +84,20 @@ class RequestStream:
                 f"must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, got {self.lengths!r}")
         require(0 <= self.spread <= 3, "length-spread", f"must be in [0, 3], got {self.spread!r}")
         require(isinstance(self.seed, int) and self.seed >= 0, "seed", f"must be a non-negative integer, got {self.seed!r}")
+        require(isinstance(self.prefix_len, int) and self.prefix_len >= 0, "prefix-len",
+                f"must be a non-negative integer (tokens), got {self.prefix_len!r}")
+        positive_int(self.prefix_groups, "prefix-groups")
 
     def generate(self) -> Requests:
         rng = np.random.default_rng(self.seed)
         gaps = rng.exponential(1.0 / self.rate, self.num_requests)
         arrival = np.cumsum(gaps) - gaps[0]          # the first request arrives at 0
-        return Requests(arrival, self._lengths(rng, self.input_len), self._lengths(rng, self.output_len))
+        inp, out = self._lengths(rng, self.input_len), self._lengths(rng, self.output_len)
+        if not self.prefix_len:
+            return Requests(arrival, inp, out)
+        # drawn after the lengths, so a stream with a prefix has the same arrivals and lengths
+        groups = rng.integers(0, self.prefix_groups, self.num_requests)
+        return Requests(arrival, inp + self.prefix_len, out, tuple((int(g),) for g in groups), self.prefix_len)
 
     def _lengths(self, rng: np.random.Generator, mean: int) -> np.ndarray:
         if self.lengths == "fixed" or self.spread == 0:
@@ -103,7 +124,8 @@ def read_trace(path: str | Path, parameter: str = "trace") -> Requests:
 
 def _csv_rows(text: str, p: Path, parameter: str) -> list[dict]:
     reader = csv.DictReader(text.splitlines())
-    missing = [f for f in TRACE_FIELDS if f not in (reader.fieldnames or [])]
+    names = set(_mooncake({f: "" for f in reader.fieldnames or []}))
+    missing = [f for f in TRACE_FIELDS if f not in names]
     if missing:
         raise UserError(parameter, f"{p}: a CSV trace needs the columns {', '.join(TRACE_FIELDS)} "
                                    f"(missing {', '.join(missing)})")
@@ -125,13 +147,48 @@ def _json_rows(text: str, p: Path, parameter: str) -> list[dict]:
     return rows
 
 
+def _mooncake(row: dict) -> dict:
+    """A Mooncake trace row (timestamp in ms, input_length, output_length) in our field names."""
+    if "arrival_s" in row or "timestamp" not in row:
+        return row
+    out = dict(row)
+    try:
+        out["arrival_s"] = float(row["timestamp"]) / 1000
+    except (TypeError, ValueError):
+        out["arrival_s"] = row["timestamp"]
+    for ours, theirs in (("input_len", "input_length"), ("output_len", "output_length")):
+        if theirs in row:
+            out[ours] = row[theirs]
+    return out
+
+
+def _hash_ids(value, head: str, tail: str, i: int) -> tuple[int, ...]:  # noqa: ANN001
+    """A row's ``hash_ids``: a JSON list, or in CSV a list or space-separated integers."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = json.loads(text) if text.startswith("[") else [int(x) for x in text.split()]
+        except ValueError:
+            value = None
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise UserError(head, f"{tail + ': ' if tail else ''}request {i}: hash_ids must be a list of integers")
+    return tuple(value)
+
+
 def requests_from_rows(rows: list[dict], where: str) -> Requests:
-    """Requests from rows of ``arrival_s``, ``input_len``, ``output_len`` (sorted by arrival)."""
+    """Requests from rows of ``arrival_s``, ``input_len``, ``output_len`` and optionally
+    ``hash_ids`` (or Mooncake's ``timestamp`` in ms, ``input_length``, ``output_length``),
+    sorted by arrival."""
     head, _, tail = where.partition(": ")
     if not rows:
         raise UserError(head, f"{tail + ': ' if tail else ''}holds no requests")
-    arrival, inp, out = [], [], []
+    arrival, inp, out, ids = [], [], [], []
     for i, row in enumerate(rows, 1):
+        row = _mooncake(row)
+        if row.get("hash_ids") not in (None, ""):
+            ids.append(_hash_ids(row["hash_ids"], head, tail, i))
+        else:
+            ids.append(())
         try:
             a = float(row["arrival_s"])
             n_in, n_out = int(row["input_len"]), int(row["output_len"])
@@ -147,5 +204,6 @@ def requests_from_rows(rows: list[dict], where: str) -> Requests:
         inp.append(n_in)
         out.append(n_out)
     order = np.argsort(np.asarray(arrival), kind="stable")
+    hashed = tuple(ids[k] for k in order) if any(ids) else None
     return Requests(np.asarray(arrival, dtype=np.float64)[order], np.asarray(inp, dtype=np.int64)[order],
-                    np.asarray(out, dtype=np.int64)[order])
+                    np.asarray(out, dtype=np.int64)[order], hashed)

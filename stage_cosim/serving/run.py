@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from stage_cosim.errors import UserError
@@ -53,14 +54,28 @@ def deploy(model: ModelConfig, parallel: ParallelConfig, inference: InferenceCon
 
 
 def simulate_serving(dep: Deployment, requests: Requests, slo: SLO,
-                     progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Run ``requests`` through the deployment; the report (see :mod:`metrics`)."""
+                     progress: Callable[[int, int], None] | None = None,
+                     requests_out: str | Path | None = None) -> dict[str, Any]:
+    """Run ``requests`` through the deployment; the report (see :mod:`metrics`), and with
+    ``requests_out`` every request's times written there as CSV (see :mod:`output`)."""
     reqs = requests.clipped(dep.model.max_seq) if dep.model.position == "learned" else requests
     engines = Cluster(dep.pools, dep.serving, dep.cluster, _windows(dep.model))
     sims_before = dep.kind.timer.stats.simulations
     log, trace = engines.run(reqs, progress)
     report = summarize(log, trace, slo, dep.gpus)
+    if requests_out is not None:
+        from stage_cosim.files import reported_write
+        from stage_cosim.serving.output import write_requests_csv
+
+        with reported_write("requests-out", Path(requests_out)):
+            write_requests_csv(log, requests_out)
     report["deployment"] = dep.to_dict()
+    report["serving"] = {"enable_prefix_caching": dep.serving.enable_prefix_caching,
+                         "enable_chunked_prefill": dep.serving.enable_chunked_prefill,
+                         "max_num_seqs": dep.serving.max_num_seqs, "chunk_tokens": dep.serving.chunk_tokens,
+                         "step_overhead_s": dep.serving.step_overhead_s,
+                         "request_overhead_s": dep.serving.request_overhead_s,
+                         "request_timeout_s": dep.serving.request_timeout_s}
     stats = dep.kind.timer.stats
     report["step_times"] = {"resolution": dep.serving.step_resolution, "steps": trace.steps,
                             "simulations": stats.simulations - sims_before, "cached_shapes": stats.simulations,

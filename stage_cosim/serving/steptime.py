@@ -131,8 +131,8 @@ class StepTimer:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, inference: InferenceConfig, cluster,  # noqa: ANN001
                  resolution: float = DEFAULT_RESOLUTION, network_model: str = "calibrated") -> None:
-        from stage_cosim.adapters.roofline.compute import ComputeModel
         from stage_cosim.adapters.roofline.simulate import make_network
+        from stage_cosim.serving.kernels import ServingComputeModel
 
         require(0 <= resolution < 1, "step-resolution", f"must be in [0, 1), got {resolution!r}")
         self.model = model
@@ -142,7 +142,8 @@ class StepTimer:
         self.resolution = resolution
         self.windows = tuple(sorted(set(model.layer_windows()), key=lambda w: (w is not None, w or 0)))
         self.grid = Grid(resolution) if resolution > 0 else None
-        self._compute = ComputeModel(cluster.gpu)
+        # GEMMs from the measured microbenchmarks, not the training fit's small-GEMM knee
+        self._compute = ServingComputeModel(cluster.gpu)
         self._network = make_network(network_model, cluster)
         self._simulated: dict[tuple, float] = {}
         self._pars: dict[int, ParallelConfig] = {}

@@ -1,0 +1,136 @@
+"""Kernel costs of serving steps from measured microbenchmarks, not from the training fit.
+
+The training calibration prices a GEMM at ``peak · efficiency · F / (F + half_flops)``: a knee
+fitted to training steps, whose GEMMs are all large. A serving step's GEMMs are mostly small
+in one dimension (the step's tokens) and large in the others (the weights), so that knee turns
+into a floor per GEMM (on A100, 31 GFLOP: every decode GEMM ≥ ~130 µs whatever its size) that
+tensor parallelism cannot shrink and every MoE expert pays again. Here a GEMM of F FLOPs moving
+B bytes costs
+
+    max(F / rate(F), B / achievable HBM bandwidth) + kernel overhead
+
+with ``rate(F)`` the GPU's measured GEMM throughput at that size (the microbenchmark table,
+interpolated in log F; outside the measured sizes, the nearest measured rate: never a
+per-kernel floor), and the achievable bandwidth the measured STREAM triad bandwidth. A GPU or number format without measurements falls back to the record's peak ·
+``matmul_efficiency`` (its large-GEMM asymptote) and ``hbm_GBps · memory_efficiency``.
+Everything but GEMMs (attention, norms, collectives) is the training model's.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+
+from stage_cosim.adapters.roofline.compute import ComputeModel, matmul_format
+from stage_cosim.hardware.gpu import GPU, gpu_records
+
+
+def _format_of(dtype: str) -> str | None:
+    """The number format of a microbenchmark row's dtype (fp16 runs at the BF16 rate)."""
+    d = dtype.lower()
+    if d in ("fp16", "bf16"):
+        return "bf16"
+    if d.startswith("fp8"):
+        return "fp8"
+    if d.startswith("fp4"):
+        return "fp4"
+    return None
+
+
+def _table(name: str) -> list[dict[str, str]]:
+    with resources.files("stage_cosim.validation").joinpath("data", name).open() as f:
+        return list(csv.DictReader(f))
+
+
+@lru_cache(maxsize=None)
+def gemm_points(part: str, fmt: str) -> tuple[tuple[float, float], ...]:
+    """(GEMM FLOPs, measured FLOP/s) of ``part`` in ``fmt``, by size (the best row per size)."""
+    best: dict[float, float] = {}
+    for r in _table("gemm_microbench.csv"):
+        if r["gpu"] != part or _format_of(r["dtype"]) != fmt or not r.get("tflops"):
+            continue
+        groups = int(r["groups"]) if r.get("groups") else 1
+        f = 2.0 * int(r["m"]) * int(r["n"]) * int(r["k"]) * int(r["batch"] or 1) / groups
+        best[f] = max(best.get(f, 0.0), float(r["tflops"]) * 1e12)
+    # the envelope: a larger GEMM runs at least as fast as a smaller one could (an odd skinny
+    # shape measured at one size does not make every GEMM of that size slow)
+    out: list[tuple[float, float]] = []
+    for f, rate in sorted(best.items()):
+        if not out or rate > out[-1][1]:
+            out.append((f, rate))
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def hbm_Bps(part: str) -> float | None:
+    """The measured STREAM triad bandwidth of ``part`` (B/s; the best run where several are
+    published), or None: a kernel that reads two streams and writes one, as a GEMM's operands
+    and result move."""
+    rates = [float(r["bandwidth_tbps"]) * 1e12 for r in _table("hbm_bandwidth.csv")
+             if r["gpu"] == part and r["kernel"] == "triad"]
+    return max(rates) if rates else None
+
+
+def measured_rate(points: tuple[tuple[float, float], ...], flops: float) -> float:
+    """The measured rate at ``flops``: linear in log F between measured sizes, the nearest
+    measured one outside them."""
+    if flops <= points[0][0]:
+        return points[0][1]
+    if flops >= points[-1][0]:
+        return points[-1][1]
+    for (f0, r0), (f1, r1) in zip(points, points[1:]):
+        if f0 <= flops <= f1:
+            x = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return r0 + x * (r1 - r0)
+    return points[-1][1]   # pragma: no cover - the loop covers every size in range
+
+
+def part_of(gpu: GPU) -> str | None:
+    """The data-sheet name the microbenchmark tables use for ``gpu`` (None: not a shipped record)."""
+    return gpu_records().get(gpu.name, {}).get("part")
+
+
+@dataclass(frozen=True)
+class ServingComputeModel(ComputeModel):
+    """The training compute model with GEMMs priced by the measured tables (see the module)."""
+
+    _hbm: float = field(init=False, repr=False, compare=False)
+    _part: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        g = self.gpu
+        part = part_of(g) or ""
+        object.__setattr__(self, "_part", part)
+        object.__setattr__(self, "_hbm", (hbm_Bps(part) if part else None) or g.hbm_GBps * 1e9 * g.memory_efficiency)
+
+    @property
+    def hbm_bandwidth(self) -> float:
+        return self._hbm
+
+    def matmul_rate(self, flops: float, fmt: str) -> float:
+        g = self.gpu
+        points = gemm_points(self._part, fmt) if self._part else ()
+        if points:
+            return measured_rate(points, flops)
+        peak = g.peak_tflops(fmt)
+        if peak is None:
+            raise ValueError(f"{g.name} has no {fmt} tensor cores")
+        eff = g.matmul_efficiency if fmt == "bf16" else g.fp8_matmul_efficiency
+        return peak * 1e12 * eff
+
+    def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
+                   groups: int = 1, keys: float = 0.0) -> float:
+        fmt = matmul_format(matmul)
+        if attention or not fmt or flops <= 0:
+            return super().duration_s(flops, nbytes, matmul, attention, groups, keys)
+        # a grouped GEMM (an MoE layer's local experts) runs each group at its own size's rate,
+        # all in one kernel: one launch, no floor per expert
+        t_flops = flops / self.matmul_rate(flops / max(1, groups), fmt)
+        return max(t_flops, nbytes / self._hbm) + self.gpu.kernel_overhead_us * 1e-6
+
+
+def serving_compute_model(gpu: GPU) -> ServingComputeModel:
+    return ServingComputeModel(gpu)
