@@ -21,21 +21,36 @@ with INVALID_ARGUMENT, and meanwhile a separate process checks the server's heal
 its latency p99 must stay under 50 ms, and every well-formed job must still succeed with the
 right result. (The health figure of the cache pass, which saturates the server with well-formed
 calls, is printed too.)
+
+Beside the first pass, hostile clients of their own (another process, one connection each) loop
+on the attacks of issue 28 until it ends: a 3 MB request_id; four clients sending a 254 KB
+cluster description of sexagesimal integers (``num_gpus: 1:1:1:...``); two jobs asking for a day
+(``timeout_s=86400``) from one client; two clients listing and downloading a 1,024-rank trace
+set's artifacts; jobs writing past their disk quota; 300 silent TCP connections; page tokens and
+GPU counts that broke the old checks. The server runs with a data directory and small quotas
+(``--job-disk-mib``, ``--total-disk-mib``, ``--record-memory-mib``, ``--max-job-timeout``), and the
+benchmark prints the honest clients' submit-call p99 (goal: 1 s), the health p99 (goal: 50 ms),
+the server's peak resident memory and the data directory's size against its quota.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import itertools
 import json
 import os
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
+import tempfile
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import grpc
 
@@ -109,6 +124,7 @@ def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str,
         work.put(item)
     jobs: dict[int, pb.Job] = {}
     latencies: list[float] = []
+    submits: list[float] = []               # the SubmitJob call alone
     resubmits_same: list[bool] = []
     errors: list[str] = []
     refused: dict[str, list[str]] = {}
@@ -137,6 +153,7 @@ def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str,
                     rid = f"{tag}-{i}"
                     t0 = time.perf_counter()
                     job = c.submit("simulate", points[i], request_id=rid)
+                    submitted = time.perf_counter() - t0
                     if i % 10 == 0:
                         again = c.submit("simulate", points[i], request_id=rid)
                         with lock:
@@ -146,6 +163,7 @@ def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str,
                     with lock:
                         jobs[i] = final
                         latencies.append(dt)
+                        submits.append(submitted)
                 except Exception as exc:  # noqa: BLE001 (counted and reported)
                     with lock:
                         errors.append(f"{i}: {exc}")
@@ -158,7 +176,8 @@ def run_pass(address: str, points: list[dict[str, Any]], clients: int, tag: str,
         t.join()
     wall = time.perf_counter() - t0
     latencies.sort()
-    return {"jobs": jobs, "wall": wall, "latencies": latencies, "resubmits_same": resubmits_same, "errors": errors,
+    submits.sort()
+    return {"jobs": jobs, "wall": wall, "latencies": latencies, "submits": submits, "resubmits_same": resubmits_same, "errors": errors,
             "refused": refused}
 
 
@@ -208,13 +227,161 @@ class HealthProbe:
         self._process.join(30)
 
 
+# -- issue 28: hostile clients beside the honest ones ----------------------------------------------------
+
+SEXAGESIMAL = "num_gpus: " + ":".join(["1"] * 127_000) + "\n"      # 254 KB
+# the quotas the server runs with here: small, so that the attacks reach them within a pass
+QUOTAS = {"--job-disk-mib": 16, "--total-disk-mib": 128, "--record-memory-mib": 32, "--max-job-timeout": 60}
+LISTED = dict(model="llama3-8b", layers=2, seq_len=128, dp=1024, global_batch=1024)     # 1,026 files, 7.5 MiB
+TOO_BIG = dict(model="llama3-8b", layers=2, seq_len=128, dp=4096, global_batch=4096)    # ~30 MiB: past 16
+
+
+def _outcome(call: Callable[[], Any]) -> str:
+    try:
+        call()
+        return "OK"
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def _attacker(address: str, stop: Any, tally: dict[str, collections.Counter], lock: threading.Lock,
+              name: str, attack: Callable[[Client], str], pause_s: float = 0.0) -> None:
+    """One hostile client (its own connection): ``attack`` again and again until ``stop``."""
+    with Client(address, retries=0) as c:
+        while not stop.is_set():
+            try:
+                outcome = attack(c)
+            except Exception as exc:  # noqa: BLE001 (counted and reported: an attack that broke)
+                outcome = f"ERROR {exc.__class__.__name__}: {str(exc)[:80]}"
+                stop.wait(1.0)
+            with lock:
+                tally.setdefault(name, collections.Counter())[outcome] += 1
+            if pause_s:
+                stop.wait(pause_s)
+
+
+def hostile_clients(address: str, stop: Any, out: Any) -> None:
+    """In a process of its own: the issue-28 attackers until ``stop`` is set; sends back each
+    attack's outcomes and the number of silent connections the server closed."""
+    import socket
+
+    def raw(c: Client, message: pb.SubmitJobRequest) -> str:
+        return _outcome(lambda: c.stub.SubmitJob(message, timeout=60))
+
+    small = pb.Design(model="llama3-8b", layers=2, seq_len=128)
+    big_id = pb.SubmitJobRequest(simulate=pb.SimulateJob(design=small), request_id="r" * (3 << 20))
+    sexagesimal = pb.SubmitJobRequest(simulate=pb.SimulateJob(design=pb.Design(
+        model="llama3-8b", layers=2, seq_len=128, cluster_description=SEXAGESIMAL)))
+    bad_count = pb.SubmitJobRequest(simulate=pb.SimulateJob(design=pb.Design(
+        model="llama3-8b", layers=2, seq_len=128, cluster="dgx-h100:-8")))
+    n = itertools.count()
+
+    def day_long(c: Client) -> str:
+        # two long searches from one client, each asking for a day: clamped, and one worker at most
+        jobs = [c.submit("optimize", dict(model="llama3-70b", cluster="dgx-h100:512", global_batch=512,
+                                          seq_len=4096), settings={"seed": k}, timeout_s=86400) for k in (1, 2)]
+        limit = float(QUOTAS["--max-job-timeout"])
+        outcome = "CLAMPED" if all(j.timeout_s <= limit for j in jobs) else "GRANTED"
+        stop.wait()
+        for j in jobs:
+            with contextlib.suppress(Exception):     # a job past its 60 s has failed already
+                c.cancel(j.id)
+        return outcome
+
+    listed: list[str] = []
+
+    def listing(c: Client) -> str:
+        if not listed:
+            job = c.wait(c.submit("synthesize", LISTED, format="chakra").id)
+            listed.append(job.id)
+        page = c.stub.ListArtifacts(pb.ListArtifactsRequest(job_id=listed[0], page_size=10_000), timeout=60)
+        for _ in c.stub.Download(pb.DownloadRequest(job_id=listed[0], path=page.files[-1].path), timeout=60):
+            pass
+        return "OK"
+
+    def disk(c: Client) -> str:
+        job = c.wait(c.submit("synthesize", dict(TOO_BIG, layers=2 + next(n)), format="chakra").id)
+        return "FAILED disk" if job.state == pb.FAILED and job.error.startswith("disk:") else pb.JobState.Name(job.state)
+
+    def page_token(c: Client) -> str:
+        return _outcome(lambda: c.stub.ListJobs(pb.ListJobsRequest(page_token="²"), timeout=60))
+
+    attacks: list[tuple[str, Callable[[Client], str], float]] = [
+        ("3 MB request_id", lambda c: raw(c, big_id), 0.0),
+        *[("sexagesimal cluster description (254 KB)", lambda c: raw(c, sexagesimal), 0.0)] * 4,
+        ("two day-long searches (timeout_s=86400)", day_long, 0.0),
+        *[("ListArtifacts + Download, 1,026 files", listing, 0.0)] * 2,
+        ("synthesis past the disk quota", disk, 1.0),
+        ("page_token '²'", page_token, 0.0),
+        ("cluster 'dgx-h100:-8'", lambda c: raw(c, bad_count), 0.0),
+    ]
+    host, port = address.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port))) for _ in range(300)]
+    tally: dict[str, collections.Counter] = {}
+    lock = threading.Lock()
+    threads = [threading.Thread(target=_attacker, args=(address, stop, tally, lock, name, attack, pause))
+               for name, attack, pause in attacks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    closed = 0
+    for sock in silent:
+        sock.setblocking(False)
+        try:
+            while sock.recv(65536):             # the server's HTTP/2 settings, then its close
+                pass
+            closed += 1
+        except BlockingIOError:
+            pass                                # still open: nothing more to read
+        except ConnectionResetError:
+            closed += 1
+        sock.close()
+    out.send(({name: dict(counts) for name, counts in tally.items()}, closed, len(silent)))
+
+
+class HostileClients:
+    """The issue-28 attackers in another process while the block runs."""
+
+    def __init__(self, address: str) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._results, sender = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=hostile_clients, args=(address, self._stop, sender), daemon=True)
+        self.outcomes: dict[str, dict[str, int]] = {}
+        self.silent_closed = self.silent = 0
+
+    def __enter__(self) -> "HostileClients":
+        self._process.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.outcomes, self.silent_closed, self.silent = self._results.recv()
+        self._process.join(60)
+
+
+def peak_rss_mib(pid: int) -> float:
+    """A process's peak resident memory (Linux's VmHWM), MiB; nan where there is no /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def start_server(workers: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "stage_cosim", "serve", "--port", "0", "--workers", str(workers)],
-                            stdout=subprocess.PIPE, text=True)
+def start_server(workers: int, data_dir: Path) -> tuple[subprocess.Popen, str]:
+    quotas = [str(x) for flag_value in QUOTAS.items() for x in flag_value]
+    proc = subprocess.Popen([sys.executable, "-m", "stage_cosim", "serve", "--port", "0", "--workers", str(workers),
+                             "--data-dir", str(data_dir), *quotas], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()   # type: ignore[union-attr]
     address = line.split(" serving on ")[1].split()[0]
     return proc, address
@@ -235,19 +402,25 @@ def main() -> int:
     expected = [json.dumps(api.simulate(p), sort_keys=True) for p in points]
     proc = None
     address = args.server
+    data_dir = Path(tempfile.mkdtemp(prefix="bridge-load-"))
     if address is None:
-        proc, address = start_server(args.workers)
+        proc, address = start_server(args.workers, data_dir)
     try:
-        with HealthProbe(address) as health_first:
+        with HealthProbe(address) as health_first, HostileClients(address) as hostile:
             first = run_pass(address, points, args.clients, f"load-{os.getpid()}", attacks)
         with HealthProbe(address) as health_second:
             second = run_pass(address, points, args.clients, f"again-{os.getpid()}")
         with Client(address) as c:
             listed = [j for j in c.jobs(page_size=1000) if j.request_id.startswith(f"load-{os.getpid()}-")]
+        rss_mib = peak_rss_mib(proc.pid) if proc is not None else float("nan")
+        from stage_cosim.bridge.paths import disk_usage
+
+        disk_mib = disk_usage(data_dir / "jobs") / (1 << 20) if proc is not None else float("nan")
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+        shutil.rmtree(data_dir, ignore_errors=True)
 
     # checks: every job final and succeeded, once, with the right result
     jobs = first["jobs"]
@@ -281,6 +454,14 @@ def main() -> int:
     # calls (its health figure is shown, not judged)
     health_p99 = pct(sorted(health_first.latencies), 0.99)
     healthy = health_p99 < 0.050 and not (health_first.failures or health_second.failures)
+    submit_p99 = pct(first["submits"], 0.99)
+    print(f"issue-28 attackers beside the first pass (server quotas: {' '.join(f'{k} {v}' for k, v in QUOTAS.items())}):")
+    for name, outcomes in sorted(hostile.outcomes.items()):
+        print(f"  attack {name:<40} {', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}")
+    print(f"  silent TCP connections closed by the server: {hostile.silent_closed}/{hostile.silent}")
+    print(f"honest submit call p50 {1000 * pct(first['submits'], 0.5):.1f} ms p99 {1000 * submit_p99:.1f} ms "
+          f"(goal 1 s); server peak RSS {rss_mib:.0f} MiB; jobs on disk {disk_mib:.1f} MiB "
+          f"(--total-disk-mib {QUOTAS['--total-disk-mib']})")
     print(f"health p99 under the hostile mix {1000 * health_p99:.1f} ms (limit 50 ms): "
           f"{'OK' if healthy else 'FAILED'}; attacks refused with INVALID_ARGUMENT: {'OK' if refused_ok else 'FAILED'}")
     ok = not (lost or duplicated or wrong or wrong_second or first["errors"] or second["errors"]) \

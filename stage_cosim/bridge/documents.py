@@ -22,7 +22,9 @@ the limit), naming its largest field.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping
 
 from stage_cosim.errors import UserError
@@ -113,7 +115,7 @@ def load_yaml(text: str, field: str, limits: DocumentLimits) -> Any:
     import yaml
 
     check_text(text, field, limits)
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    loader = yaml12_loader()
     try:
         _check_events(yaml.parse(text, Loader=loader), field, limits)
         value = yaml.load(text, Loader=loader)
@@ -125,6 +127,41 @@ def load_yaml(text: str, field: str, limits: DocumentLimits) -> Any:
         raise _unreadable(field, ValueError(str(exc))) from None
     measure(value, field, limits)          # bounded: the events passed the value limit
     return value
+
+
+INT_TAG, FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+# YAML 1.2 core schema: decimal, 0o octal, 0x hexadecimal integers; decimal floats with an
+# optional exponent, .inf and .nan. No sexagesimal (``1:1:1``), no underscores, no 1.1 octal.
+_INT_12 = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", re.ASCII)
+_FLOAT_12 = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", re.ASCII)
+
+
+def _int_12(loader: Any, node: Any) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)                # leading zeros are decimal in 1.2 (1.1 read them as octal)
+
+
+@lru_cache(maxsize=1)
+def yaml12_loader() -> type:
+    """The safe loader (C parser when present) with YAML 1.2 core-schema numbers.
+
+    YAML 1.1's resolver reads ``1:1:1:…`` as a base-60 integer, whose construction costs time
+    quadratic in its length (seconds for a 256 KB document) before any limit can look at the
+    value; with the 1.2 grammar such a scalar is a plain string, refused later for its type."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    loader = type("Yaml12SafeLoader", (base,), {})
+    loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in (INT_TAG, FLOAT_TAG)]
+        for first, resolvers in base.yaml_implicit_resolvers.items()}
+    loader.add_implicit_resolver(INT_TAG, _INT_12, list("-+0123456789"))
+    loader.add_implicit_resolver(FLOAT_TAG, _FLOAT_12, list("-+0123456789."))
+    loader.add_constructor(INT_TAG, _int_12)
+    return loader
 
 
 def _check_events(events: Any, field: str, limits: DocumentLimits) -> None:

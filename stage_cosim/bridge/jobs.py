@@ -78,6 +78,8 @@ class JobRecord:
     log_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=EXCERPT_LINES))
     log_events: int = 0
     cancel_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    client: str = ""                            # who submitted it (fair queueing; not on the wire)
+    stored_bytes: int = 0                       # bytes of its record and event log on disk
     # called with every event before any watcher sees it (the manager appends it to the job's log
     # on disk, so the numbers a watcher saw survive the server)
     sink: Callable[[pb.JobEvent], None] | None = None

@@ -62,3 +62,24 @@ def walk_files(root: Path) -> list[str]:
             if p.is_file() and not p.is_symlink():
                 out.append((rel / f).as_posix())
     return sorted(out)
+
+
+def disk_usage(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (their sizes; symlinks not followed, 0 when
+    ``root`` is gone). Iterative, with os.scandir: one stat per entry it already has."""
+    total = 0
+    stack = [str(root)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:          # removed while we looked: nothing to count
+                continue
+    return total

@@ -23,6 +23,7 @@ checked with that function's own parsing (``checks.py``), so a bad setting never
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
 from typing import Any, Callable, Mapping
 
@@ -38,6 +39,7 @@ BACKENDS = ("roofline", "astra-sim")
 # request keys that choose the server's processes, and the serve flags that set them instead
 SERVER_SETTINGS = {"ray": "--ray", "workers": "--search-workers"}
 SEARCHES = ("optimize", "explore")
+_GPU_COUNT = re.compile(r"[0-9]{1,9}", re.ASCII)      # ASCII digits: str.isdigit takes "²" too
 # a check of a search request at submit, in place of the real one (tests whose workers run stand-ins)
 SearchCheck = Callable[[str, Mapping[str, Any]], None]
 
@@ -65,9 +67,12 @@ def check_no_server_paths(req: Mapping[str, Any]) -> None:
         if not isinstance(value, str):
             raise UserError(key, f"must be a preset name or a description (a mapping), got {type(value).__name__}")
         name, colon, count = value.partition(":")
-        if name not in CLUSTER_PRESETS or (colon and not count.isdigit()):
+        if name not in CLUSTER_PRESETS:
             raise UserError(key, f"unknown preset {name!r} (known: {', '.join(CLUSTER_PRESETS)}, optionally "
                                  f"with ':GPUS'); the server reads no files: {content}")
+        if colon and not (_GPU_COUNT.fullmatch(count) and int(count) > 0):
+            # the preset is known: the count is what is wrong (as the local reader says it)
+            raise UserError(key, f"GPU count after ':' must be a positive integer, got {count!r}")
     if req.get("trace") is not None:        # a serving simulation's request file
         raise UserError("trace", "names a file, and the server reads no files: send the requests inline as "
                                  "requests, rows of {arrival_s, input_len, output_len}")

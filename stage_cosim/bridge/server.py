@@ -14,16 +14,20 @@ carry ``authorization: Bearer <token>``; TLS with a certificate and key.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import hmac
+import inspect
 import logging
 import math
+import re
 import shutil
 import signal
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -35,14 +39,18 @@ from grpc_reflection.v1alpha import reflection
 
 from stage_cosim import __version__
 from stage_cosim.bridge import jobs as J
+from stage_cosim.bridge.artifacts import ArtifactIndex, IndexCache, PageCache
 from stage_cosim.bridge.codec import loads_object, request_from_design
 from stage_cosim.bridge.documents import DocumentLimits, check_request_size
+from stage_cosim.bridge.fair import FairGate, ParseMeter
 from stage_cosim.bridge.kinds import KINDS
-from stage_cosim.bridge.manager import Draining, JobManager, Limits, NotFound, QueueFull, RequestIdReused, WrongState
+from stage_cosim.bridge.manager import (ArtifactsEvicted, Draining, JobManager, Limits, NotFound, QueueFull,
+                                        RequestIdReused, WrongState)
 from stage_cosim.bridge.paths import resolve_inside
 from stage_cosim.bridge.process import WorkerSettings, default_memory_bytes
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2_grpc as pb_grpc
+from stage_cosim.bridge.quotas import Quotas
 from stage_cosim.bridge.resolve import resolve
 from stage_cosim.bridge.status import RpcAbort, invalid
 from stage_cosim.bridge.uploads import CHUNK_BYTES, UploadStore
@@ -53,10 +61,12 @@ log = logging.getLogger("stage_cosim.bridge")
 RESOLVER_THREADS = 2
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.5, 60.0
 # Keepalive: the server pings a quiet connection every 30 s and drops it when no answer comes in
-# 10 s (a vanished client's streams end); clients may ping every 5 s (the client pings every 10).
+# 10 s (a vanished client's streams end); clients may ping every 5 s (the client pings every 10),
+# and a client that pings more often is sent away after two strikes.
 KEEPALIVE = [("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
              ("grpc.keepalive_permit_without_calls", 1),
-             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 0)]
+             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000), ("grpc.http2.max_ping_strikes", 2)]
+PAGE_TOKEN = re.compile(r"[0-9]{1,18}", re.ASCII)     # ASCII digits only: int() takes "²" and "٣" too
 MAX_PAGE_BYTES = 2 << 20          # a listing page stays well inside the 4 MiB default message limit
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -79,6 +89,15 @@ class ServerConfig:
     search_check: str | None = None
     worker: WorkerSettings = field(default_factory=WorkerSettings)   # the operator's, never a request's
     documents: DocumentLimits = field(default_factory=DocumentLimits)  # what one request may carry
+    quotas: Quotas = field(default_factory=Quotas)   # per job, client and connection (quotas.py)
+
+
+def connection_options(quotas: Quotas) -> list[tuple[str, int]]:
+    """gRPC server options that close idle, old and never-started connections (``quotas``)."""
+    age_ms = int(quotas.max_connection_age_s * 1000)
+    return [*KEEPALIVE, ("grpc.max_connection_idle_ms", int(quotas.max_connection_idle_s * 1000)),
+            ("grpc.max_connection_age_ms", age_ms), ("grpc.max_connection_age_grace_ms", max(10_000, age_ms // 100)),
+            ("grpc.server_handshake_timeout_ms", int(quotas.handshake_timeout_s * 1000))]
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -171,6 +190,8 @@ def _as_abort(exc: Exception) -> RpcAbort:
         return RpcAbort(code.ALREADY_EXISTS, f"request_id: {exc}", "REQUEST_ID_REUSED", "request_id")
     if isinstance(exc, WrongState):
         return RpcAbort(code.FAILED_PRECONDITION, f"job_id: {exc}", "WRONG_STATE", "job_id")
+    if isinstance(exc, ArtifactsEvicted):
+        return RpcAbort(code.FAILED_PRECONDITION, f"job_id: {exc}", "EVICTED", "job_id")
     # the details (paths, state) are for the operator's log, not for a client
     log.error("internal error", exc_info=exc)
     return RpcAbort(code.INTERNAL, f"internal error: {exc.__class__.__name__} (the server's log has the details)",
@@ -193,6 +214,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         self.config = config
         # a few threads: a flood of large submits waits its turn instead of taking the process
         self._resolver = concurrent.futures.ThreadPoolExecutor(RESOLVER_THREADS, thread_name_prefix="bridge-resolve")
+        # one parse per client at a time, clients in turn; each client's parsing CPU metered
+        self._gate = FairGate(RESOLVER_THREADS)
+        self._meter = ParseMeter(config.quotas.parse_budget_s, config.quotas.parse_refill)
+        self._upload_indexes = IndexCache(max_entries=1_000_000)
+        self._pages = PageCache()           # listing pages built before (a client listing in a loop)
         self._search_check = _load_function(config.search_check) if config.search_check else None
 
     @_guard
@@ -200,12 +226,33 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         kind = request.WhichOneof("kind")
         if kind is None:
             raise invalid("kind", f"set one of {', '.join(KINDS)}")
-        # parsing and resolving take real time for large documents: never on the event loop
+        quotas = self.config.quotas
+        _check_text_fields(request, quotas.max_field_chars)      # kept with the job, in memory and on disk
+        client = context.peer()
+        wait = self._meter.wait_s(client)
+        if wait > 0:
+            raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"parsing: this client used its {quotas.parse_budget_s:g} s of parsing time; "
+                           f"it refills at {quotas.parse_refill:g} s per second (retry in {wait:.1f} s)",
+                           "PARSE_BUDGET", retry_after_s=wait)
+        # parsing and resolving take real time for large documents: never on the event loop, one
+        # at a time per client, clients in turn
         loop = asyncio.get_running_loop()
-        req, options, digest, fingerprint = await loop.run_in_executor(self._resolver, self._prepare, kind, request)
+        async with self._gate.slot(client):
+            req, options, digest, fingerprint = await loop.run_in_executor(
+                self._resolver, self._metered_prepare, client, kind, request)
         job = await self.manager.submit(kind, req, options, digest, fingerprint, request.request_id,
-                                        request.timeout_s, request.no_cache)
+                                        request.timeout_s, request.no_cache, client=client)
         return job.to_proto()
+
+    def _metered_prepare(self, client: str, kind: str,
+                         request: pb.SubmitJobRequest) -> tuple[dict[str, Any], dict[str, Any], str, str]:
+        """:meth:`_prepare`, its CPU time charged to ``client`` (refused requests too)."""
+        t0 = time.thread_time()
+        try:
+            return self._prepare(kind, request)
+        finally:
+            self._meter.charge(client, time.thread_time() - t0)
 
     def _prepare(self, kind: str, request: pb.SubmitJobRequest) -> tuple[dict[str, Any], dict[str, Any], str, str]:
         """(request, options, digest, fingerprint) of a submit, checked within the limits (a thread)."""
@@ -251,9 +298,18 @@ class BridgeServicer(pb_grpc.BridgeServicer):
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         size = min(_page_size(request.page_size, 100), 1000)
         start = _page_start(request.page_token)
-        jobs = sorted(self.manager.jobs.values(), key=lambda j: (j.created_at, j.id), reverse=True)
-        page, token = _page(jobs, start, size, lambda j: j.to_proto(with_result=False))
-        return pb.ListJobsResponse(jobs=page, next_page_token=token)
+        # from the store: jobs no longer held in memory are listed too
+        jobs, total = await self.manager.list_page(start, size)
+        page, used, end = [], 0, start
+        for job in jobs:
+            if job is not None:         # None: removed since the listing was taken; its place is passed
+                proto = job.to_proto(with_result=False)
+                used += proto.ByteSize() + 8
+                if page and used > MAX_PAGE_BYTES:
+                    break
+                page.append(proto)
+            end += 1
+        return pb.ListJobsResponse(jobs=page, next_page_token=str(end) if end < total else "")
 
     @_guard_stream
     async def WatchJob(self, request: pb.WatchJobRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.JobEvent]:
@@ -277,11 +333,17 @@ class BridgeServicer(pb_grpc.BridgeServicer):
                            context: grpc.aio.ServicerContext) -> pb.Upload:
         return await self.uploads.receive(request_iterator)
 
-    def _owner(self, request: pb.ListArtifactsRequest | pb.DownloadRequest) -> tuple[Path, list[dict[str, Any]]]:
-        """The directory a request's paths resolve in, and the files it offers."""
+    async def _owner(self, request: pb.ListArtifactsRequest | pb.DownloadRequest) -> tuple[Path, ArtifactIndex]:
+        """The directory a request's paths resolve in, and the index of the files it offers."""
         owner = request.WhichOneof("owner")
         if owner == "upload_id":
-            return self.uploads.path(request.upload_id), self.uploads.index(request.upload_id)
+            root = self.uploads.path(request.upload_id)
+            index = self._upload_indexes.get(request.upload_id)
+            if index is None:
+                files = await asyncio.get_running_loop().run_in_executor(None, self.uploads.index, request.upload_id)
+                index = ArtifactIndex.of(files)
+                self._upload_indexes.put(request.upload_id, index)
+            return root, index
         if owner != "job_id":
             raise invalid("job_id", "give a job_id or an upload_id")
         job = self.manager.get(request.job_id)
@@ -289,22 +351,32 @@ class BridgeServicer(pb_grpc.BridgeServicer):
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
                            f"job_id: job {job.id} is {J.STATE_NAMES[job.state]}; artifacts come when it succeeds",
                            "WRONG_STATE", "job_id")
-        return self.manager.artifacts_dir(job), self.manager.artifact_index(job)
+        return self.manager.artifacts_dir(job), await self.manager.artifact_index(job)
 
     @_guard
     async def ListArtifacts(self, request: pb.ListArtifactsRequest,
                             context: grpc.aio.ServicerContext) -> pb.ListArtifactsResponse:
-        _, index = self._owner(request)
-        files = [f for f in index if f["path"].startswith(request.prefix)]
+        _, index = await self._owner(request)
         size = min(_page_size(request.page_size, 1000), 10_000)
-        page, token = _page(files, _page_start(request.page_token), size, lambda f: pb.FileSpec(**f))
-        return pb.ListArtifactsResponse(files=page, next_page_token=token)
+        offset = _page_start(request.page_token)
+        owner = request.WhichOneof("owner")
+        key = (owner, getattr(request, owner), request.prefix, offset, size)
+        cached = self._pages.get(key, index)
+        if cached is not None:
+            return cached
+        lo, hi = index.span(request.prefix)            # the prefix's files: one range of the sorted index
+        start = lo + offset
+        page, _ = _page(range(start, min(hi, start + size)), 0, size, lambda i: pb.FileSpec(**index.spec(i)))
+        end = start + len(page)
+        response = pb.ListArtifactsResponse(files=page, next_page_token=str(end - lo) if end < hi else "")
+        self._pages.put(key, index, response, response.ByteSize())
+        return response
 
     @_guard_stream
     async def Download(self, request: pb.DownloadRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DownloadChunk]:
-        root, index = self._owner(request)
+        root, index = await self._owner(request)
         path = resolve_inside(root, request.path, "path")
-        spec = next((f for f in index if f["path"] == request.path), None)
+        spec = index.find(request.path)
         if spec is None or not path.is_file():
             raise RpcAbort(grpc.StatusCode.NOT_FOUND, f"path: no file {request.path!r}", "NOT_FOUND", "path")
         size = spec["size"]
@@ -332,10 +404,11 @@ class BridgeServicer(pb_grpc.BridgeServicer):
         m, lim = self.manager, self.manager.limits
         return pb.ServerInfo(version=__version__, job_kinds=list(KINDS), workers=lim.workers, max_queue=lim.max_queue,
                              queued=m.queued, running=m.running, max_upload_bytes=self.uploads.max_bytes,
-                             default_timeout_s=lim.default_timeout_s, max_timeout_s=lim.max_timeout_s,
+                             default_timeout_s=min(lim.default_timeout_s, m.max_timeout_s),
+                             max_timeout_s=m.max_timeout_s,
                              draining=m.draining, jobs=len(m.jobs), cache_entries=len(m.cache),
                              max_job_memory_bytes=m.worker_settings.memory_bytes or 0,
-                             job_cpu_s=m.worker_settings.cpu_s, max_request_bytes=self.config.documents.max_request_bytes,
+                             job_cpu_s=m.worker_settings.cpu_s or m.quotas.max_cpu_s, max_request_bytes=self.config.documents.max_request_bytes,
                              search_workers=m.worker_settings.search_workers)
 
 
@@ -362,6 +435,27 @@ def _page(items: list, start: int, size: int, to_proto: Callable[[Any], Any]) ->
     return page, str(end) if end < len(items) else ""
 
 
+# text fields that carry a document, bounded by the document limits (DocumentLimits) instead
+DOCUMENT_FIELDS = frozenset({"model_config", "cluster_description", "settings_json"})
+
+
+def _check_text_fields(message: Any, limit: int) -> None:
+    """Every text field of a submit that is not a document (request_id, names, choices) holds at
+    most ``limit`` characters; the first longer one is refused, named. Cheap: run on the loop,
+    before any parsing."""
+    for fd, value in message.ListFields():
+        if fd.message_type is not None:
+            for item in value if fd.is_repeated else (value,):
+                _check_text_fields(item, limit)
+            continue
+        if fd.type != fd.TYPE_STRING or fd.name in DOCUMENT_FIELDS:
+            continue
+        for text in value if fd.is_repeated else (value,):
+            if len(text) > limit:
+                raise invalid(fd.name, f"is {len(text):,} characters long: more than {limit:,} "
+                                       "characters (this server's limit)")
+
+
 def _page_size(size: int, default: int) -> int:
     if size < 0:
         raise invalid("page_size", f"must not be negative, got {size}")
@@ -371,7 +465,7 @@ def _page_size(size: int, default: int) -> int:
 def _page_start(token: str) -> int:
     if not token:
         return 0
-    if not token.isdigit():
+    if not PAGE_TOKEN.fullmatch(token):
         raise invalid("page_token", "is not a token this server gave")
     return int(token)
 
@@ -411,6 +505,85 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(deny, **kw)
 
 
+# -- connections per peer --------------------------------------------------------------------------------
+
+class PeerConnections(grpc.aio.ServerInterceptor):
+    """At most ``cap`` connections of one host with calls in flight; a call that would open one
+    more is refused with RESOURCE_EXHAUSTED (the health service is never refused).
+
+    gRPC shows a server no connection, only calls and their peer (``ipv4:HOST:PORT``: one
+    connection each), so a connection counts while it has a call in flight. A connection with
+    none is closed by the server's idle limit, and one that never starts HTTP/2 by its handshake
+    timeout (:func:`connection_options`)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._calls: collections.Counter[str] = collections.Counter()          # peer -> calls in flight
+        self._hosts: dict[str, set[str]] = collections.defaultdict(set)        # host -> its peers with calls
+
+    def _enter(self, peer: str) -> None:
+        host = peer.rsplit(":", 1)[0]
+        peers = self._hosts[host]
+        if peer not in peers and len(peers) >= self.cap:
+            raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"connections: {host} already has {len(peers)} connections with calls in flight "
+                           f"(this server's limit); use fewer channels", "TOO_MANY_CONNECTIONS")
+        peers.add(peer)
+        self._calls[peer] += 1
+
+    def _leave(self, peer: str) -> None:
+        self._calls[peer] -= 1
+        if self._calls[peer] <= 0:
+            del self._calls[peer]
+            host = peer.rsplit(":", 1)[0]
+            self._hosts[host].discard(peer)
+            if not self._hosts[host]:
+                del self._hosts[host]
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        if handler.unary_unary or handler.stream_unary:
+            behavior = handler.unary_unary or handler.stream_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                peer = context.peer()
+                try:
+                    self._enter(peer)
+                except RpcAbort as err:
+                    await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+                try:
+                    result = behavior(request, context)
+                    return await result if inspect.isawaitable(result) else result
+                finally:
+                    self._leave(peer)
+
+            make = grpc.unary_unary_rpc_method_handler if handler.unary_unary else grpc.stream_unary_rpc_method_handler
+            return make(unary, **kw)
+        behavior = handler.unary_stream or handler.stream_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            peer = context.peer()
+            try:
+                self._enter(peer)
+            except RpcAbort as err:
+                await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+            try:
+                result = behavior(request, context)
+                if inspect.isawaitable(result):             # a handler that writes with context.write
+                    await result
+                    return
+                async for item in result:
+                    yield item
+            finally:
+                self._leave(peer)
+
+        make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else grpc.stream_stream_rpc_method_handler
+        return make(stream, **kw)
+
+
 # -- the server ------------------------------------------------------------------------------------------
 
 class BridgeServer:
@@ -430,19 +603,28 @@ class BridgeServer:
         if cfg.documents.max_request_bytes > J.MAX_REQUEST_BYTES or cfg.documents.max_bytes > J.MAX_REQUEST_BYTES:
             raise UserError("max-request-kib", f"must be at most {J.MAX_REQUEST_BYTES >> 10:,}: a job record, which "
                                                "holds the request, must fit a default client's 4 MiB messages")
+        cfg.quotas.check()
+        need = (cfg.limits.workers + 1) * cfg.quotas.job_disk_bytes
+        if cfg.quotas.total_disk_bytes < need:
+            # running jobs each keep a job's quota free: with less, a finished job could never be kept
+            raise UserError("total-disk-mib", f"must be at least {need >> 20:,}: --job-disk-mib for each worker and "
+                                              "for one finished job")
         if cfg.data_dir is None:
             self._tmp = tempfile.mkdtemp(prefix="stage-cosim-bridge-")
         data = Path(cfg.data_dir or self._tmp)  # type: ignore[arg-type]
         worker = cfg.worker
         if worker.memory_bytes is None:
             worker = dataclasses.replace(worker, memory_bytes=default_memory_bytes(cfg.limits.workers))
-        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=worker, persistent=cfg.data_dir is not None)
+        self.manager = JobManager(data, cfg.limits, cfg.worker_init, worker=worker, persistent=cfg.data_dir is not None,
+                                  quotas=cfg.quotas)
         uploads = UploadStore(self.manager.uploads_root, cfg.max_upload_bytes)
         uploads.clean()
         interceptors: list[grpc.aio.ServerInterceptor] = [RequestDecoding()]
         interceptors += [TokenAuth(cfg.token)] if cfg.token else []
+        interceptors += [PeerConnections(cfg.quotas.max_connections_per_peer)]
         # so_reuseport 0: a port already taken is an error, not a silently shared port
-        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0), *KEEPALIVE])
+        server = grpc.aio.server(interceptors=interceptors,
+                                 options=[("grpc.so_reuseport", 0), *connection_options(cfg.quotas)])
         self._servicer = BridgeServicer(self.manager, uploads, cfg)
         pb_grpc.add_BridgeServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

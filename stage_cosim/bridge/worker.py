@@ -35,6 +35,7 @@ searches with it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import importlib
 import json
@@ -63,6 +64,12 @@ def memory_error(limit_bytes: int) -> str:
     rule = f"more than this server's {limit_bytes / (1 << 20):,.0f} MiB per job" if limit_bytes else \
         "more than the machine had"
     return f"memory: the job needed {rule}"
+
+
+def disk_error(limit_bytes: int) -> str:
+    """The one-line error of a job that wrote more than the per-job disk quota."""
+    return f"disk: the job wrote more than this server's {limit_bytes / (1 << 20):,.0f} MiB per job"
+
 
 _stop_requested = False
 
@@ -163,16 +170,26 @@ def run_job(job: Mapping[str, Any], channel: Channel) -> dict[str, Any]:
         _limits.release_reserve()
         exc.__traceback__ = exc.__context__ = exc.__cause__ = None
         return _limits.memory_answer
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:       # a file past RLIMIT_FSIZE: the disk quota (file_size_limit)
+            return {"type": "done", "ok": False, "error": disk_error(int(job.get("disk_bytes") or 0)),
+                    "parameter": None}
+        return _failure(exc)
     except CpuLimitExceeded as exc:
         return {"type": "done", "ok": False, "error": f"cpu: the job used more than its {exc.seconds:,.0f} s of "
                 "CPU time", "parameter": None, "retire": True}
     except BaseException as exc:  # noqa: BLE001 (a job's failure is job data, whatever it is)
-        traceback.print_exc(file=sys.stderr)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return {"type": "done", "ok": False, "error": f"{exc.__class__.__name__}: {first}".rstrip(": "),
-                "parameter": None}
+        return _failure(exc)
     finally:
         channel.flush()
+
+
+def _failure(exc: BaseException) -> dict[str, Any]:
+    """The answer for a job that raised ``exc``: its traceback to the log, its first line as the error."""
+    traceback.print_exception(exc, file=sys.stderr)
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return {"type": "done", "ok": False, "error": f"{exc.__class__.__name__}: {first}".rstrip(": "),
+            "parameter": None}
 
 
 class CpuLimitExceeded(BaseException):
@@ -225,6 +242,22 @@ def cpu_limit(seconds: float) -> Iterator[None]:
     finally:
         _limits.in_job = False
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+@contextlib.contextmanager
+def file_size_limit(max_bytes: int) -> Iterator[None]:
+    """Within the block, no file this process writes may grow past ``max_bytes`` (RLIMIT_FSIZE):
+    the write fails with EFBIG (SIGXFSZ is ignored) instead of filling the disk."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if max_bytes > 0:
+        limit = max_bytes if hard == resource.RLIM_INFINITY else min(max_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def limit_memory(max_bytes: int) -> None:
@@ -336,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the server decides when a job ends
     signal.signal(signal.SIGXCPU, _on_sigxcpu)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file past its limit: EFBIG, not the end of the worker
     from stage_cosim.files import forbid_local_files
 
     forbid_local_files()        # requests name presets and uploaded content, never the server's files
@@ -355,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     while (line := jobs.get()) is not None:
         job = json.loads(line)
         channel.reset()
-        with cpu_limit(float(job.get("cpu_s") or 0)):
+        with cpu_limit(float(job.get("cpu_s") or 0)), file_size_limit(int(job.get("disk_bytes") or 0)):
             answer = run_job(job, channel)
         sys.stderr.write(END_MARK + "\n")
         sys.stderr.flush()

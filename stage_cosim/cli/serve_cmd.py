@@ -10,10 +10,12 @@ from pathlib import Path
 import click
 
 from stage_cosim.bridge.jobs import MAX_REQUEST_BYTES
+from stage_cosim.bridge.quotas import MIB, Quotas
 from stage_cosim.errors import UserError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MIN_JOB_MEMORY_MIB = 256         # below this a worker cannot hold the library, let alone a job
+Q = Quotas()                     # the defaults of the quota flags
 
 
 # -- serve -----------------------------------------------------------------------------------------------
@@ -32,7 +34,8 @@ MIN_JOB_MEMORY_MIB = 256         # below this a worker cannot hold the library, 
               help="Jobs waiting at most; more are refused with RESOURCE_EXHAUSTED.")
 @click.option("--job-timeout", type=float, default=3600.0, show_default=True,
               help="Run-time limit of a job, seconds (a client may ask for less, or more up to --max-job-timeout).")
-@click.option("--max-job-timeout", type=float, default=86400.0, show_default=True, help="Longest run-time limit.")
+@click.option("--max-job-timeout", type=float, default=Q.max_run_s, show_default=True,
+              help="Longest run-time limit, seconds; a client's longer timeout_s is clamped to it.")
 @click.option("--max-upload-mib", type=int, default=4096, show_default=True, help="Largest trace-set upload.")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None,
               help="Keep jobs, results and uploads here (a restarted server finds them again); "
@@ -53,13 +56,40 @@ MIN_JOB_MEMORY_MIB = 256         # below this a worker cannot hold the library, 
               help="Largest document a request carries (model_config, cluster_description, settings_json) "
                    f"and largest request once parsed [at most {MAX_REQUEST_BYTES >> 10:,}: a job record "
                    "must fit a default client's 4 MiB messages].")
+@click.option("--max-jobs-per-client", type=int, default=Q.max_jobs_per_client, show_default=True,
+              help="Jobs one client (connection) may run at once; others' jobs take turns round-robin "
+                   "[0: workers - 1, at least 1].")
+@click.option("--job-disk-mib", type=int, default=Q.job_disk_bytes // MIB, show_default=True,
+              help="Disk one job may write; past it the job fails alone.")
+@click.option("--total-disk-mib", type=int, default=Q.total_disk_bytes // MIB, show_default=True,
+              help="Disk all jobs may hold; past it the oldest finished jobs' artifacts are deleted first, "
+                   "then their records.")
+@click.option("--record-memory-mib", type=int, default=Q.record_memory_bytes // MIB, show_default=True,
+              help="Memory for finished job records; older ones are read back from disk when asked for.")
+@click.option("--max-field-chars", type=int, default=Q.max_field_chars, show_default=True,
+              help="Longest request_id and other non-document text field.")
+@click.option("--parse-budget-s", type=float, default=Q.parse_budget_s, show_default=True,
+              help="Seconds of request parsing a client may spend in a burst (then RESOURCE_EXHAUSTED).")
+@click.option("--parse-refill", type=float, default=Q.parse_refill, show_default=True,
+              help="Parsing seconds a client's budget regains per second.")
+@click.option("--max-connection-idle-s", type=float, default=Q.max_connection_idle_s, show_default=True,
+              help="Close a connection without calls after this long.")
+@click.option("--max-connection-age-s", type=float, default=Q.max_connection_age_s, show_default=True,
+              help="Close any connection after this long (calls in flight get a grace period).")
+@click.option("--handshake-timeout-s", type=float, default=Q.handshake_timeout_s, show_default=True,
+              help="Close a connection that has not completed its handshake in this long.")
+@click.option("--max-connections-per-peer", type=int, default=Q.max_connections_per_peer, show_default=True,
+              help="Connections with calls in flight one host may hold.")
 @click.option("--worker-init", default=None, hidden=True, help="MODULE:FUNCTION to run in each worker (tests).")
 @click.option("--search-check", default=None, hidden=True,
               help="MODULE:FUNCTION checking optimize and explore requests instead of the searches (tests).")
 def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_key: Path | None, workers: int,
           max_queue: int, job_timeout: float, max_job_timeout: float, max_upload_mib: int, data_dir: Path | None,
           drain_timeout: float, heartbeat: float, search_workers: int, ray_address: str | None,
-          max_job_memory_mib: int | None, job_cpu_s: float, max_request_kib: int, worker_init: str | None,
+          max_job_memory_mib: int | None, job_cpu_s: float, max_request_kib: int, max_jobs_per_client: int,
+          job_disk_mib: int, total_disk_mib: int, record_memory_mib: int, max_field_chars: int,
+          parse_budget_s: float, parse_refill: float, max_connection_idle_s: float, max_connection_age_s: float,
+          handshake_timeout_s: float, max_connections_per_peer: int, worker_init: str | None,
           search_check: str | None) -> None:
     """Serve synthesis, simulation and search over gRPC (stagecosim.v1.Bridge)."""
     import asyncio
@@ -89,6 +119,13 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
     if max_job_memory_mib and max_job_memory_mib < MIN_JOB_MEMORY_MIB:
         raise UserError("max-job-memory-mib", f"must be 0 (no limit) or at least {MIN_JOB_MEMORY_MIB} (a worker holds "
                                               f"the library before any job), got {max_job_memory_mib}")
+    quotas = Quotas(max_run_s=max_job_timeout, max_cpu_s=job_cpu_s, max_jobs_per_client=max_jobs_per_client,
+                    job_disk_bytes=job_disk_mib * MIB, total_disk_bytes=total_disk_mib * MIB,
+                    record_memory_bytes=record_memory_mib * MIB, max_field_chars=max_field_chars,
+                    parse_budget_s=parse_budget_s, parse_refill=parse_refill,
+                    max_connection_idle_s=max_connection_idle_s, max_connection_age_s=max_connection_age_s,
+                    handshake_timeout_s=handshake_timeout_s, max_connections_per_peer=max_connections_per_peer)
+    quotas.check()
     if bool(tls_cert) != bool(tls_key):
         raise UserError("tls-key" if tls_cert else "tls-cert", "is required with the other TLS flag (give both)")
     if host not in LOOPBACK and not token:
@@ -100,12 +137,13 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
     config = ServerConfig(host=host, port=port, token=token or None, tls_cert=tls_cert, tls_key=tls_key,
                           data_dir=data_dir, limits=limits, max_upload_bytes=max_upload_mib << 20,
                           heartbeat_s=heartbeat, drain_timeout_s=drain_timeout, worker_init=worker_init,
-                          search_check=search_check,
+                          search_check=search_check, quotas=quotas,
                           worker=WorkerSettings(search_workers=search_workers, ray=ray_address or None,
                                                 memory_bytes=None if max_job_memory_mib is None else max_job_memory_mib << 20,
                                                 cpu_s=job_cpu_s),
                           documents=DocumentLimits(max_bytes=max_request_kib << 10,
-                                                   max_request_bytes=max_request_kib << 10))
+                                                   max_request_bytes=max_request_kib << 10,
+                                                   max_text_chars=max_field_chars))
 
     def announce(line: str) -> None:
         click.echo(line)
