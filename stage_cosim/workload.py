@@ -156,7 +156,19 @@ class Workload:
         return self.meshes[group_mesh(kind)]
 
     def _group_count(self, kind: str) -> int:
-        return self.world_size // math.prod(self._mesh(kind).size[a] for a in GROUP[kind].axes)
+        along = math.prod(self._mesh(kind).size[a] for a in GROUP[kind].axes)
+        # mirror pairs: along/2 of them in each line of the axis (along is even: DualPipe's pp)
+        return self.world_size // along * (along // 2 if GROUP[kind].mirror else 1)
+
+    def _line(self, rank: int, kind: str) -> list[int]:
+        """The members of ``rank``'s group along a mirror kind's axis, in coordinate order."""
+        mesh, (axis,) = self._mesh(kind), GROUP[kind].axes
+        return sorted(mesh.group_members(rank, axis), key=lambda m: mesh.coord(m, axis))
+
+    @staticmethod
+    def _pairs(line: list[int]) -> list[list[int]]:
+        """A line's mirror pairs, positions i and n-1-i, by i (each pair in coordinate order)."""
+        return [[line[i], line[-1 - i]] for i in range(len(line) // 2)]
 
     @property
     def group_kinds(self) -> list[str]:
@@ -166,6 +178,8 @@ class Workload:
     def _group_kind_used(self, kind: str) -> bool:
         if GROUP[kind].endpoints:   # the embedding group of the first and last stage
             return self.model.shares_embedding and self.parallel.pp > 1 and self.inference is None
+        if GROUP[kind].mirror:      # DualPipe's two parameter copies
+            return self.parallel.schedule == "dualpipe" and self.parallel.pp > 1 and self.inference is None
         if group_mesh(kind) == EXPERT and not self.model.is_moe:
             return False
         if GROUP[kind].on_demand:
@@ -179,10 +193,20 @@ class Workload:
         return {r[9] for role in self.roles for t in role.templates.values() for r in t.generated_rows() if r[1] == COLL}
 
     def group_id(self, rank: int, kind: str) -> int:
-        return self.group_base[kind] + self._mesh(kind).group_index(rank, GROUP[kind].axes)
+        g, mesh = GROUP[kind], self._mesh(kind)
+        index = mesh.group_index(rank, g.axes)
+        if g.mirror:        # the line's pairs are numbered by their first position
+            n = mesh.size[g.axes[0]]
+            c = mesh.coord(rank, g.axes[0])
+            index = index * (n // 2) + min(c, n - 1 - c)
+        return self.group_base[kind] + index
 
     def group_members(self, rank: int, kind: str) -> list[int]:
         g = GROUP[kind]
+        if g.mirror:
+            line = self._line(rank, kind)
+            c = line.index(rank)
+            return self._pairs(line)[min(c, len(line) - 1 - c)]
         members = self._mesh(kind).group_members(rank, g.axes)
         return [members[0], members[-1]] if g.endpoints else members
 
@@ -191,6 +215,12 @@ class Workload:
         out: dict[str, list[int]] = {}
         for kind, base in self.group_base.items():
             g = GROUP[kind]
+            if g.mirror:
+                mesh, (axis,) = self._mesh(kind), g.axes
+                lines = [sorted(m, key=lambda r: mesh.coord(r, axis)) for m in mesh.groups(g.axes)]
+                for i, pair in enumerate(p for line in lines for p in self._pairs(line)):
+                    out[str(base + i)] = pair
+                continue
             for i, members in enumerate(self._mesh(kind).groups(g.axes)):
                 out[str(base + i)] = [members[0], members[-1]] if g.endpoints else members
         return out

@@ -128,6 +128,10 @@ class GroupKind:
     # Only the first and last member along the axes (the tied-embedding group of the first
     # and last pipeline stage).
     endpoints: bool = False
+    # Pairs of mirrored members along the (one) axis, positions i and n-1-i: DualPipe's two
+    # parameter copies put the layers of stage i on the ranks at pipeline positions i and
+    # pp-1-i, whose gradients of each layer must be summed once per step.
+    mirror: bool = False
     # Exists only in workloads whose nodes use it (the others are created whenever their
     # size exceeds one).
     on_demand: bool = False
@@ -154,9 +158,13 @@ GROUP_KINDS: tuple[GroupKind, ...] = (
     # weight gradients and ZeRO shards: data-parallel traffic, over dp and cp together
     GroupKind("dp_cp", ("cp", "dp"), "dp", sticky=True),
     GroupKind("tp_cp_dp", ("tp", "cp", "dp"), "other", on_demand=True),   # FP8 amax with cp
+    # DualPipe's two copies of each layer (pipeline positions i and pp-1-i): their gradients
+    # summed at step end, a reduction of weight replicas as the data-parallel one is. Only
+    # DualPipe workloads have it (Workload decides; no pass template names it).
+    GroupKind("mirror", (PIPELINE_AXIS,), "dp", mirror=True),
 )
 GROUP: dict[str, GroupKind] = {g.name: g for g in GROUP_KINDS}
-_BY_AXES: dict[tuple[str, ...], str] = {g.axes: g.name for g in GROUP_KINDS if not g.endpoints}
+_BY_AXES: dict[tuple[str, ...], str] = {g.axes: g.name for g in GROUP_KINDS if not (g.endpoints or g.mirror)}
 
 
 def group_name(axes: tuple[str, ...]) -> str:
@@ -187,7 +195,7 @@ def resolve_group(axes: tuple[str, ...], degrees: Mapping[str, int]) -> str | No
 
 def group_size(kind: str, degrees: Mapping[str, int]) -> int:
     g = GROUP[kind]
-    return 2 if g.endpoints else prod(degrees.get(a, 1) for a in g.axes)
+    return 2 if g.endpoints or g.mirror else prod(degrees.get(a, 1) for a in g.axes)
 
 
 def peer_axis(kind: str) -> str:

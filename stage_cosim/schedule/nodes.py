@@ -26,6 +26,7 @@ if TYPE_CHECKING:          # (annotations only: nothing here imports the modules
 COMP, COLL, SEND, RECV = "COMP", "COLL", "SEND", "RECV"
 
 EMBEDDING_GROUP = "embedding"   # first and last pipeline stage, for tied embeddings
+MIRROR_GROUP = "mirror"         # pipeline positions i and pp-1-i: DualPipe's two copies of a layer
 PP_GROUP = "pp"
 FIRST_FWD = "fwd_first"         # the template of a chunk's first forward, when it differs
 

@@ -15,8 +15,8 @@ from stage_cosim.schedule.memory import (
     training_memory, replicas, unique_weights,
 )
 from stage_cosim.schedule.nodes import (
-    COLL, COMP, EMBEDDING_GROUP, FIRST_FWD, PP_GROUP, RECV, SEND, Node, PlacedPass, RoleGraph, ceil_int, DeferredPass,
-    BlockInstance,
+    COLL, COMP, EMBEDDING_GROUP, FIRST_FWD, MIRROR_GROUP, PP_GROUP, RECV, SEND, Node, PlacedPass, RoleGraph, ceil_int,
+    DeferredPass, BlockInstance,
 )
 from stage_cosim.schedule.pipeline import BACKWARD, Layout, Pass, schedule_order
 from stage_cosim.schedule.templates import pass_template, PassTemplate, split_backward, two_batch
@@ -289,7 +289,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
     else:
         _step_end(b, instances, last_bwd_nodes, stage=stage, pp=pp, zero=zero, tied=tied_embeddings,
                   degrees=degrees, gather_after_update=not gathered, flush=prev_sinks + sends,
-                  overlap_grad_reduce=overlap_grad_reduce)
+                  overlap_grad_reduce=overlap_grad_reduce, mirrored=layout.lines == 2)
         memory = training_memory(instances, order, chunks, zero=zero, degrees=degrees, tied=tied_embeddings)
     layers = tuple(inst.index for inst in instances if inst.kind == "layer")
     return RoleGraph(stage, b.nodes, memory, layers, order, templates, placed, step_end_start, b.deferred)
@@ -316,7 +316,7 @@ def _param_gathers(b: "_Builder", chunks: dict[int, list[BlockInstance]], tied: 
 
 def _step_end(b: _Builder, instances: list[BlockInstance], last_bwd: dict[str, list[int]], *, stage: int,
               pp: int, zero: int, tied: bool, degrees: dict[str, int], gather_after_update: bool = True,
-              flush: list[int] | None = None, overlap_grad_reduce: bool = True) -> None:
+              flush: list[int] | None = None, overlap_grad_reduce: bool = True, mirrored: bool = False) -> None:
     """Once per step: gradient reductions per block (bucketed), the optimizer, parameter gathers.
 
     ``flush`` are the nodes that end the stage's pipeline schedule (the last pass's sinks and
@@ -324,6 +324,11 @@ def _step_end(b: _Builder, instances: list[BlockInstance], last_bwd: dict[str, l
     reduces the embedding group's gradients only after the schedule has drained. Without
     ``overlap_grad_reduce`` every gradient reduction waits for them too (Megatron's default:
     one reduction after the backward of the whole step).
+
+    ``mirrored`` (DualPipe): the stage at pipeline position i holds the blocks of stage i of one
+    parameter copy and of stage pp-1-i of the other, as the stage at pp-1-i does the other way
+    round; each block's gradient is first summed over the two (an all-reduce over the mirror
+    group, after the schedule has drained, as the tied embedding's), then reduced over dp.
     """
     syncs: list[int] = []
     per_block: dict[str, dict[tuple[tuple[str, ...], Collective], float]] = {}
@@ -341,8 +346,31 @@ def _step_end(b: _Builder, instances: list[BlockInstance], last_bwd: dict[str, l
         buckets = per_block.setdefault(inst.label, {})
         for (axes, coll, _), nbytes in zip(ws.grad_collectives, inst.costs.weight_sync_bytes[j]):
             buckets[(axes, coll)] = buckets.get((axes, coll), 0.0) + nbytes
+    mirror_bytes: dict[str, float] = {}
+    if mirrored and pp > 1:
+        for inst, j in unique_weights(instances, tied):
+            # ZeRO-3 reduce-scatters each gradient in the backward: what is left to sum is the shard
+            shard = replicas(degrees, inst.compiled.sharded.weight_syncs[j].replicas) if zero == 3 else 1
+            mirror_bytes[inst.label] = (mirror_bytes.get(inst.label, 0.0)
+                                        + inst.costs.weight_params[j] * GRAD_BYTES / shard)
+    mirrored_ar: dict[str, int] = {}
+    prev: list[int] = []
+    # The two stages of a pair hold their blocks in opposite chunk order: both issue the sums in
+    # model order, one after the other, so that the pair's collectives match one for one.
+    for inst in sorted(instances, key=lambda i: ({"embedding": 0, "layer": 1}.get(i.kind, 2), i.index)):
+        if mirror_bytes.get(inst.label, 0.0) <= 0:
+            continue
+        nid = b.add(f"{inst.label}.mirror_grad_ar", COLL,
+                    list(dict.fromkeys(last_bwd.get(inst.label, []) + list(flush or []) + prev)),
+                    coll=Collective.ALL_REDUCE, comm_bytes=ceil_int(mirror_bytes[inst.label]), group=MIRROR_GROUP,
+                    phase="step", block=inst.label, category=MIRROR_GROUP)
+        mirrored_ar[inst.label] = nid
+        prev = [nid]
+        syncs.append(nid)
     for inst in instances:
         deps = last_bwd.get(inst.label, []) + ([] if overlap_grad_reduce else list(flush or []))
+        if inst.label in mirrored_ar:
+            deps = [mirrored_ar[inst.label]]
         if inst.label in tied_bytes:
             # Tied embeddings on two stages: sum the two copies' gradients first (Megatron's
             # embedding group), then reduce over dp like any other gradient. The group spans the
