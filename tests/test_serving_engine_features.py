@@ -222,3 +222,36 @@ def test_cli_prints_drops_and_hits(run_cli, tmp_path) -> None:
                              "20", "--prefix-len", "512", "--enable-prefix-caching")
     assert code == 0, err
     assert "prefix cache" in out and "dropped" in out
+
+
+# -- what limits admission without a KV cache -------------------------------------------------------
+
+def test_a_cache_without_tokens_counts_sequences() -> None:
+    """A pure state-space model caches no tokens: its cache holds 10 GiB / 100 MiB = 102.4, so
+    102 sequences' states, whatever their length, and no token count (it has none to give);
+    a hybrid's cache still counts tokens: 10 GiB less one 100 MiB state over 4 KiB per token
+    (whole 16-token blocks), 10,140 MiB / 4 KiB = 2,595,840 tokens of one sequence."""
+    gib, mib = 1 << 30, 1 << 20
+    ssm = KVLayout(16, (), 10 * gib, 100 * mib)
+    assert ssm.tokens is None and ssm.sequences == 102
+    hybrid = KVLayout(16, ((None, 4096.0),), 10 * gib, 100 * mib)
+    assert hybrid.tokens == 2_595_840 and hybrid.sequences == 102
+    assert KVLayout(16, ((None, 4096.0),), 10 * gib).sequences is None
+
+
+def test_cli_says_the_state_limits_a_pure_ssm(run_cli) -> None:
+    """serve-sim on Mamba-Codestral 7B (no attention layers) reports the sequences whose state
+    fits, not a token capacity."""
+    code, out, err = run_cli("serve-sim", "--model", "mamba-codestral-7b", "--layers", "4", "--rate", "5",
+                             "--num-requests", "10", "--cluster", "dgx-h100:1", "--json")
+    assert code == 0, err
+    inst = json.loads(out)["deployment"]["instance"]
+    assert inst["kv_capacity_tokens_per_rank"] is None
+    assert inst["state_capacity_sequences_per_rank"] == int(inst["kv_capacity_bytes_per_gpu"]
+                                                            // inst["state_bytes_per_sequence_per_gpu"])
+    code, out, err = run_cli("serve-sim", "--model", "mamba-codestral-7b", "--layers", "4", "--rate", "5",
+                             "--num-requests", "10", "--cluster", "dgx-h100:1")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("memory per GPU"))
+    assert f"the state of {inst['state_capacity_sequences_per_rank']:,} sequences per attention rank" in line
+    assert "tokens per attention rank" not in line

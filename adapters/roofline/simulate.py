@@ -13,6 +13,7 @@ from typing import Callable, Hashable, NamedTuple
 from stage_cosim.adapters.roofline.breakdown import step_breakdown
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
+from stage_cosim.adapters.roofline.kernels import step_compute_model
 from stage_cosim.adapters.roofline.network import ALGORITHMS, NETWORK_MODELS, CalibratedNetwork, NetworkModel
 from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.errors import UserError
@@ -241,7 +242,8 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
 
 def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None,
                        nccl_algo: str = "auto") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
-    compute = ComputeModel(cluster.gpu)
+    # inference steps: the serving kernel model (the measured GEMMs), as serve-sim prices them
+    compute = step_compute_model(cluster.gpu, w.inference is not None)
     network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo)
     if exact is None:
         # The pass-level fast path times each pass as if it started on idle streams; ZeRO-3's

@@ -40,7 +40,11 @@ def print_report(r: dict[str, Any]) -> None:
                f"overhead {1e3 * sv['step_overhead_s']:.2f} ms per step, {1e3 * sv['request_overhead_s']:.1f} ms per request")
     click.echo(f"memory per GPU   weights {inst['weights_bytes_per_gpu'] / GiB:.1f} GiB, working set "
                f"{inst['workspace_bytes_per_gpu'] / GiB:.1f} GiB, KV cache {inst['kv_capacity_bytes_per_gpu'] / GiB:.1f} GiB"
-               f" = {inst['kv_capacity_tokens_per_rank']:,} tokens per attention rank")
+               + (f" = {inst['kv_capacity_tokens_per_rank']:,} tokens per attention rank"
+                  if inst["kv_capacity_tokens_per_rank"] is not None else
+                  # a pure state-space model caches no tokens: each sequence's fixed state limits admission
+                  f" = the state of {inst['state_capacity_sequences_per_rank']:,} sequences per attention rank "
+                  f"({inst['state_bytes_per_sequence_per_gpu'] / 2**20:,.1f} MiB each per GPU, whatever their length)"))
     req = r["requests"]
     src = (f"Poisson at {wl['rate']:g}/s" if "rate" in wl else "from a trace") + \
         f", input {wl['input_len_mean']:,.0f} / output {wl['output_len_mean']:,.0f} tokens on average"

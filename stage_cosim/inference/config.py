@@ -38,18 +38,23 @@ FP8_ACTIVATION_SCALES = ("static", "dynamic")
 TRAINING_ONLY = {"vp": 1, "sp": False, "tp_comm_overlap": False, "zero": 0, "recompute": "none", "dtype": "bf16"}
 
 
-def attention_span(new: int, past: int, window: int | None) -> Fraction:
-    """Keys a causal query attends to, on average over ``new`` tokens appended after ``past``
-    cached ones (token i of the sequence, counting from 1, sees min(i, window) keys)."""
+def attention_pairs(new: int, past: int, window: int | None) -> int:
+    """(query, key) pairs ``new`` tokens appended after ``past`` cached ones score: token i of
+    the sequence, counting from 1, sees min(i, window) keys. An integer, so a serving step sums
+    them without fractions."""
     w = window if window is not None else past + new
     lo, hi = past + 1, past + new                 # positions of the new tokens
     if hi <= w:
-        total = (lo + hi) * new // 2
-    elif lo > w:
-        total = new * w
-    else:                                         # below the window, then capped by it
-        total = (lo + w) * (w - lo + 1) // 2 + (hi - w) * w
-    return Fraction(total, new)
+        return (lo + hi) * new // 2
+    if lo > w:
+        return new * w
+    return (lo + w) * (w - lo + 1) // 2 + (hi - w) * w    # below the window, then capped by it
+
+
+def attention_span(new: int, past: int, window: int | None) -> Fraction:
+    """Keys a causal query attends to, on average over ``new`` tokens appended after ``past``
+    cached ones (token i of the sequence, counting from 1, sees min(i, window) keys)."""
+    return Fraction(attention_pairs(new, past, window), new)
 
 
 def held(new: int, past: int, window: int | None) -> int:

@@ -43,7 +43,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from stage_cosim.inference.config import BatchShape, attention_span, held
+from stage_cosim.inference.config import BatchShape, attention_pairs, held
 from stage_cosim.serving.config import ServingConfig
 from stage_cosim.serving.instance import InstanceKind, KVLayout, kv_transfer_s
 from stage_cosim.serving.prefix import PrefixCache, block_keys
@@ -285,7 +285,10 @@ class Rank:
     def _growth(self) -> float:
         """KV-cache bytes the decoding requests' next tokens allocate."""
         k = (-self.g) % self.kv.block_size
-        return sum(w.block_bytes * w.res[k] for w in self.windows)
+        total = 0
+        for w in self.windows:
+            total += w.block_bytes * w.res[k]
+        return total
 
     # -- planning a step --------------------------------------------------------------------
 
@@ -349,7 +352,7 @@ class Rank:
             chunks.append((r, c))
             budget -= c
         # 3. new requests, first come first served
-        if cfg.enable_chunked_prefill:
+        if cfg.enable_chunked_prefill and self.waiting:
             chunks = self._admit(log, now, budget, chunks, whole=False)
         if not decodes and not chunks:
             self.plan = None
@@ -402,19 +405,24 @@ class Rank:
         kv: list[tuple[int | None, int]] = []
         pairs: list[tuple[int | None, int | Fraction]] = []
         g = self.g
+        computed = log.computed
+        tokens = decodes
+        for _, c in chunks:
+            tokens += c
         for w in self.windows:
             # a decoding token sees its whole cache (itself included), or the window of it
+            window = w.window
             short_n, short_sum = w.short_n, w.short_base + w.short_n * (g + 1)
             long_n = decodes - short_n
-            seen = short_sum + (long_n * w.window if long_n else 0) if decodes else 0
+            seen = short_sum + (long_n * window if long_n else 0) if decodes else 0
             k, p = seen, seen
             for r, c in chunks:
-                past = log.computed[r]
-                k += held(c, past, w.window)
-                p += attention_span(c, past, w.window) * c
-            kv.append((w.window, k))
-            pairs.append((w.window, p))
-        return BatchShape(decodes + len(chunks), decodes + sum(c for _, c in chunks), tuple(kv), tuple(pairs))
+                past = computed[r]
+                k += held(c, past, window)
+                p += attention_pairs(c, past, window)   # integers: the pairs of whole chunks
+            kv.append((window, k))
+            pairs.append((window, Fraction(p) if chunks else p))
+        return BatchShape(decodes + len(chunks), tokens, tuple(kv), tuple(pairs))
 
     # -- finishing a step -------------------------------------------------------------------
 
@@ -428,18 +436,23 @@ class Rank:
         if plan.decodes:
             # every planned decode emits a token, a step after its last; a request handed over
             # waited since its prefill instance's token
-            fresh = [r for r in self.fresh if log.stamp[r]]
-            for r in fresh:
-                log.itl.append((now - log.last_token[r], 1))
-            self.fresh = []
-            if plan.decodes > len(fresh):
-                log.itl.append((dt, plan.decodes - len(fresh)))
-            self.g += 1
+            fresh = 0
+            if self.fresh:
+                for r in self.fresh:
+                    if log.stamp[r]:
+                        log.itl.append((now - log.last_token[r], 1))
+                        fresh += 1
+                self.fresh = []
+            if plan.decodes > fresh:
+                log.itl.append((dt, plan.decodes - fresh))
+            g = self.g = self.g + 1
             self.last_decode = now
             for w in self.windows:
-                w.advance(self.g, log, self.kv.block_size)
+                # (only windows whose limits someone crossed: a global one has none)
+                if (w.grow_heap and w.grow_heap[0][0] <= g) or (w.short_heap and w.short_heap[0][0] <= g):
+                    w.advance(g, log, self.kv.block_size)
             heap = self.finish_heap
-            while heap and heap[0][0] <= self.g:
+            while heap and heap[0][0] <= g:
                 _, stamp, r = heapq.heappop(heap)
                 if log.stamp[r] != stamp:
                     continue
@@ -455,7 +468,7 @@ class Rank:
                 continue
             self.prefilling.remove(r)
             # the prompt is in: its last chunk's step samples the next token
-            if np.isnan(log.first_token[r]):
+            if log.first_token[r] != log.first_token[r]:     # NaN: the first time its prompt is in
                 log.first_token[r] = now
             else:
                 log.itl.append((now - log.last_token[r], 1))
@@ -485,6 +498,9 @@ class Instance:
         self.kind = kind
         self.role = role
         self.ranks = [Rank(kind.kv, cfg, windows, role) for _ in range(kind.ranks)]
+        # one attention rank (no attention data parallelism): every step's hot path skips the
+        # loops over ranks
+        self.single: Rank | None = self.ranks[0] if len(self.ranks) == 1 else None
         self.busy = False
         self.steps = 0
         self.busy_s = 0.0
@@ -494,12 +510,17 @@ class Instance:
 
     @property
     def in_system(self) -> int:
+        if self.single is not None:
+            return self.single.in_system
         return sum(r.in_system for r in self.ranks)
 
     def least_loaded_rank(self) -> Rank:
         return min(self.ranks, key=lambda r: r.in_system)
 
     def plan(self, log: RequestLog, now: float) -> BatchShape | None:
+        if self.single is not None:
+            p = self.single.schedule(log, now)
+            return None if p is None else p.shape
         shapes = [p.shape for p in (r.schedule(log, now) for r in self.ranks) if p is not None]
         if not shapes:
             return None
@@ -572,6 +593,11 @@ class Cluster:
         finished = 0
         handled = 0
         instances = self.instances
+        # bound once: the loop below runs a few times per engine step
+        heappush, heappop = heapq.heappush, heapq.heappop
+        step_times, step_decodes = trace.step_time_s.append, trace.step_decodes.append
+        kv_times, kv_useds = trace.kv_time.append, trace.kv_used.append
+        step_overhead = cfg.step_overhead_s
 
         def start(inst: Instance, now: float) -> None:
             nonlocal seq
@@ -580,14 +606,16 @@ class Cluster:
             shape = inst.plan(log, now)
             if shape is None:
                 return
-            dt = inst.kind.timer(shape) + cfg.step_overhead_s
+            dt = inst.kind.timer(shape) + step_overhead
             inst.busy = True
             inst.steps += 1
             inst.busy_s += dt
             inst.last_dt = dt
-            trace.step_time_s.append(dt)
-            trace.step_decodes.append(sum(r.plan.decodes for r in inst.ranks if r.plan is not None))
-            heapq.heappush(events, (now + dt, seq, STEP, inst.index))
+            step_times(dt)
+            one = inst.single
+            step_decodes(one.plan.decodes if one is not None else
+                         sum(r.plan.decodes for r in inst.ranks if r.plan is not None))
+            heappush(events, (now + dt, seq, STEP, inst.index))
             seq += 1
 
         count = 0                 # requests in the system, from the engines' queues
@@ -596,19 +624,24 @@ class Cluster:
         while nxt < n or events:
             t_arr = arrivals[nxt] if nxt < n else _NEVER
             if events and events[0][0] < t_arr:
-                now, _, kind, payload = heapq.heappop(events)
+                now, _, kind, payload = heappop(events)
                 if kind == STEP:
                     inst = instances[payload]
                     touched = inst
                     inst.busy = False
-                    handoff = []
                     before = inst.kv_used
-                    for rank in inst.ranks:
-                        handoff += rank.finish(now, inst.last_dt, log)
-                    inst.kv_used = sum(r.used for r in inst.ranks)
+                    one = inst.single
+                    if one is not None:
+                        handoff = one.finish(now, inst.last_dt, log)
+                        inst.kv_used = 0 + one.used       # as the sum over ranks: -0.0 becomes 0.0
+                    else:
+                        handoff = []
+                        for rank in inst.ranks:
+                            handoff += rank.finish(now, inst.last_dt, log)
+                        inst.kv_used = sum(r.used for r in inst.ranks)
                     kv_used += inst.kv_used - before
-                    trace.kv_time.append(now)
-                    trace.kv_used.append(kv_used)
+                    kv_times(now)
+                    kv_useds(kv_used)
                     for r in handoff:
                         log.rank[r] = None
                         in_flight += 1

@@ -61,8 +61,12 @@ class KVLayout:
                      for w, per_token in self.bytes_per_token)
 
     @property
-    def tokens(self) -> int:
-        """Tokens of one long sequence the cache holds (what vLLM reports as its KV capacity)."""
+    def tokens(self) -> int | None:
+        """Tokens of one long sequence the cache holds (what vLLM reports as its KV capacity);
+        None where a sequence's tokens take no room (a pure state-space model: no KV cache, its
+        fixed state per sequence is what limits admission, :attr:`sequences`)."""
+        if not any(b > 0 for _, b in self.bytes_per_token) and self.state_bytes > 0:
+            return None
         per_block = self.usage(self.block_size)
         if per_block <= 0:
             return 0
@@ -73,6 +77,11 @@ class KVLayout:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if self.usage(mid) <= self.capacity_bytes else (lo, mid)
         return lo
+
+    @property
+    def sequences(self) -> int | None:
+        """Sequences whose fixed state fits beside nothing else (None: the model holds none)."""
+        return int(self.capacity_bytes // self.state_bytes) if self.state_bytes > 0 else None
 
 
 @dataclass
@@ -94,7 +103,8 @@ class InstanceKind:
                 "workspace_bytes_per_gpu": self.workspace_bytes, "kv_capacity_bytes_per_gpu": self.kv.capacity_bytes,
                 "kv_capacity_tokens_per_rank": self.kv.tokens,
                 "kv_bytes_per_token_per_gpu": sum(b for _, b in self.kv.bytes_per_token),
-                "state_bytes_per_sequence_per_gpu": self.kv.state_bytes}
+                "state_bytes_per_sequence_per_gpu": self.kv.state_bytes,
+                "state_capacity_sequences_per_rank": self.kv.sequences}
 
 
 def attention_dp(inference: InferenceConfig) -> bool:

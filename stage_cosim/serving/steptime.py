@@ -38,8 +38,10 @@ largest one's shape.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
+from functools import partial
 from typing import Callable
 
 import sympy as sp
@@ -105,24 +107,61 @@ class _AttentionKernel:
 
     layers: int                           # layers of its kind on the stage
     window: int | None
+    slot: int                             # the window's place in a BatchShape's per-kind tuples
     cost: Callable[[float, float, float, float], tuple[float, float, float]]   # (b, s, t, w) -> flops, bytes, groups
-    matmul: str
-    attention: bool
-    key_share: float
+    price: Callable[[float, float, float, float], float]                        # (flops, bytes, groups, w) -> seconds
 
 
 def _bind(exprs: list[sp.Expr], symbols: list[sp.Symbol], values: dict) -> Callable[..., list[float]]:
     """``exprs`` as a function of (b, s, t, w), every other symbol bound to ``values``."""
-    fn = sp.lambdify(symbols, exprs, modules="math")
-    args = [values.get(x, 1) for x in symbols]
-    slots = [symbols.index(x) for x in (B, S, T, W)]
+    # the other symbols lead and are bound once (a C-level partial: this runs every step); the
+    # generated code is the expressions' whatever the order of its arguments
+    rest = [x for x in symbols if x not in (B, S, T, W)]
+    fn = sp.lambdify(rest + [B, S, T, W], exprs, modules="math")
+    return partial(fn, *(values.get(x, 1) for x in rest))
 
-    def cost(b: float, s: float, t: float, w: float) -> list[float]:
-        for i, v in zip(slots, (b, s, t, w)):
-            args[i] = v
-        return fn(*args)
 
-    return cost
+def _pricer(compute, matmul: str, attention: bool, key_share: float  # noqa: ANN001 (a ComputeModel)
+            ) -> Callable[[float, float, float, float], float]:
+    """Seconds of one kernel from its cost expressions' values (flops, bytes, groups) and the
+    pairs per token ``w``: ``compute.duration_s`` of them as the simulator rounds them.
+
+    A fused attention kernel (the one every step prices) is ComputeModel's attention roofline
+    with its per-GPU constants taken out of the step's loop; the same operations in the same
+    order, so the same bits (a test holds it to ``duration_s``)."""
+    from stage_cosim.adapters.roofline.compute import ComputeModel, matmul_format
+    from stage_cosim.adapters.roofline.kernels import InferenceComputeModel
+
+    duration = compute.duration_s
+    # (the serving model prices fused attention as the training model does)
+    if not attention or type(compute) not in (ComputeModel, InferenceComputeModel):
+        def price(flops: float, nbytes: float, groups: float, w: float) -> float:
+            return duration(ceil_int(flops), ceil_int(nbytes), matmul, attention, max(1, round(groups)),
+                            ceil_int(w * key_share))
+        return price
+
+    g = compute.gpu
+    base = g.peak_tflops(matmul_format(matmul) or "bf16") * 1e12 * g.attention_efficiency
+    half_keys, block_rows, sms = g.attention_half_keys, g.attention_block_rows, g.sm_count
+    bandwidth = g.hbm_GBps * 1e9 * g.memory_efficiency
+    overhead = g.kernel_overhead_us * 1e-6
+    ceil = math.ceil
+
+    def price_attention(flops: float, nbytes: float, groups: float, w: float) -> float:
+        f, n = int(ceil(flops - 1e-9)), int(ceil(nbytes - 1e-9))
+        rows, keys = round(groups), int(ceil(w * key_share - 1e-9))   # (rows < 1 count as 1: no term either way)
+        t_mem = n / bandwidth
+        if f > 0:
+            rate = base
+            if keys > 0:
+                rate *= keys / (keys + half_keys)
+            if rows > 1 and sms:
+                rate *= min(1.0, ceil(rows / block_rows) / sms)
+            t_flops = f / rate
+            return (t_flops if t_flops >= t_mem else t_mem) + overhead
+        return (0.0 if 0.0 >= t_mem else t_mem) + overhead
+
+    return price_attention
 
 
 class StepTimer:
@@ -131,8 +170,9 @@ class StepTimer:
 
     def __init__(self, model: ModelConfig, parallel: ParallelConfig, inference: InferenceConfig, cluster,  # noqa: ANN001
                  resolution: float = DEFAULT_RESOLUTION, network_model: str = "calibrated") -> None:
+        from stage_cosim.adapters.roofline.routing import TokenRouting
         from stage_cosim.adapters.roofline.simulate import make_network
-        from stage_cosim.serving.kernels import ServingComputeModel
+        from stage_cosim.adapters.roofline.kernels import step_compute_model
 
         require(0 <= resolution < 1, "step-resolution", f"must be in [0, 1), got {resolution!r}")
         self.model = model
@@ -142,9 +182,11 @@ class StepTimer:
         self.resolution = resolution
         self.windows = tuple(sorted(set(model.layer_windows()), key=lambda w: (w is not None, w or 0)))
         self.grid = Grid(resolution) if resolution > 0 else None
-        # GEMMs from the measured microbenchmarks, not the training fit's small-GEMM knee
-        self._compute = ServingComputeModel(cluster.gpu)
-        self._network = make_network(network_model, cluster)
+        # GEMMs from the measured microbenchmarks, not the training fit's small-GEMM knee: the
+        # kernel model of every inference step (simulate --phase prices the same step the same)
+        self._compute = step_compute_model(cluster.gpu, inference=True)
+        # the routed tokens' deduplication as ``simulate --phase`` prices it (a flex dispatcher)
+        self._network = make_network(network_model, cluster, TokenRouting.of(model, parallel))
         self._simulated: dict[tuple, float] = {}
         self._pars: dict[int, ParallelConfig] = {}
         self._kernels: dict[bool, list[_AttentionKernel]] = {}    # by decode-only (latent attention absorbed)
@@ -207,6 +249,13 @@ class StepTimer:
         if self._split is None:
             self._split = self._check_split()
         if self._split:
+            # _split_time inlined for a decode step (most steps of a run): the same sums
+            s = shape.sequences
+            if shape.tokens == s:
+                rest = self._interpolated.get(("y", s))
+                if rest is None:
+                    rest = self._interp("y", s)
+                return rest + self._attention(shape)
             return self._split_time(shape)
         m, one = self.split(shape)
         if self.grid is not None:
@@ -257,15 +306,18 @@ class StepTimer:
         kernels = self._kernels.get(decode)
         if kernels is None:
             kernels = self._kernels[decode] = self._attention_kernels(shape)
-        kv, pairs = dict(shape.kv_tokens), dict(shape.pairs)
-        duration = self._compute.duration_s
+        kv_tokens, pairs = shape.kv_tokens, shape.pairs
+        s = n / b
         total = 0.0
         for k in kernels:
-            # the graph's symbols, as BatchShape.symbols binds them
-            t, w = kv[k.window] / b, float(pairs[k.window]) / n
-            flops, nbytes, groups = k.cost(b, n / b, t, w)
-            total += k.layers * duration(ceil_int(flops), ceil_int(nbytes), k.matmul, k.attention, max(1, round(groups)),
-                                         ceil_int(w * k.key_share))
+            # the graph's symbols, as BatchShape.symbols binds them (per-kind tuples in window
+            # order: a lookup by position, not a dict per step)
+            kv, p = kv_tokens[k.slot], pairs[k.slot]
+            if kv[0] != k.window or p[0] != k.window:
+                kv, p = (k.window, dict(kv_tokens)[k.window]), (k.window, dict(pairs)[k.window])
+            t, w = kv[1] / b, float(p[1]) / n
+            flops, nbytes, groups = k.cost(b, s, t, w)
+            total += k.layers * k.price(flops, nbytes, groups, w)
         return total
 
     def _attention_kernels(self, shape: BatchShape) -> list[_AttentionKernel]:
@@ -290,8 +342,9 @@ class StepTimer:
                 exprs = [sp.sympify(e) for e in (st.flops, st.mem_bytes, st.groups)]
                 if st.kind != "compute" or not (st.key_share or any(e.free_symbols & _ATTENTION_INPUTS for e in exprs)):
                     continue
-                out.append(_AttentionKernel(layers, window, _bind(exprs, symbols, values), st.matmul,
-                                            st.category in ATTENTION_KINDS, st.key_share))
+                out.append(_AttentionKernel(layers, window, self.windows.index(window), _bind(exprs, symbols, values),
+                                            _pricer(self._compute, st.matmul, st.category in ATTENTION_KINDS,
+                                                    st.key_share)))
         return out
 
     def _check_split(self) -> bool:

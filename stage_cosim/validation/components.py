@@ -192,7 +192,7 @@ def nccl_rows() -> tuple[NcclRow, ...]:
         elif algo.startswith("Ring") or "as labelled" in algo or (algo.startswith("NCCL default") and family == "A100"):
             scope = ""         # a ring (A100 has no NVLS, whatever the label says)
         elif algo.startswith("NVLS") or algo.startswith("NCCL default"):
-            scope = "NVLS (the reduction inside the NVSwitch): the network model runs it only on request, never fitted"
+            scope = "NVLS (the reduction inside the NVSwitch): it pins NVLS's own share of the link rate, not the ring's efficiency"
         else:
             scope = f"algorithm {algo!r} is not one the network model has"
         out.append(NcclRow(r["system"], r["gpu"], r["collective"], algo, int(r["gpus"]), int(r["nodes"]),

@@ -1,4 +1,4 @@
-"""Kernel costs of serving steps from measured microbenchmarks, not from the training fit.
+"""Kernel costs of inference steps (serving) from measured microbenchmarks, not from the training fit.
 
 The training calibration prices a GEMM at ``peak · efficiency · F / (F + half_flops)``: a knee
 fitted to training steps, whose GEMMs are all large. A serving step's GEMMs are mostly small
@@ -14,6 +14,9 @@ interpolated in log F; outside the measured sizes, the nearest measured rate: ne
 per-kernel floor), and the achievable bandwidth the measured STREAM triad bandwidth. A GPU or number format without measurements falls back to the record's peak ·
 ``matmul_efficiency`` (its large-GEMM asymptote) and ``hbm_GBps · memory_efficiency``.
 Everything but GEMMs (attention, norms, collectives) is the training model's.
+
+Every inference step is priced this way (:func:`step_compute_model`): ``simulate --phase``,
+``serve-sim`` and the serving search give the same step the same time.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def part_of(gpu: GPU) -> str | None:
 
 
 @dataclass(frozen=True)
-class ServingComputeModel(ComputeModel):
+class InferenceComputeModel(ComputeModel):
     """The training compute model with GEMMs priced by the measured tables (see the module)."""
 
     _hbm: float = field(init=False, repr=False, compare=False)
@@ -132,5 +135,13 @@ class ServingComputeModel(ComputeModel):
         return max(t_flops, nbytes / self._hbm) + self.gpu.kernel_overhead_us * 1e-6
 
 
-def serving_compute_model(gpu: GPU) -> ServingComputeModel:
-    return ServingComputeModel(gpu)
+def serving_compute_model(gpu: GPU) -> InferenceComputeModel:
+    return InferenceComputeModel(gpu)
+
+
+def step_compute_model(gpu: GPU, inference: bool) -> ComputeModel:
+    """The kernel model of a step: for an inference step (``simulate --phase prefill|decode``,
+    a serving run's steps, the serving search) GEMMs from the measured microbenchmarks, so that
+    one step has one time whichever command asks; for a training step the training fit, which
+    the published training runs calibrate."""
+    return InferenceComputeModel(gpu) if inference else ComputeModel(gpu)
