@@ -23,7 +23,7 @@ right result. (The health figure of the cache pass, which saturates the server w
 calls, is printed too.)
 
 Beside the first pass, hostile clients of their own (another process, one connection each) loop
-on the attacks of issue 28 until it ends: a 3 MB request_id; four clients sending a 254 KB
+on the hostile attacks until it ends: a 3 MB request_id; four clients sending a 254 KB
 cluster description of sexagesimal integers (``num_gpus: 1:1:1:...``); two jobs asking for a day
 (``timeout_s=86400``) from one client; two clients listing and downloading a 1,024-rank trace
 set's artifacts; jobs writing past their disk quota; 300 silent TCP connections; page tokens and
@@ -227,7 +227,7 @@ class HealthProbe:
         self._process.join(30)
 
 
-# -- issue 28: hostile clients beside the honest ones ----------------------------------------------------
+# -- hostile clients beside the honest ones ----------------------------------------------------
 
 SEXAGESIMAL = "num_gpus: " + ":".join(["1"] * 127_000) + "\n"      # 254 KB
 # the quotas the server runs with here: small, so that the attacks reach them within a pass
@@ -261,7 +261,7 @@ def _attacker(address: str, stop: Any, tally: dict[str, collections.Counter], lo
 
 
 def hostile_clients(address: str, stop: Any, out: Any) -> None:
-    """In a process of its own: the issue-28 attackers until ``stop`` is set; sends back each
+    """In a process of its own: the hostile attackers until ``stop`` is set; sends back each
     attack's outcomes and the number of silent connections the server closed."""
     import socket
 
@@ -341,7 +341,7 @@ def hostile_clients(address: str, stop: Any, out: Any) -> None:
 
 
 class HostileClients:
-    """The issue-28 attackers in another process while the block runs."""
+    """The hostile attackers in another process while the block runs."""
 
     def __init__(self, address: str) -> None:
         import multiprocessing
@@ -455,7 +455,7 @@ def main() -> int:
     health_p99 = pct(sorted(health_first.latencies), 0.99)
     healthy = health_p99 < 0.050 and not (health_first.failures or health_second.failures)
     submit_p99 = pct(first["submits"], 0.99)
-    print(f"issue-28 attackers beside the first pass (server quotas: {' '.join(f'{k} {v}' for k, v in QUOTAS.items())}):")
+    print(f"hostile attackers beside the first pass (server quotas: {' '.join(f'{k} {v}' for k, v in QUOTAS.items())}):")
     for name, outcomes in sorted(hostile.outcomes.items()):
         print(f"  attack {name:<40} {', '.join(f'{k} {v}' for k, v in sorted(outcomes.items()))}")
     print(f"  silent TCP connections closed by the server: {hostile.silent_closed}/{hostile.silent}")
