@@ -125,3 +125,15 @@ def test_real_astra_sim_finishes_every_rank(case, tmp_path) -> None:
     ours = simulate_run_dir(tmp_path / "run")
     assert real.finished_ns == ours.finished_ns
     assert real.step_time_ns * 1e-9 == pytest.approx(simulate(w, cluster, "astra").result.step_time_s, abs=1e-9)
+
+
+def test_the_astra_model_prices_an_inference_step_as_simulate_does() -> None:
+    """One GPU decoding: no collective, so both network models' step is the sum of the same
+    kernels, priced by the inference kernel model (the measured GEMMs) in both; the ASTRA-sim
+    export writes whole microseconds with the rounding error carried, a few µs at most apart."""
+    w = synthesize(get_preset("llama3-8b").with_overrides(layers=8), ParallelConfig(),
+                   inference=InferenceConfig("decode", batch=16, context_len=1000))
+    cluster = resolve_cluster("dgx-h100:1")
+    native = simulate(w, cluster).result.step_time_s
+    astra = simulate(w, cluster, "astra").result.step_time_s
+    assert astra == pytest.approx(native, abs=5e-6)

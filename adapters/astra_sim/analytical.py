@@ -419,7 +419,7 @@ def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: AN
     """Per role, each node's compute time in ns exactly as the export writes it for the binary:
     whole microseconds with the rounding error carried (replay), or the binary's roofline."""
     from stage_cosim.adapters.astra_sim.durations import replay_durations
-    from stage_cosim.adapters.roofline.compute import ComputeModel
+    from stage_cosim.adapters.roofline.kernels import step_compute_model
     from stage_cosim.schedule.nodes import COMP as R_COMP
 
     if system.roofline_enabled:
@@ -427,7 +427,8 @@ def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: AN
             return [roofline_ns(max(1, n.flops), max(1, n.mem_bytes), system) if n.type == R_COMP else 0
                     for n in role.nodes]
         return roofline
-    micros = replay_durations(ComputeModel(cluster.gpu))
+    # an inference step's kernels as every other command prices them (the measured GEMMs)
+    micros = replay_durations(step_compute_model(cluster.gpu, w.inference is not None))
 
     def replayed(role) -> list[int]:  # noqa: ANN001
         us = micros(role)

@@ -32,7 +32,7 @@ from stage_cosim.adapters.astra_sim.layout import (  # noqa: F401 (part of this 
     BINARY_ENV, COMPUTE_MODES, DEFAULT_BINARY, RUN_SH, TRACE_DIR, TRACE_PREFIX, command,
 )
 from stage_cosim.adapters.astra_sim.astra_system import COLLECTIVES, AstraSystem
-from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.kernels import step_compute_model
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.schedule.nodes import COMP
@@ -114,7 +114,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
     dims = cluster.network_dims()
     system = system_for(cluster, mode, settings)
     warnings = check_runs(w, cluster, system)
-    compute = ComputeModel(cluster.gpu)
+    compute = step_compute_model(cluster.gpu, w.inference is not None)   # an inference step: the measured GEMMs
     with atomic_directory(out, force) as d:
         (d / TRACE_DIR).mkdir()
         stats = write_traces(w, d / TRACE_DIR, "chakra", durations=replay_durations(compute) if mode == "replay" else None,
