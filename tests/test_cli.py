@@ -14,6 +14,12 @@ SMALL = ["--model", "llama3-8b", "--layers", "4", "--seq-len", "256"]
 def test_models_lists_presets(run_cli) -> None:
     code, out, _ = run_cli("models")
     assert code == 0 and "llama3.1-405b" in out and "405.85B" in out
+    # columns line up whatever a name's length; a hybrid's mixers counted by kind: Jamba-v0.1's
+    # attention every 8th layer from layer 4 (attn_layer_period 8, attn_layer_offset 4) of 32
+    rows = {line.split()[0]: line for line in out.splitlines()}
+    assert len({row.index(" llama ") if " llama " in row else row.index(" gpt ") for row in rows.values()
+                if " llama " in row or " gpt " in row}) == 1
+    assert rows["jamba-v0.1"].endswith("mamba 28 + attention 4")
 
 
 def test_synth_writes_traces_and_manifest(run_cli, tmp_path) -> None:

@@ -273,13 +273,16 @@ def _validates(w, tmp_path) -> None:
     assert validate_trace_set(ranks, groups) == []
 
 
-@pytest.mark.parametrize("name,cfg", [
+TRACE_CASES = [
     ("jamba-v0.1", dict(dp=1, tp=2, pp=2, ep=2, expert_tp=1, sp=True, global_batch=4, seq_len=512)),
     ("nemotron-h-8b", dict(dp=1, tp=2, pp=2, cp=2, sp=True, global_batch=4, seq_len=512)),
     ("qwen3-next-80b-a3b", dict(dp=2, tp=2, pp=1, ep=4, expert_tp=1, sp=True, recompute="full", global_batch=4, seq_len=512)),
     ("mamba2-2.7b", dict(dp=2, pp=2, cp=2, global_batch=4, seq_len=512)),
     ("falcon-h1-0.5b", dict(dp=2, pp=2, cp=2, global_batch=4, seq_len=512)),
-])
+]
+
+
+@pytest.mark.parametrize("name,cfg", TRACE_CASES)
 def test_training_traces_validate(name: str, cfg: dict, tmp_path) -> None:
     _validates(synthesize(_small(name), ParallelConfig(**cfg)), tmp_path)
 
@@ -293,12 +296,14 @@ def test_decode_traces_validate(name: str, tmp_path) -> None:
 
 
 @pytest.mark.skipif(not os.environ.get("ASTRA_SIM_BIN"), reason="set ASTRA_SIM_BIN to run the real simulator")
-def test_hybrid_traces_run_on_real_astra_sim(tmp_path) -> None:
+@pytest.mark.parametrize("name,cfg", TRACE_CASES)
+def test_hybrid_traces_run_on_real_astra_sim(name: str, cfg: dict, tmp_path) -> None:
+    from stage_cosim.adapters.astra_sim.analytical import simulate_run_dir
     from stage_cosim.adapters.astra_sim.export import export
     from stage_cosim.adapters.astra_sim.run import run
 
-    w = synthesize(_small("nemotron-h-8b"), ParallelConfig(dp=2, tp=2, pp=2, cp=2, sp=True, global_batch=8,
-                                                           seq_len=512))
-    export(w, resolve_cluster("dgx-h100:16"), tmp_path / "run")
+    w = synthesize(_small(name), ParallelConfig(**cfg))
+    export(w, resolve_cluster("dgx-h100", w.world_size), tmp_path / "run")
     real = run(os.environ["ASTRA_SIM_BIN"], tmp_path / "run", w.world_size)
-    assert real.output.step_time_ns > 0
+    ours = simulate_run_dir(tmp_path / "run")
+    assert real.output.step_time_ns == max(ours.finished_ns.values())      # to the nanosecond

@@ -68,6 +68,12 @@ CASES = {
     "decode tp2 pp2 dp2 two-batch overlap": (dict(dp=2, tp=2, pp=2),
                                              InferenceConfig("decode", batch=12, context_len=2048,
                                                              two_batch_overlap=True)),
+    # state-space and hybrid models: the scan state per sequence instead of (or beside) a KV cache
+    "decode mamba2 tp2 dp4": (dict(dp=4, tp=2), InferenceConfig("decode", batch=16, context_len=4096), "mamba-codestral-7b"),
+    "prefill jamba dp4 tp2 ep2": (dict(dp=4, tp=2, ep=2, expert_tp=1), InferenceConfig("prefill", batch=4, input_len=1024),
+                              "jamba-v0.1"),
+    "decode qwen3-next dp4 tp2 ep2": (dict(dp=4, tp=2, ep=2, expert_tp=1), InferenceConfig("decode", batch=8, context_len=2048),
+                                  "qwen3-next-80b-a3b"),
 }
 
 

@@ -3,6 +3,8 @@ one model (a preset or a Hugging Face config.json, with the dimension overrides)
 
 from __future__ import annotations
 
+from collections import Counter
+
 import json
 
 import click
@@ -57,11 +59,16 @@ def models(as_json: bool, **kw) -> None:
         click.echo(json.dumps({n: {**m.to_dict(), "params": m.param_count(), "active_params": m.active_param_count()}
                               for n, m in PRESETS.items()}, indent=1))
         return
-    click.echo(f"{'name':<16} {'arch':<6} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} "
-               f"{'vocab':>7} {'params':>9} {'active':>8}  {'experts':<13} attention")
+    width = max(16, *(len(n) for n in PRESETS))
+    click.echo(f"{'name':<{width}} {'arch':<6} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} "
+               f"{'vocab':>7} {'params':>9} {'active':>8}  {'experts':<13} {'attention':<9} mixers")
     for name, m in PRESETS.items():
         experts = f"{m.num_experts} top-{m.moe_router_topk}" if m.is_moe else "-"
         attention = ("latent " if m.multi_latent_attention else "") + m.attention
-        click.echo(f"{name:<16} {m.arch:<6} {m.layers:>6} {m.hidden:>6} {m.ffn:>6} {m.heads:>5} {m.kv_heads:>3} "
+        # the token mixers of a hybrid (or state-space) model, counted by kind
+        kinds = Counter(m.layer_mixer(i) for i in range(m.layers))
+        mixers = " + ".join(f"{'mlp-only' if k == 'none' else k} {c}" for k, c in kinds.items()) \
+            if set(kinds) != {"attention"} else "attention"
+        click.echo(f"{name:<{width}} {m.arch:<6} {m.layers:>6} {m.hidden:>6} {m.ffn:>6} {m.heads:>5} {m.kv_heads:>3} "
                    f"{m.vocab:>7} {m.param_count() / 1e9:>8.2f}B {m.active_param_count() / 1e9:>7.2f}B  "
-                   f"{experts:<13} {attention}")
+                   f"{experts:<13} {attention:<9} {mixers}")

@@ -326,7 +326,9 @@ def pass_template(insts: list[BlockInstance], phase: str, degrees: dict[str, int
                     deps.append(CTRL)
             name = f"{inst.label}.{st.name}"
             row = start + len(block)
-            if st.kind == "compute":
+            if st.kind == "compute" and sc.flops[i] <= 0 and sc.mem_bytes[i] <= 0:
+                ids.append(sorted(set(deps)))  # a kernel with no work at these degrees is never launched
+            elif st.kind == "compute":
                 block.append((name, COMP, tuple(sorted(set(deps))), ceil_int(sc.flops[i]), ceil_int(sc.model_flops[i]),
                               ceil_int(sc.mem_bytes[i]), st.matmul, None, 0, "", st.category, st.phase, inst.label,
                               max(1, round(sc.groups[i])), 0, 0, ceil_int(inst.costs.keys * st.key_share)))
