@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from stage_cosim.errors import UserError
@@ -144,33 +144,78 @@ def rule_of(exc: UserError) -> str:
     return f"{exc.parameter}: {rule}"
 
 
-def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
-            target: ServeTarget, num_requests: int) -> Evaluation:
-    """Simulate the layout's unit at increasing rates; its goodput per GPU (an Evaluation whose
-    score is minus it)."""
-    from stage_cosim.serving.run import deploy, simulate_serving
+# Step timers shared by the layouts of one search (a few instance layouts, each with five batch
+# limits and several pool ratios): a timer's cache of simulated step shapes is most of what a
+# layout's probes cost, and a step's time depends on the instance and the GPUs it is priced on,
+# not on the engine's limits. Keyed by everything a timer depends on; the oldest is dropped
+# past TIMERS so that a long exploration does not hold every hardware point's.
+TIMERS = 32
+_timers: dict[tuple, Any] = {}
+
+
+def _timer(model: ModelConfig, par: ParallelConfig, inference: InferenceConfig, unit: Cluster,
+           resolution: float):  # noqa: ANN202 (StepTimer)
+    from stage_cosim.serving.instance import attention_dp
+    from stage_cosim.serving.steptime import StepTimer
+
+    par = replace(par, dp=par.dp if attention_dp(inference) else 1)     # as instance_kind times it
+    # An instance within one scale-up domain never crosses the scale-out fabric, the one thing
+    # a cluster's GPU count decides (its tiers' contention): its step times are the same in a
+    # unit of any size, so the layouts of every pool ratio share its timer.
+    gpus = par.tp * par.pp * par.dp * par.cp
+    shared = gpus <= unit.domain
+    key = (model, par, inference, resolution, None if shared else unit.num_gpus,
+           tuple((f.name, getattr(unit, f.name)) for f in fields(unit) if f.name != "num_gpus"))
+    timer = _timers.pop(key, None)
+    if timer is None:
+        timer = StepTimer(model, par, inference, unit, resolution)
+    _timers[key] = timer                                                # most recently used last
+    while len(_timers) > TIMERS:
+        del _timers[next(iter(_timers))]
+    return timer
+
+
+def _deploy(model: ModelConfig, cluster: Cluster, config: dict[str, Any], target: ServeTarget):  # noqa: ANN202
+    """The layout's unit deployed (its instance's step timer shared, see _timer); raises the
+    UserError of a layout that does not fit."""
+    from stage_cosim.serving.instance import instance_kind
+    from stage_cosim.serving.run import deploy
 
     par = ParallelConfig(**{k: v for k, v in config["parallel"].items()
                             if k in ParallelConfig.__dataclass_fields__})
     serving = ServingConfig(**config["serving"])
     inference = replace(target.inference, attention_dp=config["attention_dp"])
     unit = replace(cluster, num_gpus=config["unit_gpus"])
+    kind = instance_kind(model, par, inference, unit, serving,
+                         _timer(model, par, inference, unit, serving.step_resolution))
+    return deploy(model, par, inference, unit, serving, kind)
+
+
+def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
+            target: ServeTarget, num_requests: int) -> Evaluation:
+    """Simulate the layout's unit at increasing rates; its goodput per GPU (an Evaluation whose
+    score is minus it)."""
+    from stage_cosim.serving.run import simulate_serving
+
     try:
-        dep = deploy(model, par, inference, unit, serving)
+        dep = _deploy(model, cluster, config, target)
     except UserError as exc:
         return Evaluation(point, config, False, rule_of(exc), None, None)
+    unit = dep.cluster
     stream = replace(target.stream, num_requests=num_requests)
 
-    def run(rate: float) -> dict[str, Any]:
-        return simulate_serving(dep, replace(stream, rate=rate).generate(), target.slo)
+    def run(rate: float, decided: bool = True) -> dict[str, Any] | None:
+        # a probe whose report is only needed if it holds ends as soon as it cannot hold
+        return simulate_serving(dep, replace(stream, rate=rate).generate(), target.slo,
+                                stop=failed(target, dep.serving.request_overhead_s) if decided else None)
 
-    def ok(report: dict[str, Any]) -> bool:
-        return report["slo"]["attainment"] >= target.attainment
+    def ok(report: dict[str, Any] | None) -> bool:
+        return report is not None and report["slo"]["attainment"] >= target.attainment
 
     # Start from the unit's throughput with every request queued at once (its drain makes it
     # an underestimate of the capacity), then grow or shrink the rate by half until the SLOs
     # fail or hold, and bisect between the last rate that held and the first that failed.
-    rate = max(1e-3, run(1e6)["throughput"]["requests_per_s"])
+    rate = max(1e-3, run(1e6, decided=False)["throughput"]["requests_per_s"])
     lo, lo_report, hi = 0.0, None, math.inf
     for _ in range(24):
         report = run(rate)
@@ -204,6 +249,40 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
     return Evaluation(point, config, True, None, 1 / per_gpu, result)
 
 
+def failed(target: ServeTarget, request_overhead_s: float):  # noqa: ANN201
+    """``stop`` for a probe run (see Cluster.run): whether, at simulated time ``now``, so many
+    requests have certainly missed an SLO that the run's attainment is below the target
+    whatever happens next. Every timestamp the engine has still to write is at least ``now``,
+    so a request with no first token whose TTFT would already exceed the target misses it, and
+    so does one still decoding whose tokens so far already average above the TPOT target; the
+    margin covers the rounding of the API server's share that the report adds afterwards."""
+    import numpy as np
+
+    ttft, tpot = target.slo.ttft_s, target.slo.tpot_s
+    post = request_overhead_s / 2
+    margin = 1 + 1e-9
+
+    def stop(log, now: float) -> bool:  # noqa: ANN001 (RequestLog)
+        n = len(log.arrival)
+        arrival = np.asarray(log.arrival)
+        first, finish = np.asarray(log.first_token), np.asarray(log.finish)
+        missed = np.asarray(log.rejected) | np.asarray(log.dropped)
+        started = ~np.isnan(first)
+        if ttft is not None:
+            # a first token still to come is at least ``now``; one written, as the report reads it
+            seen = np.where(started, first + post, now + post) - arrival
+            missed |= seen > ttft * margin
+        if tpot is not None:
+            out = np.maximum(1, np.asarray(log.output_len) - 1)
+            until = np.where(np.isnan(finish), now, finish)
+            missed |= started & (np.asarray(log.output_len) > 1) & ((until - first) / out > tpot * margin)
+        arrived = arrival <= now
+        missed &= arrived
+        return (n - int(np.count_nonzero(missed))) / max(1, n) < target.attainment
+
+    return stop
+
+
 class ServingProblem:
     """The serving search for :func:`stage_cosim.search.optimize.optimize`."""
 
@@ -214,7 +293,17 @@ class ServingProblem:
         return canonical(point)
 
     def check(self, point: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-        return layout(self.space, point, self.cluster, self.target)
+        """The layout, or the rule it breaks: structural, or a unit that leaves no KV cache
+        (found without simulating a request, so that such layouts are not counted as feasible
+        layouts to simulate)."""
+        config, reason = layout(self.space, point, self.cluster, self.target)
+        if config is None:
+            return None, reason
+        try:
+            _deploy(self.space.model, self.cluster, config, self.target)
+        except UserError as exc:
+            return None, rule_of(exc)
+        return config, None
 
     def job(self, config: dict[str, Any], point: dict[str, Any]) -> tuple:
         return (goodput, self.space.model, self.cluster, config, point, self.target, self.num_requests)
@@ -311,6 +400,9 @@ class DecodeProblem(ServingProblem):
         super().__init__(space, cluster, ServeTarget(RequestStream(rate=1.0), SLO(tpot_s=1.0),
                                                      inference=target.inference), 0)
         self.decode = target
+
+    def check(self, point: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+        return layout(self.space, point, self.cluster, self.target)    # decode_rate checks the memory
 
     def job(self, config: dict[str, Any], point: dict[str, Any]) -> tuple:
         return (decode_rate, self.space.model, self.cluster, config, point, self.decode)

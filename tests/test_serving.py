@@ -391,3 +391,88 @@ def test_cli_optimize_serve(run_cli) -> None:
     code, _, err = run_cli("optimize", "--model", "llama3-8b", "--cluster", "dgx-h100:2", "--global-batch", "8",
                            "--seq-len", "512", "--slo-ttft", "0.2")
     assert code == 2 and "slo-ttft" in err
+
+
+def test_serving_search_shares_step_timers_without_changing_a_layout() -> None:
+    """The search reuses one step timer per instance layout over batch limits and pool ratios
+    (an instance inside one NVLink domain is timed alike in a unit of any size): every layout's
+    goodput and report equal those of a layout evaluated with a timer of its own."""
+    from stage_cosim.model import resolve_model
+    from stage_cosim.search import serving as search
+
+    model = resolve_model("llama3-8b").with_overrides(layers=4)
+    cluster = resolve_cluster("dgx-h100", 4)
+    target = search.ServeTarget(RequestStream(rate=1.0, input_len=512, output_len=32, lengths="fixed"),
+                                SLO(ttft_s=0.05, tpot_s=0.01), 0.9)
+    space = search.serving_space(model, cluster)
+    problem = search.ServingProblem(space, cluster, target, 40)
+    points = [{"tp": 1, "pp": 1, "max_num_seqs": m, "split": s} for s in ("none", "1:1", "1:3") for m in (32, 64)]
+    search._timers.clear()
+    shared = []
+    for p in points:
+        config, reason = problem.check(p)
+        assert reason is None
+        shared.append(search.goodput(model, cluster, config, p, target, 40))
+    assert len(search._timers) == 1                    # one instance layout: one timer for all six
+    for p, ev in zip(points, shared):
+        search._timers.clear()
+        config, _ = problem.check(p)
+        alone = search.goodput(model, cluster, config, p, target, 40)
+        assert ev.feasible and ev.score == alone.score
+        assert ev.result["report"]["latency_s"] == alone.result["report"]["latency_s"]
+
+
+def test_serving_search_counts_layouts_without_kv_cache_as_infeasible() -> None:
+    """A layout whose weights leave no KV cache is ruled out before any request is simulated,
+    so the layouts counted feasible are the ones simulated and the proof covers them all."""
+    from stage_cosim.model import resolve_model
+    from stage_cosim.search.optimize import OptimizeSettings
+    from stage_cosim.search.serving import ServeTarget, optimize_serving
+
+    model = resolve_model("llama3-70b")                 # 141 GB of bf16 weights on one 80 GB GPU
+    cluster = resolve_cluster("dgx-h100", 2)
+    target = ServeTarget(RequestStream(rate=1.0), SLO(ttft_s=1.0), 0.9)
+    doc = optimize_serving(model, cluster, target, OptimizeSettings(),
+                           overrides={"tp": (1,), "pp": (1,), "max_num_seqs": (32, 64), "split": ("none",)},
+                           num_requests=20)
+    rule = "cluster: weights and the largest step's working set per GPU leave no KV cache in N of N GiB"
+    assert doc["best"] is None and doc["evaluations"] == 0 and doc["feasible"] == 0
+    assert doc["infeasible"] == {rule: 2} and doc["proven_optimal"] and doc["unexplored"] == 0
+
+
+def test_serving_search_ends_failing_probes_early_without_changing_a_layout(monkeypatch) -> None:
+    """A probe that can no longer meet the attainment ends early; the rates found, and the
+    report of the rate that held, equal those of probes run to the end."""
+    from stage_cosim.model import resolve_model
+    from stage_cosim.search import serving as search
+
+    model = resolve_model("llama3-8b").with_overrides(layers=4)
+    cluster = resolve_cluster("dgx-h100", 2)
+    target = search.ServeTarget(RequestStream(rate=1.0, input_len=512, output_len=64),
+                                SLO(ttft_s=0.05, tpot_s=0.004), 0.9)
+    problem = search.ServingProblem(search.serving_space(model, cluster), cluster, target, 200)
+    points = [{"tp": t, "pp": 1, "max_num_seqs": m, "split": s} for t in (1, 2) for m in (32, 256)
+              for s in ("none", "1:1") if t * (2 if s == "1:1" else 1) <= 2]
+    real, stops = search.failed, []
+
+    def counted(target, overhead):  # noqa: ANN001, ANN202
+        stop = real(target, overhead)
+
+        def wrapped(log, now):  # noqa: ANN001, ANN202
+            stops.append(stop(log, now))
+            return stops[-1]
+        return wrapped
+
+    early = []
+    monkeypatch.setattr(search, "failed", counted)
+    for p in points:
+        config, _ = problem.check(p)
+        early.append(search.goodput(model, cluster, config, p, target, 200))
+    assert any(stops)                                  # some probes did end early
+    monkeypatch.setattr(search, "failed", lambda target, overhead: lambda log, now: False)
+    for p, ev in zip(points, early):
+        config, _ = problem.check(p)
+        full = search.goodput(model, cluster, config, p, target, 200)
+        assert ev.feasible == full.feasible and ev.score == full.score and ev.reason == full.reason
+        if ev.feasible:
+            assert ev.result["report"]["slo"] == full.result["report"]["slo"]

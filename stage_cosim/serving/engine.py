@@ -51,6 +51,7 @@ from stage_cosim.serving.requests import Requests
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
 _NEVER = float("inf")
+STOP_EVERY = 128     # events between a caller's stop checks (a check reads every request once)
 
 
 class RequestLog:
@@ -577,7 +578,9 @@ class Cluster:
         inst = min(pool, key=lambda i: (i.in_system / len(i.ranks), i.index))
         return inst, inst.least_loaded_rank()
 
-    def run(self, reqs: Requests, progress=None) -> tuple[RequestLog, Trace]:  # noqa: ANN001
+    def run(self, reqs: Requests, progress=None, stop=None) -> tuple[RequestLog, Trace | None]:  # noqa: ANN001
+        """Run the requests through the engines; ``stop(log, now)``, asked every STOP_EVERY
+        events, ends the run early (its trace None) when the caller has its answer."""
         log = RequestLog(reqs)
         cfg = self.cfg
         trace = Trace(kv_capacity=self.capacity, request_overhead_s=cfg.request_overhead_s)
@@ -675,6 +678,8 @@ class Cluster:
                         touched = inst
                         start(inst, now)
                 handled += 1
+                if stop is not None and handled % STOP_EVERY == 0 and stop(log, now):
+                    return log, None
                 if progress is not None and handled % 2048 == 0:
                     finished = sum(1 for f in log.finish if f == f)
                     progress(finished, n)

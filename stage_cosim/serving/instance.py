@@ -16,7 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
-from stage_cosim.errors import UserError
+from stage_cosim.errors import UserError, require
 from stage_cosim.inference.config import BatchShape, InferenceConfig
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.config import ParallelConfig
@@ -112,12 +112,25 @@ def attention_dp(inference: InferenceConfig) -> bool:
 
 
 def instance_kind(model: ModelConfig, parallel: ParallelConfig, inference: InferenceConfig, cluster,  # noqa: ANN001
-                  serving: ServingConfig) -> InstanceKind:
-    """An instance of ``parallel``'s layout on ``cluster``'s GPUs with ``serving``'s budget."""
+                  serving: ServingConfig, timer: StepTimer | None = None) -> InstanceKind:
+    """An instance of ``parallel``'s layout on ``cluster``'s GPUs with ``serving``'s budget;
+    ``timer``: a step timer of the same model, instance layout, inference, cluster and
+    resolution to reuse (the serving search shares one over the batch limits and pool ratios it
+    tries: step times do not depend on the engine's limits, and the timer's cache of simulated
+    shapes is most of a run's cost). Its cluster may differ in GPU count where the instance
+    fits in one scale-up domain: the count shapes only the scale-out fabric, which such an
+    instance's collectives never cross."""
     ranks = parallel.dp if attention_dp(inference) else 1
     par = replace(parallel, dp=ranks)
     gpus = par.tp * par.pp * ranks * par.cp
-    timer = StepTimer(model, par, inference, cluster, serving.step_resolution)
+    if timer is None:
+        timer = StepTimer(model, par, inference, cluster, serving.step_resolution)
+    else:
+        same_cluster = timer.cluster == cluster or (gpus <= min(cluster.domain, timer.cluster.domain)
+                                                    and replace(timer.cluster, num_gpus=cluster.num_gpus) == cluster)
+        require(timer.model == model and timer.parallel == par and timer.inference == inference
+                and same_cluster and timer.resolution == serving.step_resolution,
+                "timer", "must time the same model, instance layout, inference, cluster and resolution")
     # The largest step a rank runs: a full token budget over as many requests as it may hold.
     seqs = min(serving.max_num_seqs, serving.chunk_tokens)
     windows = frozenset(model.layer_windows())

@@ -55,13 +55,17 @@ def deploy(model: ModelConfig, parallel: ParallelConfig, inference: InferenceCon
 
 def simulate_serving(dep: Deployment, requests: Requests, slo: SLO,
                      progress: Callable[[int, int], None] | None = None,
-                     requests_out: str | Path | None = None) -> dict[str, Any]:
+                     requests_out: str | Path | None = None,
+                     stop: Callable[[Any, float], bool] | None = None) -> dict[str, Any] | None:
     """Run ``requests`` through the deployment; the report (see :mod:`metrics`), and with
-    ``requests_out`` every request's times written there as CSV (see :mod:`output`)."""
+    ``requests_out`` every request's times written there as CSV (see :mod:`output`). ``stop``
+    (see :meth:`Cluster.run`) may end the run early: None then, no report."""
     reqs = requests.clipped(dep.model.max_seq) if dep.model.position == "learned" else requests
     engines = Cluster(dep.pools, dep.serving, dep.cluster, _windows(dep.model))
     sims_before = dep.kind.timer.stats.simulations
-    log, trace = engines.run(reqs, progress)
+    log, trace = engines.run(reqs, progress, stop)
+    if trace is None:
+        return None
     report = summarize(log, trace, slo, dep.gpus)
     if requests_out is not None:
         from stage_cosim.files import reported_write
