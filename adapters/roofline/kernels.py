@@ -135,10 +135,6 @@ class InferenceComputeModel(ComputeModel):
         return max(t_flops, nbytes / self._hbm) + self.gpu.kernel_overhead_us * 1e-6
 
 
-def serving_compute_model(gpu: GPU) -> InferenceComputeModel:
-    return InferenceComputeModel(gpu)
-
-
 def step_compute_model(gpu: GPU, inference: bool) -> ComputeModel:
     """The kernel model of a step: for an inference step (``simulate --phase prefill|decode``,
     a serving run's steps, the serving search) GEMMs from the measured microbenchmarks, so that

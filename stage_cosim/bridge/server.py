@@ -116,6 +116,15 @@ class RequestDecoding(grpc.aio.ServerInterceptor):
     """Bytes that do not parse as the Bridge method's message reach the method as Undecodable,
     which it answers with INVALID_ARGUMENT (grpc itself would answer UNKNOWN or INTERNAL)."""
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """The call's peer, let in (counted until :meth:`_leave`), or the call aborted with why not."""
+        peer = context.peer()
+        try:
+            self._enter(peer)
+        except RpcAbort as err:
+            await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+        return peer
+
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         prefix = f"/{SERVICE}/"
@@ -478,6 +487,15 @@ class TokenAuth(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """The call's peer, let in (counted until :meth:`_leave`), or the call aborted with why not."""
+        peer = context.peer()
+        try:
+            self._enter(peer)
+        except RpcAbort as err:
+            await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+        return peer
+
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
@@ -540,6 +558,15 @@ class PeerConnections(grpc.aio.ServerInterceptor):
             if not self._hosts[host]:
                 del self._hosts[host]
 
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """The call's peer, let in (counted until :meth:`_leave`), or the call aborted with why not."""
+        peer = context.peer()
+        try:
+            self._enter(peer)
+        except RpcAbort as err:
+            await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+        return peer
+
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
@@ -549,11 +576,7 @@ class PeerConnections(grpc.aio.ServerInterceptor):
             behavior = handler.unary_unary or handler.stream_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                peer = context.peer()
-                try:
-                    self._enter(peer)
-                except RpcAbort as err:
-                    await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+                peer = await self._admit(context)
                 try:
                     result = behavior(request, context)
                     return await result if inspect.isawaitable(result) else result
@@ -565,11 +588,7 @@ class PeerConnections(grpc.aio.ServerInterceptor):
         behavior = handler.unary_stream or handler.stream_stream
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            peer = context.peer()
-            try:
-                self._enter(peer)
-            except RpcAbort as err:
-                await context.abort(err.code, err.message, trailing_metadata=err.trailing_metadata())
+            peer = await self._admit(context)
             try:
                 result = behavior(request, context)
                 if inspect.isawaitable(result):             # a handler that writes with context.write
