@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from stage_cosim.search.explore import explore, load_spec
+from stage_cosim.search.explore import explore
+from stage_cosim.search.explore_spec import load_spec
 
 
 def main() -> None:

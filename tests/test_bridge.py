@@ -21,7 +21,7 @@ import pytest
 
 from stage_cosim import api
 from stage_cosim.bridge import BridgeError, Client, JobFailed
-from stage_cosim.bridge.manager import Limits
+from stage_cosim.bridge.limits import Limits
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.server import ServerConfig, start_in_thread
 

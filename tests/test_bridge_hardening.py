@@ -114,7 +114,7 @@ def test_no_request_field_reads_the_servers_files(tmp_path, monkeypatch) -> None
     import threading
 
     from stage_cosim.api import OPTIMIZE_KEYS, SERVE_KEYS
-    from stage_cosim.search.explore import SPEC_KEYS
+    from stage_cosim.search.explore_spec import SPEC_KEYS
 
     cwd = tmp_path / "server-cwd"
     (cwd / "model-dir").mkdir(parents=True)
@@ -665,7 +665,7 @@ def test_sigterm_keeps_queued_jobs_for_the_next_server_and_cancels_them_without_
     run them, so a drain cancels them. A running job gets the drain timeout, then is cancelled."""
     import time
 
-    from stage_cosim.bridge.manager import Limits
+    from stage_cosim.bridge.limits import Limits
 
     data = tmp_path / "data"
     proc, address = start_serve(data, "--drain-timeout", "0.5")

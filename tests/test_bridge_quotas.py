@@ -1,6 +1,6 @@
 """The bridge under hostile clients: every client gets its share, and records stay bounded.
 
-Each test sends what a hostile client sent (issue 28) to a real server on a loopback port: a
+Each test sends what a hostile client sent to a real server on a loopback port: a
 3 MB request_id, a YAML document of sexagesimal integers, a day-long timeout, a re-parsed
 artifact index, a job that fills the disk, silent and crowded connections, and page tokens and
 cluster names that broke the old checks.
@@ -19,7 +19,7 @@ from stage_cosim.bridge import Client
 from stage_cosim.bridge.artifacts import ArtifactIndex, PageCache
 from stage_cosim.bridge.documents import DocumentLimits, load_yaml
 from stage_cosim.bridge.fair import FairGate, FairQueue, ParseMeter
-from stage_cosim.bridge.manager import Limits
+from stage_cosim.bridge.limits import Limits
 from stage_cosim.bridge.paths import disk_usage
 from stage_cosim.bridge.proto.stagecosim.v1 import bridge_pb2 as pb
 from stage_cosim.bridge.quotas import MIB, Quotas

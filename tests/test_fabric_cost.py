@@ -8,7 +8,8 @@ import pytest
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import cluster_from
 from stage_cosim.hardware.fabric import check_prices, cost_per_gpu, count, tiers_for
-from stage_cosim.search.explore import cost_range, spec_from_dict
+from stage_cosim.search.explore import cost_range
+from stage_cosim.search.explore_spec import spec_from_dict
 
 
 def _cluster(topology: str, gpus: int = 1024, over: float | list = 1, radix: int = 64, planes: int = 1):
@@ -110,7 +111,8 @@ EXAMPLE = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples"
 
 @pytest.mark.slow
 def test_explore_compares_network_designs() -> None:
-    from stage_cosim.search.explore import apply, explore, load_spec
+    from stage_cosim.search.explore import apply, explore
+    from stage_cosim.search.explore_spec import load_spec
 
     spec = load_spec(EXAMPLE)
     doc = explore(spec)

@@ -186,7 +186,7 @@ def test_optimize_fixed_fp8_on_a_gpu_without_fp8(run_cli) -> None:
 ])
 def test_explore_says_what_the_baseline_gpu_cannot_run(spec, message) -> None:
     from stage_cosim.errors import UserError
-    from stage_cosim.search.explore import spec_from_dict
+    from stage_cosim.search.explore_spec import spec_from_dict
 
     doc = dict(model="llama3-8b", global_batch=32, seq_len=1024, variables={"gpu.hbm_GBps": {"min": 2000, "max": 4000}},
                cost={"base": 10000}) | spec

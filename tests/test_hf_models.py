@@ -10,7 +10,7 @@ import pytest
 
 from stage_cosim.errors import UserError
 from stage_cosim.graph.transformer import symbolic_param_count
-from stage_cosim.model.config import SLIDING_ATTENTION
+from stage_cosim.model.architecture import SLIDING_ATTENTION
 from stage_cosim.model import get_preset
 from stage_cosim.model.hf import READERS, model_from_hf_dict
 

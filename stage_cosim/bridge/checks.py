@@ -6,7 +6,7 @@ and the imports — and fail there. Each check here runs the parsing the job wil
 the work (no graph, no simulation), so a bad key or value is INVALID_ARGUMENT naming it before a
 job exists:
 
-* explore: ``search.explore.spec_from_dict``, exactly what the worker calls first;
+* explore: ``search.explore_spec.spec_from_dict``, exactly what the worker calls first;
 * optimize: the keys ``api.optimize`` accepts and the values its settings become (``Objective``,
   integers, fractions), as ``stage-cosim optimize``'s flags check them;
 * serve_sim: the keys ``api.serve_sim`` accepts; the request stream, engine settings, latency
@@ -96,7 +96,7 @@ def check_optimize(req: Mapping[str, Any]) -> None:
 
 
 def check_explore(req: Mapping[str, Any]) -> None:
-    from stage_cosim.search.explore import spec_from_dict
+    from stage_cosim.search.explore_spec import spec_from_dict
 
     spec_from_dict(dict(req), "request")
 

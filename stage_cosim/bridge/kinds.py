@@ -19,7 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from stage_cosim.bridge.resolve import SEARCHES
 from stage_cosim.errors import UserError
+from stage_cosim.trace.formats import FORMATS
 
 KINDS = ("simulate", "synthesize", "optimize", "explore", "serve_sim")
 TRACES_DIR = "traces"
@@ -38,7 +40,7 @@ def run(kind: str, req: dict[str, Any], options: Mapping[str, Any], out: Path, r
         return simulate(req, options, out)
     if kind == "synthesize":
         return synthesize(req, options, out, report)
-    if kind in ("optimize", "explore"):
+    if kind in SEARCHES:
         return search(kind, req, report, server or {})
     if kind == "serve_sim":
         return serve_sim(req, report)
@@ -104,8 +106,8 @@ def synthesize(req: dict[str, Any], options: Mapping[str, Any], out: Path, repor
     from stage_cosim import api
 
     fmt = str(options.get("format") or "chakra")
-    if fmt not in ("chakra", "json"):
-        raise UserError("format", f"must be chakra or json, got {fmt!r}")
+    if fmt not in FORMATS:
+        raise UserError("format", f"must be {' or '.join(FORMATS)}, got {fmt!r}")
     return api.synth(req, out / TRACES_DIR, fmt=fmt, force=False,
                      progress=lambda done, total: report.progress(done, total))
 

@@ -28,6 +28,7 @@ from functools import lru_cache
 from typing import Any, Callable, Mapping
 
 from stage_cosim import __version__
+from stage_cosim.adapters import BACKENDS
 from stage_cosim.adapters.roofline.network import NETWORK_MODELS
 from stage_cosim.bridge import checks
 from stage_cosim.bridge.codec import dumps
@@ -35,7 +36,6 @@ from stage_cosim.bridge.sizing import check_fits, check_requests_fit
 from stage_cosim.errors import UserError
 from stage_cosim.files import without_local_files
 
-BACKENDS = ("roofline", "astra-sim")
 # request keys that choose the server's processes, and the serve flags that set them instead
 SERVER_SETTINGS = {"ray": "--ray", "workers": "--search-workers"}
 SEARCHES = ("optimize", "explore")

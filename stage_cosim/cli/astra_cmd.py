@@ -6,20 +6,22 @@ from pathlib import Path
 
 import click
 
+from stage_cosim.adapters.astra_sim.astra_system import OPTIMIZATIONS
+from stage_cosim.adapters.astra_sim.layout import COMPUTE_MODES
 from stage_cosim.cli.options import (
     cluster_option, inference_options, model_options, parallel_options, resolve_inference_options,
     resolve_model_options, resolve_parallel_options, warn_positions,
 )
 
 astra_options = [
-    click.option("--compute", "compute_mode", type=click.Choice(["replay", "roofline"]), default="replay",
+    click.option("--compute", "compute_mode", type=click.Choice(COMPUTE_MODES), default="replay",
                  show_default=True, help="replay: node durations from our GPU model; roofline: the simulator's roofline."),
     click.option("--collective-implementation", "implementation", default="ring", show_default=True,
                  type=click.Choice(["ring", "direct", "halvingDoubling", "doubleBinaryTree"]),
                  help="Collective algorithm on every network dimension."),
     click.option("--dataset-splits", type=int, default=4, show_default=True, help="preferred-dataset-splits."),
     click.option("--active-chunks", type=int, default=1, show_default=True, help="active-chunks-per-dimension."),
-    click.option("--collective-optimization", type=click.Choice(["baseline", "localBWAware"]), default="baseline",
+    click.option("--collective-optimization", type=click.Choice(OPTIMIZATIONS), default="baseline",
                  show_default=True),
 ]
 

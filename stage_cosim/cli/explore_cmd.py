@@ -80,7 +80,8 @@ def plot_frontier(doc: dict, path: Path) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def explore(spec: Path, as_json: bool, plot: Path | None, quiet: bool) -> None:
     """Search GPU and network parameters (bounds and costs from SPEC) for the best step time per cost."""
-    from stage_cosim.search.explore import explore as run, load_spec, planned_evaluations
+    from stage_cosim.search.explore import explore as run, planned_evaluations
+    from stage_cosim.search.explore_spec import load_spec
 
     check_output(plot, "plot", FIGURE_SUFFIXES)         # before the exploration, not after it
     s = load_spec(spec)

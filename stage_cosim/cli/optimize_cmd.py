@@ -21,6 +21,7 @@ from stage_cosim.errors import UserError
 from stage_cosim.parallel.software import get_software
 from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, save_figure
 from stage_cosim.result import BREAKDOWN_KEYS
+from stage_cosim.search.evaluate import OBJECTIVES
 from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
 
 GiB = 1 << 30
@@ -223,7 +224,7 @@ def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a har
 @click.option("--global-batch", type=int, default=None, help="Training: sequences per step (required).")
 @click.option("--seq-len", type=int, default=None, help="Training: sequence length (required).")
 @serve_options
-@click.option("--objective", type=click.Choice(["step-time", "tokens-per-gpu", "cost"]), default="step-time",
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="step-time",
               show_default=True)
 @click.option("--price", type=float, default=0.0, help="Price per GPU-hour (cost objective).")
 @click.option("--seed", type=int, default=0, show_default=True)

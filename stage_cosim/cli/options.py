@@ -6,7 +6,7 @@ is ``ModelConfig.kv_heads``), so the command line, config files and JSON use one
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 import click
 
@@ -17,7 +17,7 @@ from stage_cosim.inference.config import (
     FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, PHASES, TRAIN, WEIGHT_DTYPES, InferenceConfig,
 )
 from stage_cosim.model import ModelConfig, resolve_model
-from stage_cosim.model.config import MODEL_SWITCHES
+from stage_cosim.model.config import MODEL_SWITCHES, Arch, AttentionImpl, CrossEntropyImpl
 from stage_cosim.model.presets import DEFAULT_MODEL
 from stage_cosim.parallel.software import DEFAULT_SOFTWARE, get_software, software_names
 from stage_cosim.parallel.config import (
@@ -41,27 +41,32 @@ def _compose(*decorators: Callable) -> Callable:
     return apply
 
 
+def _model_doc(name: str) -> str:
+    """The help of the flag of ModelConfig field ``name``: the field's docstring."""
+    return field_docs(ModelConfig)[name]
+
+
+# Each flag overrides the field of the same name of the model --model names.
+_OVERRIDE = " Overrides the model's."
+
 model_options = _compose(
     click.option("--model", "model", default=None, metavar="NAME|config.json",
                  help=f"Preset name or Hugging Face config.json (default {DEFAULT_MODEL}; see 'stage-cosim models')."),
-    click.option("--arch", type=click.Choice(["gpt", "llama"]), default=None,
-                 help="Architecture family for a model given by dimension flags alone."),
-    *(click.option(f"--{d.replace('_', '-')}", d, type=int, default=None, help=f"Override the model's {d.replace('_', ' ')}.")
+    click.option("--arch", type=click.Choice(get_args(Arch)), default=None,
+                 help=_model_doc("arch") + " Only for a model given by dimension flags alone."),
+    *(click.option(f"--{d.replace('_', '-')}", d, type=int, default=None, help=_model_doc(d) + _OVERRIDE
+                   + (" Default with --arch: 4096." if d == "max_seq" else ""))
       for d in MODEL_DIMENSIONS),
-    click.option("--attention", type=click.Choice(["fused", "unfused"]), default=None,
-                 help="Flash (fused) attention or materialized scores (unfused)."),
-    click.option("--cross-entropy", "cross_entropy", type=click.Choice(["fused", "unfused"]), default=None,
-                 help="Loss kernels: Megatron's unfused vocabulary-parallel cross-entropy (default) or one fused "
-                      "kernel (the same as --cross-entropy-loss-fusion)."),
+    click.option("--attention", type=click.Choice(get_args(AttentionImpl)), default=None,
+                 help=_model_doc("attention") + _OVERRIDE),
+    click.option("--cross-entropy", "cross_entropy", type=click.Choice(get_args(CrossEntropyImpl)), default=None,
+                 help=_model_doc("cross_entropy") + _OVERRIDE),
     click.option("--cross-entropy-loss-fusion", "cross_entropy_loss_fusion", is_flag=True, default=None,
                  help="Megatron-LM's name for --cross-entropy fused."),
     click.option("--causal-flops/--full-attention-flops", "causal_flops", default=None,
-                 help="Fused attention skips the masked blocks of the causal score matrix, as every flash kernel "
-                      "does (default); --full-attention-flops runs and times the whole matrix (a what-if). "
-                      "MFU counts the whole matrix either way."),
+                 help=_model_doc("causal_flops") + " --full-attention-flops turns it off." + _OVERRIDE),
     click.option("--moe-shared-expert-overlap/--no-moe-shared-expert-overlap", "moe_shared_expert_overlap",
-                 default=None, help="Compute the shared experts while the routed tokens are dispatched "
-                                    "(default: after the routed experts)."),
+                 default=None, help=_model_doc("moe_shared_expert_overlap") + _OVERRIDE),
 )
 
 # The precision flags (ParallelConfig fields of the same names).
@@ -246,29 +251,26 @@ def resolve_parallel_options(kw: dict[str, Any], cluster: str | None = None) -> 
                           pp_layers=layers, axis_order=order)
 
 
+def _inference_doc(name: str) -> str:
+    """An inference flag's help: the InferenceConfig field's docstring."""
+    return field_docs(InferenceConfig)[name]
+
+
 inference_options = _compose(
     click.option("--phase", type=click.Choice((TRAIN,) + PHASES), default=TRAIN, show_default=True,
-                 help="A training step, or an inference step: a prefill of prompts or one decode step."),
-    click.option("--batch", type=int, default=None, help="Inference: requests in the step (over all dp replicas; default 1)."),
-    click.option("--input-len", type=int, default=None, help="Prefill: prompt tokens per request (default 2048)."),
-    click.option("--context-len", type=int, default=None,
-                 help="Decode: tokens each request's new token attends to, itself included (default 2048)."),
+                 help=_inference_doc("phase")),
+    click.option("--batch", type=int, default=None, help=_inference_doc("batch")),
+    click.option("--input-len", type=int, default=None, help=_inference_doc("input_len")),
+    click.option("--context-len", type=int, default=None, help=_inference_doc("context_len")),
     click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
-                 help="Inference: precision of the KV cache (default bf16)."),
+                 help=_inference_doc("kv_cache_dtype")),
     click.option("--weight-dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
-                 help="Inference: the layers' GEMM weights: bf16 (default), fp8 (W8A8: FP8 GEMMs, activations "
-                      "quantized per tensor) or int4 (W4A16: 4-bit weights, a scale per 128, BF16 GEMMs)."),
+                 help=_inference_doc("weight_dtype")),
     click.option("--fp8-activation-scale", "fp8_activation_scale", type=click.Choice(FP8_ACTIVATION_SCALES),
-                 default=None,
-                 help="Inference with fp8 weights: activation scales calibrated offline and stored with the "
-                      "checkpoint (static, default: the producing kernel writes FP8) or computed per tensor as it "
-                      "comes (dynamic: an amax pass and a cast)."),
-    click.option("--attention-dp", "attention_dp", is_flag=True, default=None,
-                 help="Inference with experts: attention data parallelism (each dp rank its own requests, the "
-                      "experts sharded over the ranks of every dp replica; expert-tp*ep may span dp)."),
+                 default=None, help=_inference_doc("fp8_activation_scale")),
+    click.option("--attention-dp", "attention_dp", is_flag=True, default=None, help=_inference_doc("attention_dp")),
     click.option("--two-batch-overlap", "two_batch_overlap", is_flag=True, default=None,
-                 help="Inference: each micro-batch as two run at once on the rank, one's communication (the "
-                      "experts' all-to-alls) behind the other's compute."),
+                 help=_inference_doc("two_batch_overlap")),
 )
 INFERENCE_FLAGS = ("batch", "input_len", "context_len", "kv_cache_dtype", "weight_dtype", "fp8_activation_scale",
                    "attention_dp", "two_batch_overlap")

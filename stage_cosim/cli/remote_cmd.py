@@ -293,7 +293,7 @@ def remote_explore(**kw: Any) -> None:
     doc = read_yaml(spec, "spec")
     if not isinstance(doc, dict):
         raise UserError("spec", f"{spec}: expected a mapping")
-    from stage_cosim.search.explore import spec_from_dict
+    from stage_cosim.search.explore_spec import spec_from_dict
 
     settings = spec_from_dict(doc, str(spec))   # the local checks and messages, before anything is sent
     with _client(kw) as client:

@@ -95,7 +95,7 @@ def serve(host: str, port: int, token: str | None, tls_cert: Path | None, tls_ke
     import asyncio
 
     from stage_cosim.bridge.documents import DocumentLimits
-    from stage_cosim.bridge.manager import Limits
+    from stage_cosim.bridge.limits import Limits
     from stage_cosim.bridge.process import WorkerSettings
     from stage_cosim.bridge.server import ServerConfig, serve as run_server
 

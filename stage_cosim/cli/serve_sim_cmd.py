@@ -9,17 +9,63 @@ from typing import Any
 
 import click
 
+from stage_cosim.api import DEFAULT_REQUEST_TIMEOUT_S
 from stage_cosim.cli.options import model_options
 from stage_cosim.errors import UserError
+from stage_cosim.fielddocs import field_docs
 from stage_cosim.files import FIGURE_SUFFIXES, check_output
-from stage_cosim.inference.config import FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, WEIGHT_DTYPES
-from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, TOKEN_DISPATCHERS
-from stage_cosim.serving.config import ROUTING
+from stage_cosim.inference.config import FP8_ACTIVATION_SCALES, KV_CACHE_DTYPES, WEIGHT_DTYPES, InferenceConfig
+from stage_cosim.parallel.config import DEFAULT_AXIS_ORDER, TOKEN_DISPATCHERS, ParallelConfig
+from stage_cosim.serving.config import ROUTING, SLO, ServingConfig
 from stage_cosim.serving.engines import engine_names
-from stage_cosim.serving.requests import LENGTH_DISTRIBUTIONS
+from stage_cosim.serving.requests import LENGTH_DISTRIBUTIONS, RequestStream
+from stage_cosim.serving.steptime import DEFAULT_RESOLUTION
 
 GiB = 1 << 30
 SWEEP = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)     # --plot without --rates: these multiples of --rate
+
+
+# Each flag that sets a field of a configuration dataclass shows that field's docstring as its
+# help (one text for the flag, config files, JSON and docs), then what only the flag says: its
+# default (the field's own, the engine profile's, or the one the request fills in).
+def _shown(value: object) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) \
+        else str(value)
+
+
+def _field_help(cls: type, name: str, default: bool) -> str:
+    return field_docs(cls)[name] + (f" Default {_shown(getattr(cls, name))}." if default else "")
+
+
+def _serving(name: str, default: bool = False) -> str:
+    return _field_help(ServingConfig, name, default)
+
+
+def _engine_set(name: str) -> str:
+    """A ServingConfig field an engine profile sets (--engine): its default is the engine's."""
+    return field_docs(ServingConfig)[name] + \
+        f" Default: the engine's; {_shown(getattr(ServingConfig, name))} without --engine."
+
+
+def _stream(name: str, default: bool = False) -> str:
+    return _field_help(RequestStream, name, default)
+
+
+def _slo(name: str) -> str:
+    return field_docs(SLO)[name]
+
+
+def _parallel(name: str) -> str:
+    return field_docs(ParallelConfig)[name]
+
+
+def _of_instance(name: str) -> str:
+    """A degree of ParallelConfig, which in a serving run is one instance's."""
+    return _parallel(name).rstrip(".") + " of one instance."
+
+
+def _inference(name: str) -> str:
+    return field_docs(InferenceConfig)[name]
 
 
 def _ms(v: float | None) -> str:
@@ -121,68 +167,65 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
 @model_options
 @click.option("--cluster", default="dgx-h100", show_default=True, metavar="PRESET[:GPUS]|FILE.yaml",
               help="Cluster (default GPU count: the deployment's, dp*tp*pp or the two pools).")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree of an instance.")
-@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages of an instance.")
+@click.option("--tp", type=int, default=1, show_default=True, help=_of_instance("tp"))
+@click.option("--pp", type=int, default=1, show_default=True, help=_of_instance("pp"))
 @click.option("--dp", type=int, default=1, show_default=True,
-              help="Model replicas (instances); with --attention-dp, attention ranks of one instance.")
-@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree.")
-@click.option("--expert-tp", "expert_tp", type=int, default=None, help="Tensor-parallel degree inside each expert.")
+              help=_parallel("dp").rstrip(".") + ": model replicas (instances); with --attention-dp, attention "
+                   "ranks of one instance.")
+@click.option("--ep", type=int, default=1, show_default=True, help=_parallel("ep"))
+@click.option("--expert-tp", "expert_tp", type=int, default=None, help=_parallel("expert_tp"))
 @click.option("--attention-dp/--no-attention-dp", "attention_dp", default=None,
-              help="Experts shared by the dp ranks' attention (one instance over dp*tp*pp GPUs).")
-@click.option("--moe-token-dispatcher", "moe_token_dispatcher", type=click.Choice(TOKEN_DISPATCHERS), default=None)
-@click.option("--axis-order", "axis_order", default=None, help=f"Mesh axes innermost first (default {','.join(DEFAULT_AXIS_ORDER)}).")
+              help=_inference("attention_dp") + " With it, one instance over dp*tp*pp GPUs.")
+@click.option("--moe-token-dispatcher", "moe_token_dispatcher", type=click.Choice(TOKEN_DISPATCHERS), default=None,
+              help=_parallel("moe_token_dispatcher"))
+@click.option("--axis-order", "axis_order", default=None,
+              help=_parallel("axis_order") + f" Default {','.join(DEFAULT_AXIS_ORDER)}.")
 @click.option("--weight-dtype", "weight_dtype", type=click.Choice(WEIGHT_DTYPES), default=None,
-              help="Weights: bf16, fp8 (W8A8 GEMMs) or int4 (weight-only).")
-@click.option("--kv-cache-dtype", "kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None)
+              help=_inference("weight_dtype"))
+@click.option("--kv-cache-dtype", "kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None,
+              help=_inference("kv_cache_dtype"))
 @click.option("--fp8-activation-scale", "fp8_activation_scale", type=click.Choice(FP8_ACTIVATION_SCALES), default=None,
-              help="FP8 weights: activation scales stored with the checkpoint (static, default) or computed per "
-                   "tensor as it comes (dynamic).")
+              help=_inference("fp8_activation_scale"))
 @click.option("--two-batch-overlap", "two_batch_overlap", is_flag=True, default=None,
-              help="Each step's batch as two micro-batches at once: one's communication behind the other's compute.")
-@click.option("--rate", type=float, default=None, help="Poisson arrivals, requests per second.")
-@click.option("--num-requests", "num_requests", type=int, default=None, help="Requests to generate (default 1000).")
-@click.option("--input-len", "input_len", type=int, default=None, help="Mean prompt tokens (default 1024).")
-@click.option("--output-len", "output_len", type=int, default=None, help="Mean output tokens (default 256).")
+              help=_inference("two_batch_overlap"))
+@click.option("--rate", type=float, default=None, help=_stream("rate"))
+@click.option("--num-requests", "num_requests", type=int, default=None, help=_stream("num_requests", default=True))
+@click.option("--input-len", "input_len", type=int, default=None, help=_stream("input_len", default=True))
+@click.option("--output-len", "output_len", type=int, default=None, help=_stream("output_len", default=True))
 @click.option("--lengths", type=click.Choice(LENGTH_DISTRIBUTIONS), default=None,
-              help="Length distribution (default lognormal).")
-@click.option("--length-spread", "length_spread", type=float, default=None,
-              help="Shape (sigma) of the log-normal lengths (default 0.6).")
-@click.option("--seed", type=int, default=None, help="Random seed of the generated requests.")
-@click.option("--prefix-len", "prefix_len", type=int, default=None,
-              help="Generated prompts open with a shared prefix of this many tokens (added to --input-len).")
-@click.option("--prefix-groups", "prefix_groups", type=int, default=None,
-              help="Distinct shared prefixes, one drawn per request (default 1).")
+              help=_stream("lengths", default=True))
+@click.option("--length-spread", "length_spread", type=float, default=None, help=_stream("spread", default=True))
+@click.option("--seed", type=int, default=None, help=_stream("seed", default=True))
+@click.option("--prefix-len", "prefix_len", type=int, default=None, help=_stream("prefix_len"))
+@click.option("--prefix-groups", "prefix_groups", type=int, default=None, help=_stream("prefix_groups", default=True))
 @click.option("--trace", type=click.Path(path_type=Path), default=None,
               help="Requests from a file: CSV with arrival_s,input_len,output_len[,hash_ids], or JSON lines "
                    "(Mooncake traces as they are).")
 @click.option("--engine", type=click.Choice(engine_names()), default=None,
               help="Engine release profile: its scheduler defaults and host overheads (default: the settings as given).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching", default=None,
-              help="Automatic prefix caching (default: the engine's; off without --engine).")
+              help=_engine_set("enable_prefix_caching"))
 @click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", "enable_chunked_prefill", default=None,
-              help="Prompts in chunks batched with decodes (default: the engine's; on without --engine).")
+              help=_engine_set("enable_chunked_prefill"))
 @click.option("--request-timeout", "request_timeout", type=float, default=None,
-              help="Seconds a client waits for a request before dropping it (default 300; 0: forever).")
+              help=_serving("request_timeout_s") + f" Default {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no timeout.")
 @click.option("--request-overhead", "request_overhead", type=float, default=None,
-              help="Host seconds per request outside the engine's steps (default: the engine's; 0 without --engine).")
+              help=_engine_set("request_overhead_s"))
 @click.option("--requests-out", "requests_out", type=click.Path(path_type=Path), default=None,
               help="Write every request's arrival, first token, finish, tokens and drop to this CSV.")
-@click.option("--max-num-seqs", "max_num_seqs", type=int, default=None,
-              help="Requests running at once per attention rank (default 256).")
-@click.option("--chunk-tokens", "chunk_tokens", type=int, default=None,
-              help="Tokens per step per attention rank: decodes plus prompt chunks (default 8192).")
-@click.option("--kv-block-size", "kv_block_size", type=int, default=None, help="Tokens per KV-cache block (default 16).")
+@click.option("--max-num-seqs", "max_num_seqs", type=int, default=None, help=_engine_set("max_num_seqs"))
+@click.option("--chunk-tokens", "chunk_tokens", type=int, default=None, help=_engine_set("chunk_tokens"))
+@click.option("--kv-block-size", "kv_block_size", type=int, default=None, help=_serving("kv_block_size", default=True))
 @click.option("--hbm-utilization", "hbm_utilization", type=float, default=None,
-              help="Fraction of HBM the engine uses (default 0.9).")
-@click.option("--step-overhead", "step_overhead", type=float, default=None,
-              help="Host seconds per step not hidden behind the GPU (default: the engine's; 0 without --engine).")
+              help=_serving("hbm_utilization", default=True))
+@click.option("--step-overhead", "step_overhead", type=float, default=None, help=_engine_set("step_overhead_s"))
 @click.option("--step-resolution", "step_resolution", type=float, default=None,
-              help="Step-time grid resolution (default 1/32; 0 simulates every step's shape).")
-@click.option("--prefill-gpus", "prefill_gpus", type=int, default=None, help="Disaggregated: GPUs that prefill.")
-@click.option("--decode-gpus", "decode_gpus", type=int, default=None, help="Disaggregated: GPUs that decode.")
-@click.option("--routing", type=click.Choice(ROUTING), default=None, help="Instance a request joins (default least-loaded).")
-@click.option("--slo-ttft", "slo_ttft", type=float, default=None, help="Time-to-first-token target, seconds.")
-@click.option("--slo-tpot", "slo_tpot", type=float, default=None, help="Time-per-output-token target, seconds.")
+              help=_serving("step_resolution") + f" Default 1/{round(1 / DEFAULT_RESOLUTION)}.")
+@click.option("--prefill-gpus", "prefill_gpus", type=int, default=None, help=_serving("prefill_gpus"))
+@click.option("--decode-gpus", "decode_gpus", type=int, default=None, help=_serving("decode_gpus"))
+@click.option("--routing", type=click.Choice(ROUTING), default=None, help=_serving("routing", default=True))
+@click.option("--slo-ttft", "slo_ttft", type=float, default=None, help=_slo("ttft_s"))
+@click.option("--slo-tpot", "slo_tpot", type=float, default=None, help=_slo("tpot_s"))
 @click.option("--rates", default=None, metavar="R,R,...", help="--plot: the arrival rates to sweep "
               f"(default {', '.join(f'{x:g}' for x in SWEEP)} x --rate).")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,

@@ -19,7 +19,7 @@ import sympy as sp
 from stage_cosim.graph import autodiff
 from stage_cosim.graph.dims import LABEL_SIZE
 from stage_cosim.graph.ir import Block, BlockBuilder, Op, Tensor
-from stage_cosim.model.config import ATTENTION_MAMBA2, GATED_DELTANET, MAMBA, MAMBA2, ArchSwitches
+from stage_cosim.model.architecture import ATTENTION_MAMBA2, GATED_DELTANET, MAMBA, MAMBA2, ArchSwitches
 
 SILU_FLOPS = 4
 SOFTPLUS_FLOPS = 4

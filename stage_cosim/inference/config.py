@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from stage_cosim.errors import positive_int, require
+from stage_cosim.model.architecture import ChunkSpan
 
 PHASES = ("prefill", "decode")
 TRAIN = "train"
@@ -40,8 +41,11 @@ TRAINING_ONLY = {"vp": 1, "sp": False, "tp_comm_overlap": False, "zero": 0, "rec
 
 def attention_pairs(new: int, past: int, window: int | None) -> int:
     """(query, key) pairs ``new`` tokens appended after ``past`` cached ones score: token i of
-    the sequence, counting from 1, sees min(i, window) keys. An integer, so a serving step sums
-    them without fractions."""
+    the sequence, counting from 1, sees min(i, window) keys (in a chunked layer, the i - k*c
+    keys of its own chunk [k*c + 1, i]). An integer, so a serving step sums them without
+    fractions."""
+    if isinstance(window, ChunkSpan):
+        return _chunked_pairs(past + new, int(window)) - _chunked_pairs(past, int(window))
     w = window if window is not None else past + new
     lo, hi = past + 1, past + new                 # positions of the new tokens
     if hi <= w:
@@ -51,6 +55,13 @@ def attention_pairs(new: int, past: int, window: int | None) -> int:
     return (lo + w) * (w - lo + 1) // 2 + (hi - w) * w    # below the window, then capped by it
 
 
+def _chunked_pairs(n: int, c: int) -> int:
+    """Pairs the first ``n`` tokens of a sequence score in a layer of ``c``-token chunks: each
+    full chunk c(c+1)/2, the last partial one of r tokens r(r+1)/2."""
+    full, rest = divmod(n, c)
+    return full * c * (c + 1) // 2 + rest * (rest + 1) // 2
+
+
 def attention_span(new: int, past: int, window: int | None) -> Fraction:
     """Keys a causal query attends to, on average over ``new`` tokens appended after ``past``
     cached ones (token i of the sequence, counting from 1, sees min(i, window) keys)."""
@@ -58,8 +69,15 @@ def attention_span(new: int, past: int, window: int | None) -> Fraction:
 
 
 def held(new: int, past: int, window: int | None) -> int:
-    """Tokens of one sequence the cache of a layer holds after the step (the last ``window``)."""
+    """Tokens of one sequence the cache of a layer holds after the step (the last ``window``).
+
+    A chunked layer holds the tokens of the current chunk only, from its start to the last
+    token: no later query reads an earlier chunk's keys, so its blocks are freed, as vLLM's
+    hybrid KV-cache manager and llama.cpp's chunked cache do (vLLM without the hybrid manager
+    keeps every token's keys in these layers too: more memory, the same reads)."""
     ctx = past + new
+    if isinstance(window, ChunkSpan):
+        return (ctx - 1) % int(window) + 1 if ctx else 0
     return ctx if window is None else min(ctx, window)
 
 
@@ -129,8 +147,8 @@ class BatchShape:
         return b, self.tokens / b, kv / b, float(pairs) / self.tokens
 
 
-def _order(w: int | None) -> tuple[int, int]:
-    return (0, 0) if w is None else (1, w)
+def _order(w: int | None) -> tuple[int, int, bool]:
+    return (0, 0, False) if w is None else (1, w, isinstance(w, ChunkSpan))
 
 
 @dataclass(frozen=True)
@@ -144,25 +162,35 @@ class InferenceConfig:
     """
 
     phase: str
+    """The inference step: a prefill of prompts or one decode step (the command line's --phase
+    also takes train, a training step, its default)."""
     batch: int = 1
+    """Inference: requests in the step, over all dp replicas (default 1)."""
     input_len: int = 2048
+    """Prefill: prompt tokens per request (default 2048)."""
     context_len: int = 2048
+    """Decode: tokens each request's new token attends to, itself included (default 2048)."""
     kv_cache_dtype: str = "bf16"
-    # Requests per pipeline micro-batch on one replica (default: the replica's requests split
-    # into pp micro-batches when they divide, so that every stage has work; else one).
+    """Inference: precision of the KV cache (default bf16)."""
     micro_batch: int | None = None
-    # DeepSeek-style attention data parallelism (models with experts): the dp ranks run the
-    # attention each on its own requests and share the experts, sharded over every rank of the
-    # expert mesh (expert_tp * ep may span dp). Without it the dp replicas are independent
-    # model instances, each holding every expert (expert_tp * ep divides tp).
+    """Requests per pipeline micro-batch on one replica (default: the replica's requests split
+    into pp micro-batches when they divide, so that every stage has work; else one)."""
     attention_dp: bool = False
-    weight_dtype: str = "bf16"          # the layers' GEMM weights (WEIGHT_DTYPES)
-    # FP8 weights: how their GEMMs' input activations are scaled (FP8_ACTIVATION_SCALES)
+    """Inference with experts: DeepSeek-style attention data parallelism (each dp rank runs the
+    attention on its own requests and the ranks share the experts, sharded over every rank of
+    the expert mesh: expert-tp*ep may span dp). Without it the dp replicas are independent model
+    instances, each holding every expert (expert-tp*ep divides tp)."""
+    weight_dtype: str = "bf16"
+    """Inference: the layers' GEMM weights: bf16 (default), fp8 (W8A8: FP8 GEMMs, activations
+    quantized per tensor) or int4 (W4A16: 4-bit weights, a scale per 128, BF16 GEMMs)."""
     fp8_activation_scale: str = "static"
-    # DeepSeek's dual-batch overlap (SGLang's --enable-two-batch-overlap): each micro-batch's
-    # requests run as two micro-batches whose forwards share the rank concurrently, so that one's
-    # communication (the experts' all-to-alls) hides behind the other's compute.
+    """Inference with fp8 weights: activation scales calibrated offline and stored with the
+    checkpoint (static, default: the producing kernel writes FP8) or computed per tensor as it
+    comes (dynamic: an amax pass and a cast)."""
     two_batch_overlap: bool = False
+    """Inference: DeepSeek's dual-batch overlap (SGLang's --enable-two-batch-overlap): each
+    micro-batch as two run at once on the rank, one's communication (the experts' all-to-alls)
+    behind the other's compute."""
 
     def __post_init__(self) -> None:
         require(self.phase in PHASES, "phase", f"must be one of {', '.join((TRAIN,) + PHASES)}, got {self.phase!r}")

@@ -1,106 +1,26 @@
-"""ModelConfig: the dimensions and architecture choices of a transformer, nothing about parallelism."""
+"""ModelConfig: the dimensions and architecture choices of a transformer, nothing about parallelism.
+
+What each choice may be (the layer kinds and their names) is :mod:`architecture`'s vocabulary.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from stage_cosim.errors import UserError, positive_int, require
+from stage_cosim.model.architecture import (
+    ATTENDING_MIXERS, ATTENTION, ATTENTION_MAMBA2, DENSE_MLP, GATED_DELTANET, LAYER_TYPES, MAMBA, MAMBA2, MAMBA2_LIKE,
+    CHUNKED_ATTENTION, MIXERS, MLP_KINDS, MLPS, MOE_MLP, NO_MIXER, NO_MLP, NORMS, POSITIONS, SLIDING_ATTENTION,
+    ArchSwitches, ChunkSpan, Mlp, Norm, Position,
+)
 
 Arch = Literal["gpt", "llama"]
 AttentionImpl = Literal["fused", "unfused"]
 CrossEntropyImpl = Literal["fused", "unfused"]
 # Implementation switches a user sets one by one (command-line flags and request fields alike).
 MODEL_SWITCHES = ("attention", "causal_flops", "cross_entropy", "moe_shared_expert_overlap")
-
-NORMS = ("layernorm", "rmsnorm")
-# "gelu": one up-projection and a GELU; "squared_relu": the same with relu(x)^2 (Nemotron-4,
-# Megatron-Core's squared_relu); "swiglu" / "geglu": gated (gate and up projections, SiLU or
-# GELU on the gate, times the up projection), as Llama and Gemma do; "relu": one up-projection
-# and a ReLU (OPT).
-MLPS = ("gelu", "squared_relu", "swiglu", "geglu", "relu")
-# "alibi": no position embedding; each attention score gets a per-head linear bias in the
-# query-key distance (Press et al. 2022; BLOOM).
-POSITIONS = ("learned", "rope", "alibi")
-# Hugging Face's names for the attention of one layer (``layer_types``).
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
-# The token mixer of one layer: softmax attention, a Mamba-1 selective scan (Jamba), a Mamba-2
-# (SSD) mixer, a gated DeltaNet linear attention (Qwen3-Next's linear_attention), or none (an
-# MLP-only layer: Nemotron-H's "-"). And its MLP: dense, Mixture of Experts, or none (a
-# mixer-only layer: Nemotron-H's "M" and "*"). ``attention_mamba2``: attention and a Mamba-2
-# mixer side by side on one norm's output, their outputs summed (Falcon-H1's parallel hybrid).
-ATTENTION, MAMBA, MAMBA2, GATED_DELTANET, NO_MIXER = "attention", "mamba", "mamba2", "gated_deltanet", "none"
-ATTENTION_MAMBA2 = "attention_mamba2"
-MIXERS = (ATTENTION, MAMBA, MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2, NO_MIXER)
-SSM_MIXERS = (MAMBA, MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2)
-# The mixers with softmax attention (a KV cache per token), and those with Mamba-2's dimensions.
-ATTENDING_MIXERS = (ATTENTION, ATTENTION_MAMBA2)
-_MAMBA2_LIKE = {MAMBA2, ATTENTION_MAMBA2}
-DENSE_MLP, MOE_MLP, NO_MLP = "dense", "moe", "none"
-MLP_KINDS = (DENSE_MLP, MOE_MLP, NO_MLP)
-
-
-@dataclass(frozen=True)
-class ArchSwitches:
-    """The architecture choices that shape the graph (sizes aside): one graph serves every size.
-
-    Numbers that only scale costs (the sliding-window length) are not here: they are bound to
-    the graph's symbols per layer, so a windowed layer and a global one share one graph.
-    """
-
-    norm: str
-    mlp: str
-    position: str
-    attention_bias: bool
-    mlp_bias: bool
-    add_qkv_bias: bool
-    hidden_dropout: bool
-    attention_dropout: bool
-    attention: str
-    causal_flops: bool
-    tied_embeddings: bool
-    cross_entropy: str = "unfused"
-    qk_layernorm: bool = False
-    rotary_percent: Fraction = Fraction(1)
-    parallel_residual: bool = False
-    shared_input_norm: bool = False
-    embedding_norm: bool = False
-    sandwich_norm: bool = False
-    scale_embeddings: bool = False
-    attn_softcap: bool = False
-    final_softcap: bool = False
-    # Mixture of Experts: which parts the MoE layer has (sizes are symbols).
-    moe: bool = False
-    moe_shared_expert: bool = False
-    moe_shared_expert_gate: bool = False
-    moe_router_bias: bool = False
-    moe_shared_expert_overlap: bool = False
-    # Multi-latent attention, with or without the low-rank query path.
-    multi_latent_attention: bool = False
-    q_lora: bool = False
-    attention_sinks: bool = False
-    # Multi-token prediction modules in the head, and whether their layer has experts.
-    mtp_layers: int = 0
-    mtp_moe: bool = False
-    # Hybrid models: the distinct (mixer, MLP) kinds of the layers that are not a transformer
-    # layer (attention with a dense or MoE MLP), each one more block; biases of the SSM mixers;
-    # a sigmoid gate on the attention output (Qwen3-Next).
-    hybrid_kinds: tuple[tuple[str, str], ...] = ()
-    ssm_conv_bias: bool = True
-    ssm_proj_bias: bool = False
-    attention_output_gate: bool = False
-    mamba_inner_norms: bool = False
-    mamba_gated_norm: bool = True
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias or self.add_qkv_bias
-
-    @property
-    def gated(self) -> bool:
-        return self.mlp in ("swiglu", "geglu")
 
 
 @dataclass(frozen=True)
@@ -112,22 +32,36 @@ class ModelConfig:
     dropout; Llama: RMSNorm, SwiGLU, RoPE, no biases, no dropout); the individual switches can
     still be set one by one. Every field that changes a cost is here; the Hugging Face reader
     (:mod:`stage_cosim.model.hf`) fills them from a ``config.json`` or refuses what it cannot.
+    The fields with a command-line flag are documented by an attribute docstring, which is that
+    flag's help text.
     """
 
     name: str
     arch: Arch
+    """The family whose defaults fill the switches not set one by one: gpt (LayerNorm, GELU MLP,
+    learned positions, biases, dropout) or llama (RMSNorm, SwiGLU, RoPE, no biases, no dropout)."""
     layers: int
+    """Transformer layers (Megatron-Core's num_layers)."""
     hidden: int
+    """Hidden size: the width of the residual stream (Megatron-Core's hidden_size)."""
     ffn: int
+    """The MLP's intermediate size (Megatron-Core's ffn_hidden_size)."""
     heads: int
+    """Attention (query) heads (Megatron-Core's num_attention_heads)."""
     kv_heads: int
+    """Key and value heads: fewer than heads is grouped-query attention (Megatron-Core's
+    num_query_groups); it must divide heads."""
     head_dim: int
+    """Each attention head's dimension (Megatron-Core's kv_channels)."""
     vocab: int
+    """Vocabulary size, before Megatron pads it to a multiple of 128 x tp."""
     max_seq: int
+    """Longest sequence (Hugging Face's max_position_embeddings): the rows of a learned position
+    table, which a training sequence must not exceed."""
     tied_embeddings: bool
-    norm: Literal["layernorm", "rmsnorm"]
-    mlp: Literal["gelu", "squared_relu", "swiglu", "geglu", "relu"]
-    position: Literal["learned", "rope", "alibi"]
+    norm: Norm
+    mlp: Mlp
+    position: Position
     # Biases: on the QKV and output projections of attention (Hugging Face's attention_bias),
     # on the MLP's projections (mlp_bias), on QKV alone (Megatron-Core's add_qkv_bias, Qwen2).
     attention_bias: bool = False
@@ -138,21 +72,20 @@ class ModelConfig:
     # non-zero changes a cost (the masks are kernels and saved activations).
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    # "unfused" materializes the s x s score matrix (softmax and dropout as separate ops, as in
-    # Megatron before flash attention); "fused" is one flash-attention kernel.
     attention: AttentionImpl = "fused"
-    # A fused (flash) attention kernel skips the masked blocks of a causal score matrix, as every
-    # one does (FlashAttention-2/3, cuDNN, Transformer Engine): it executes and is timed for the
-    # unmasked part only. Off: the kernel runs the full s x s (a what-if). Model FLOPs, and so
-    # MFU, always count the full matrix, as the published formulas do; materialized (unfused)
-    # attention computes the full matrix either way.
+    """fused: one flash-attention kernel; unfused: the s x s score matrix materialized, softmax
+    and dropout as separate ops (Megatron before flash attention)."""
     causal_flops: bool = True
-    # "unfused" is Megatron's default vocabulary-parallel cross-entropy: the logits are cast to
-    # fp32 and streamed by separate max, subtract, exp, sum and divide kernels (about six passes
-    # forward, two backward); "fused" is one kernel each way (Megatron's
-    # --cross-entropy-loss-fusion). On small models with large vocabularies this is several
-    # percent of the step.
+    """A fused (flash) attention kernel skips the masked blocks of a causal score matrix, as every
+    one does (FlashAttention-2/3, cuDNN, Transformer Engine): it executes and is timed for the
+    unmasked part only. Off: the kernel runs the full s x s (a what-if). Model FLOPs, and so MFU,
+    always count the full matrix, as the published formulas do; materialized (unfused) attention
+    computes the full matrix either way."""
     cross_entropy: CrossEntropyImpl = "unfused"
+    """unfused: Megatron's default vocabulary-parallel cross-entropy, the logits cast to fp32 and
+    streamed by separate max, subtract, exp, sum and divide kernels (about six passes forward, two
+    backward); fused: one kernel each way (Megatron's --cross-entropy-loss-fusion). On small
+    models with large vocabularies this is several percent of the step."""
     # RMSNorm (or LayerNorm) of each query and key head over head_dim before RoPE (Qwen3,
     # Megatron-Core's qk_layernorm).
     qk_layernorm: bool = False
@@ -181,6 +114,10 @@ class ModelConfig:
     # sliding_window is set, and none when it is not.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    # Chunked attention (Llama 4): in the layers whose type is "chunked_attention" a query attends
+    # causally to the keys of its own attention_chunk_size-token chunk only (positions
+    # [k*chunk, (k+1)*chunk)). With empty layer_types every layer is chunked when it is set.
+    attention_chunk_size: int | None = None
     # A learned per-head logit that joins every softmax of the attention scores ("attention
     # sinks", GPT-OSS): one parameter per head and layer.
     attention_sinks: bool = False
@@ -206,9 +143,9 @@ class ModelConfig:
     # most that many nodes. None: routing is not limited.
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
-    # Megatron-Core's --moe-shared-expert-overlap: the shared experts compute while the routed
-    # tokens are dispatched (otherwise they run after the routed experts).
     moe_shared_expert_overlap: bool = False
+    """The shared experts compute while the routed tokens are dispatched, instead of after the
+    routed experts (Megatron-Core's --moe-shared-expert-overlap)."""
     # Which layers are MoE layers: every k-th (an integer: layer i when i % k == 0) or a 0/1
     # pattern with one entry per layer (DeepSeek's first dense layers, Qwen's mlp_only_layers).
     # Dense layers keep an MLP of size ffn.
@@ -263,14 +200,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "max_seq"):
             positive_int(getattr(self, name), name.replace("_", "-"))
-        require(self.arch in ("gpt", "llama"), "arch", f"must be gpt or llama, got {self.arch!r}")
+        require(self.arch in get_args(Arch), "arch", f"must be {' or '.join(get_args(Arch))}, got {self.arch!r}")
         require(self.heads % self.kv_heads == 0, "kv-heads",
                 f"must divide heads ({self.heads}), got {self.kv_heads}")
         _choice(self.norm, "norm", NORMS)
         _choice(self.mlp, "mlp", MLPS)
         _choice(self.position, "position", POSITIONS)
-        _choice(self.attention, "attention", ("fused", "unfused"))
-        _choice(self.cross_entropy, "cross-entropy", ("fused", "unfused"))
+        _choice(self.attention, "attention", get_args(AttentionImpl))
+        _choice(self.cross_entropy, "cross-entropy", get_args(CrossEntropyImpl))
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p < 1,
@@ -288,6 +225,13 @@ class ModelConfig:
             _choice(t, "layer-types", LAYER_TYPES)
         require(self.sliding_window is not None or SLIDING_ATTENTION not in self.layer_types, "layer-types",
                 "has sliding_attention layers but sliding-window is not set")
+        if self.attention_chunk_size is not None:
+            positive_int(self.attention_chunk_size, "attention-chunk-size")
+        require(self.attention_chunk_size is not None or CHUNKED_ATTENTION not in self.layer_types, "layer-types",
+                "has chunked_attention layers but attention-chunk-size is not set")
+        require(self.layer_types or self.sliding_window is None or self.attention_chunk_size is None, "layer-types",
+                "must say which layers slide and which are chunked when both sliding-window and "
+                "attention-chunk-size are set")
         require(not self.shared_input_norm or self.parallel_residual, "shared-input-norm",
                 "shares the norm of a parallel residual: set parallel-residual too")
         self._check_moe()
@@ -315,7 +259,7 @@ class ModelConfig:
         for i in range(self.layers):
             require(self.layer_kind(i) != (NO_MIXER, NO_MLP), "layer-mixers", f"layer {i} has neither mixer nor MLP")
         if mixers & {MAMBA2, GATED_DELTANET, ATTENTION_MAMBA2}:
-            require(not (GATED_DELTANET in mixers and mixers & _MAMBA2_LIKE), "layer-mixers",
+            require(not (GATED_DELTANET in mixers and mixers & MAMBA2_LIKE), "layer-mixers",
                     "mamba2 and gated_deltanet layers share the SSM dimensions: one kind per model")
             positive_int(self.mamba_num_heads, "mamba-num-heads")
             for name in ("mamba_num_groups", "mamba_head_dim", "mamba_state_dim", "mamba_d_conv", "mamba_chunk_size"):
@@ -368,12 +312,16 @@ class ModelConfig:
         return self.heads // self.kv_heads
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of layer ``layer`` (None: it attends to the whole sequence)."""
-        if self.sliding_window is None:
-            return None
+        """The sliding window of layer ``layer``, or its chunk (a :class:`ChunkSpan`) in a
+        chunked-attention layer (None: it attends to the whole sequence)."""
         if not self.layer_types:
+            if self.attention_chunk_size is not None:
+                return ChunkSpan(self.attention_chunk_size)
             return self.sliding_window
-        return self.sliding_window if self.layer_types[layer % len(self.layer_types)] == SLIDING_ATTENTION else None
+        kind = self.layer_types[layer % len(self.layer_types)]
+        if kind == SLIDING_ATTENTION:
+            return self.sliding_window
+        return ChunkSpan(self.attention_chunk_size) if kind == CHUNKED_ATTENTION else None
 
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(self.layer_window(i) for i in range(self.layers))

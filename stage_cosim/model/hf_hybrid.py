@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from stage_cosim.model.config import (
+from stage_cosim.model.architecture import (
     ATTENTION, ATTENTION_MAMBA2, DENSE_MLP, GATED_DELTANET, MAMBA, MAMBA2, MOE_MLP, NO_MIXER, NO_MLP,
 )
 from stage_cosim.model.hf_layers import sparse_layers

@@ -12,11 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 
 from stage_cosim.errors import UserError
+
+if TYPE_CHECKING:
+    # the configuration imports the profiles, so the type is named for annotations only
+    from stage_cosim.parallel.config import GradReduceDtype
 
 Framework = Literal["megatron", "nemo", "torchtitan"]
 DEFAULT_SOFTWARE = "megatron-core-0.8"
@@ -44,7 +48,7 @@ class SoftwareProfile:
     # ZeRO 1/2: the updated parameters gathered ahead of each block's next forward
     overlap_param_gather: bool
     # the data-parallel gradient reduction's precision
-    grad_reduce_dtype: Literal["fp32", "bf16"]
+    grad_reduce_dtype: GradReduceDtype
     # switches the framework has no setting for (a request that sets one is refused)
     lacks: tuple[str, ...] = ()
 

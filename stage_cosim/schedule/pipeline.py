@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from stage_cosim.parallel.config import V_SCHEDULES
+
 Phase = Literal["fwd", "bwd", "bwd_input", "bwd_weight"]
 BACKWARD = ("bwd", "bwd_input")          # the passes that hand a gradient on
-# Schedules that place two chunks per stage in a V (the second leg comes back up the stages).
-V_SCHEDULES = ("zb-v", "dualpipev")
 # Schedules whose backward is split into B and W passes.
 SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipe", "dualpipev")
 

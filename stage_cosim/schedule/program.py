@@ -228,7 +228,7 @@ def build_role(stage: int, *, pp: int, vp: int, schedule: str, num_microbatches:
         """The nodes of each block in its last backward pass (``skip``: the blocks of an F&B's forward)."""
         for label, lo, hi in t.blocks[skip:]:
             nodes = list(range(base + lo, base + hi))
-            if phase in ("bwd", "bwd_input"):
+            if phase in BACKWARD:
                 last_b[label] = nodes
             if phase in ("bwd", "bwd_weight"):
                 last_w[label] = nodes

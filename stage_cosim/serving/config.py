@@ -27,38 +27,44 @@ def _positive_seconds(value: float | None, parameter: str) -> None:
 class ServingConfig:
     """How each serving instance schedules its steps."""
 
-    # Requests running at once on one attention rank (decoding or being prefilled).
     max_num_seqs: int = 256
-    # Tokens one step may process on one attention rank: every decode token and the prompt
-    # chunks that fill the rest (chunked prefill). A prompt longer than this takes several steps.
+    """Requests running at once on one attention rank, decoding or being prefilled (vLLM's
+    max_num_seqs)."""
     chunk_tokens: int = 8192
-    # Prompts split over steps, batched with the decodes (vLLM's --enable-chunked-prefill); off:
-    # a step runs whole prompts only while any can be admitted, and decodes otherwise (vLLM's
-    # V0 default scheduler).
+    """Tokens one step may process on one attention rank: every decode token and the prompt chunks
+    that fill the rest (vLLM's max_num_batched_tokens with chunked prefill). A prompt longer than
+    this takes several steps."""
     enable_chunked_prefill: bool = True
-    # The KV cache is paged in blocks of this many tokens per sequence.
+    """Prompts split over steps, batched with the decodes (vLLM's --enable-chunked-prefill); off: a
+    step runs whole prompts only while any can be admitted, and decodes otherwise (vLLM's V0
+    default scheduler)."""
     kv_block_size: int = 16
-    # Fraction of HBM the engine may use (weights, working set and KV cache).
+    """Tokens per KV-cache block: the cache is paged in blocks of this many tokens per sequence
+    (vLLM's block_size)."""
     hbm_utilization: float = 0.9
-    # Host time per step not overlapped with the GPU (scheduling, sampling bookkeeping).
+    """Fraction of HBM the engine may use: weights, working set and KV cache (vLLM's
+    gpu_memory_utilization)."""
     step_overhead_s: float = 0.0
-    # Step-time cache grid (see :mod:`stage_cosim.serving.steptime`); 0: every shape exactly.
+    """Host seconds per step not overlapped with the GPU (scheduling, sampling bookkeeping)."""
     step_resolution: float = DEFAULT_RESOLUTION
-    # Disaggregated serving: GPUs running prompts only, and GPUs running decodes only (the
-    # rest of the cluster idle); both None: every instance runs both.
+    """Resolution of the step-time grid whose simulated shapes the steps are interpolated from; 0:
+    every step's shape simulated exactly."""
     prefill_gpus: int | None = None
+    """Disaggregated serving: GPUs that run prompts only (with decode-gpus; the rest of the cluster
+    idle). Neither given: every instance runs both."""
     decode_gpus: int | None = None
-    # Which instance (and, with attention data parallelism, which of its ranks) a request joins.
+    """Disaggregated serving: GPUs that run decodes only (with prefill-gpus)."""
     routing: str = "least-loaded"
-    # Automatic prefix caching (vLLM's --enable-prefix-caching): full KV blocks kept by content
-    # and reused by later prompts that share them (see :mod:`stage_cosim.serving.prefix`).
+    """Which instance (and, with attention data parallelism, which of its ranks) a request joins."""
     enable_prefix_caching: bool = False
-    # The client gives up on a request not finished this many seconds after it arrived (the
-    # engine aborts it and frees its cache); None: clients wait forever.
+    """Automatic prefix caching (vLLM's --enable-prefix-caching): full KV blocks kept by content and
+    reused by later prompts that share them."""
     request_timeout_s: float | None = None
-    # Host time per request outside the steps (API server: tokenizing, detokenizing, the HTTP
-    # round trip), half before the engine sees it and half after its last token.
+    """Seconds a client waits for a request before giving up (the engine aborts it and frees its
+    cache); no timeout: clients wait forever."""
     request_overhead_s: float = 0.0
+    """Host seconds per request outside the engine's steps (API server: tokenizing, detokenizing,
+    the HTTP round trip), half before the engine sees it and half after its last token."""
 
     def __post_init__(self) -> None:
         positive_int(self.max_num_seqs, "max-num-seqs")
@@ -99,8 +105,10 @@ class ServingConfig:
 class SLO:
     """Latency targets a request must meet to count towards goodput (None: no target)."""
 
-    ttft_s: float | None = None      # time to first token
-    tpot_s: float | None = None      # mean time per output token after the first
+    ttft_s: float | None = None
+    """Time-to-first-token target, seconds."""
+    tpot_s: float | None = None
+    """Time-per-output-token target, seconds: the mean time per output token after the first."""
 
     def __post_init__(self) -> None:
         _positive_seconds(self.ttft_s, "slo-ttft")

@@ -63,16 +63,25 @@ class RequestStream:
     every request the same)."""
 
     rate: float
+    """Poisson arrivals, requests per second."""
     num_requests: int = 1000
+    """Requests to generate."""
     input_len: int = 1024
+    """Mean prompt tokens (a shared prefix comes on top)."""
     output_len: int = 256
+    """Mean output tokens."""
     lengths: str = "lognormal"
+    """Length distribution: lognormal around the means (the spread of real chat prompts) or fixed
+    (every request the same)."""
     spread: float = 0.6
+    """Shape (sigma) of the log-normal lengths."""
     seed: int = 0
-    # every prompt opens with one of prefix_groups shared prefixes of prefix_len tokens (added
-    # to its own input_len tokens, as vLLM's benchmark random prefix is)
+    """Random seed of the generated requests."""
     prefix_len: int = 0
+    """Generated prompts open with a shared prefix of this many tokens, added to their own
+    input-len tokens (as vLLM's benchmark random prefix is)."""
     prefix_groups: int = 1
+    """Distinct shared prefixes, one drawn per request."""
 
     def __post_init__(self) -> None:
         require(isinstance(self.rate, (int, float)) and self.rate > 0 and math.isfinite(self.rate), "rate",

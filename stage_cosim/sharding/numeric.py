@@ -13,17 +13,18 @@ from typing import Callable, NamedTuple, Sequence
 import sympy as sp
 
 from stage_cosim.graph.dims import (
-    B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, SD, SG, SI, SK, SN, SP, SR, SX, T, V, W, degree_symbol,
+    B, D, E, F, FI, FJ, G, H, K, L, LKV, LQ, NOPE, P, Q, ROPE, S, SD, SG, SI, SK, SN, SP, SR, SX, T, U, V, W,
+    degree_symbol,
 )
 from stage_cosim.graph.transformer import build_blocks
-from stage_cosim.model.config import ArchSwitches
+from stage_cosim.model.architecture import ArchSwitches
 from stage_cosim.parallel.axes import BLOCK_AXES
 from stage_cosim.sharding.layout import input_placement, local_bytes
 from stage_cosim.sharding.propagate import shard_block, shard_forward
 from stage_cosim.sharding.steps import ShardedBlock, ShardingPolicy
 
 SYMBOLS: tuple[sp.Symbol, ...] = ((B, S, H, F, G, Q, D, V, P, W, E, K, FI, FJ, L, LQ, LKV, NOPE, ROPE, T,
-                                   SG, SR, SP, SN, SK, SX, SI, SD)
+                                   SG, SR, SP, SN, SK, SX, SI, SD, U)
                                   + tuple(degree_symbol(a) for a in BLOCK_AXES))
 _DEGREES = frozenset(degree_symbol(a) for a in BLOCK_AXES)
 
