@@ -1,8 +1,9 @@
 """Parallelization search: branch and bound (the proven optimum), its bounds' speed, and the
 scipy-driven search.
 
-    python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|all] [--workers N]
+    python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|serve-llama3-70b|all] [--workers N]
                                       [--skip-bound] [--exhaustive] [--seeds N] [--budget N]
+                                      [--serve-unpruned]
 
 * llama3-70b on 1,024 dgx-h100 GPUs, global batch 1,024, sequence 8,192: the default space
   (what ``stage-cosim optimize --model llama3-70b --cluster dgx-h100:1024 --global-batch 1024
@@ -12,7 +13,14 @@ scipy-driven search.
   micro-batch 1/2, recomputation none/full, ep 1/2/4/8, expert_tp 1/2 (sp on, ZeRO-1). The expert
   layers re-factor the tp*cp*dp ranks, so cp 2 opens layouts with ep*expert_tp up to twice tp*dp.
 
-For each case: how long the structural rules take over the space, how many configurations a
+* serve-llama3-70b: the serving search on one DGX H100 (8 GPUs), TTFT <= 2 s and TPOT <= 50 ms
+  for 90 % of requests (what ``stage-cosim optimize --phase serve --model llama3-70b --cluster
+  dgx-h100:8 --slo-ttft 2 --slo-tpot 0.05`` searches): its wall and CPU time, layouts simulated
+  and ruled out, the proof and the best. ``--serve-unpruned`` also searches every layout to its
+  edge (keeping every layout in the top list rules none out: about 25 minutes) and checks the
+  answer is the same.
+
+For each training case: how long the structural rules take over the space, how many configurations a
 second the lower bounds (search/bound.py) cover, first with every sharding policy still to
 compile and then with them compiled, and the branch and bound (what ``optimize`` runs without a
 budget on a space over ``exhaustive_limit``; here on mixtral's smaller space too): its wall time,
@@ -108,18 +116,46 @@ def run_case(name: str, args: argparse.Namespace) -> None:
               flush=True)
 
 
+SERVE_REQUEST = {"model": "llama3-70b", "cluster": "dgx-h100:8", "slo_ttft": 2, "slo_tpot": 0.05}
+
+
+def run_serving(args: argparse.Namespace) -> None:
+    from stage_cosim import api
+
+    print(f"\nserving search: {SERVE_REQUEST}", flush=True)
+    runs = [("pruned", {})] + ([("unpruned", {"top": 10**6})] if args.serve_unpruned else [])
+    found = {}
+    for label, extra in runs:
+        wall, cpu = time.perf_counter(), time.process_time()
+        doc = api.optimize_serving({**SERVE_REQUEST, "workers": args.workers, **extra})
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        best = doc["best"]
+        found[label] = (best["point"], best["goodput_requests_per_s_per_gpu"])
+        print(f"{label}: {wall:.1f} s wall, {cpu:.1f} s CPU (this process); {doc['method']}, "
+              f"{'proven optimal' if doc['proven_optimal'] else 'NOT proven'}: {doc['evaluations']} layouts simulated, "
+              f"{doc.get('ruled_out', 0)} ruled out, of {doc['feasible']} feasible; best {describe(best['point'])} at "
+              f"{best['goodput_requests_per_s_per_gpu']:.4f} requests/s per GPU", flush=True)
+    if len(found) == 2:
+        print("same best layout and goodput" if found["pruned"] == found["unpruned"] else
+              f"DIFFERENT answers: {found}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", choices=[*CASES, "all"], default="all")
+    ap.add_argument("--case", choices=[*CASES, "serve-llama3-70b", "all"], default="all")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--budget", type=int, default=150)
     ap.add_argument("--seeds", type=int, default=0, help="budgeted scipy searches with seeds 0 .. N-1")
     ap.add_argument("--skip-bound", action="store_true", help="no bounds, no branch and bound")
     ap.add_argument("--exhaustive", action="store_true",
                     help="also simulate every feasible configuration (hours for llama3-70b)")
+    ap.add_argument("--serve-unpruned", action="store_true",
+                    help="serving case: also search every layout to its edge (about 25 minutes)")
     args = ap.parse_args()
-    for name in CASES if args.case == "all" else [args.case]:
+    for name in CASES if args.case == "all" else [args.case] if args.case in CASES else []:
         run_case(name, args)
+    if args.case in ("serve-llama3-70b", "all"):
+        run_serving(args)
 
 
 if __name__ == "__main__":

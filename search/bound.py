@@ -54,6 +54,7 @@ from stage_cosim.parallel.axes import DENSE, MESHES
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.schedule.nodes import COLL, COMP, ENTRY, BlockInstance
 from stage_cosim.schedule.pipeline import Layout
+from stage_cosim.search.evaluate import OBJECTIVES
 from stage_cosim.sharding.placement import Collective
 
 SLACK = 1e-9          # relative: a bound is lowered this much (float rounding of long sums)
@@ -114,6 +115,7 @@ class StepBound:
         self._optimizer: dict[tuple, tuple[list, list[float]]] = {}
         self._first: dict[int, tuple[Any, bool]] = {}
         self._schedules: dict[tuple, tuple[bool, bool]] = {}
+        self._training: dict[tuple, Any] = {}      # the model's blocks bound to a configuration's numbers
 
     # -- kernels ---------------------------------------------------------------------------
 
@@ -307,7 +309,15 @@ class StepBound:
         layers, the first also the embedding, the last the head."""
         from stage_cosim.workload import precision_for, training_blocks
 
-        blocks = training_blocks(self.model, par, precision_for(par, self.cluster.gpu), evaluate=self._evaluate)
+        precision = precision_for(par, self.cluster.gpu)
+        # what training_blocks reads of the configuration: configurations that differ only in
+        # the schedule or the virtual stages (a third of the space each) share their blocks
+        key = (precision, par.sp, par.zero, par.recompute, par.grad_reduce_dtype, par.moe_token_dispatcher,
+               par.cp_ring, par.cp_a2a, par.cp_load_balance, tuple(sorted(par.degrees().items())),
+               par.micro_batch, par.seq_len, par.moe_load, par.padded_vocab(self.model.vocab))
+        blocks = self._training.get(key)
+        if blocks is None:
+            blocks = self._training[key] = training_blocks(self.model, par, precision, evaluate=self._evaluate)
         degrees = par.degrees()
         mesh = DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, par.mesh_orders()[DENSE], par.mesh_splits())
         degrees = degrees | dict(mesh.size)        # what the role graphs resolve groups with
@@ -452,7 +462,7 @@ def score_bound(objective: Any, step_bound: float, tokens: int, gpus: int) -> fl
     """A lower bound on ``objective``'s score (lower is better) from a lower bound on the step
     time, for objectives that grow with the step time at a fixed GPU count and batch (all of
     :data:`~stage_cosim.search.evaluate.OBJECTIVES`); None for any other."""
-    if objective.name not in ("step-time", "tokens-per-gpu", "cost") or not math.isfinite(step_bound) \
+    if objective.name not in OBJECTIVES or not math.isfinite(step_bound) \
             or step_bound <= 0:
         return None
     per_s = tokens / step_bound

@@ -4,7 +4,8 @@ when it is larger, scipy when it is too large even to bound or a budget is set.
 * Every point is first checked against the structural rules (divisibility, domain, batch);
   those checks are free and are counted by reason.
 * If the structurally feasible points are few enough, all are evaluated: the answer is the
-  proven optimum of the space.
+  proven optimum of the space. (The serving search settles some by proving them below its top
+  list part-way through their evaluation: :meth:`Problem.exhaust`.)
 * Otherwise, without a budget, every feasible point gets a lower bound on its step time (its
   busiest stage's kernels, :mod:`stage_cosim.search.bound`), and the points are evaluated in the
   order of their bounds until the next bound cannot beat (or tie) the best score found: the
@@ -29,7 +30,7 @@ import numpy as np
 
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
-from stage_cosim.search.evaluate import MEMORY_REASON, Evaluation, Objective, evaluate
+from stage_cosim.search.evaluate import MEMORY_REASON, OBJECTIVES, Evaluation, Objective, evaluate
 from stage_cosim.search.runner import Runner, make_runner
 from stage_cosim.search.space import SearchSpace, canonical, check
 
@@ -180,6 +181,11 @@ class Problem:
         s = self.settings
         return (evaluate, self.space.model, self.cluster, config, point, s.objective, s.network_model, s.headroom)
 
+    def exhaust(self, search: "_Search", points: list[dict[str, Any]]) -> None:
+        """Settle every point of an exhaustive search: here, evaluate each (a problem whose
+        points can be proven no better than the best found may skip the rest of their search)."""
+        search.evaluate_many(points)
+
 
 class _Search:
     def __init__(self, space: SearchSpace, cluster: Cluster, settings: OptimizeSettings, runner: Runner,
@@ -200,13 +206,16 @@ class _Search:
         return self.problem.canonical(point)
 
     def structure(self, point: dict[str, Any]) -> tuple[Any, str | None]:
-        k = _key(self.canonical(point))
-        if k not in self.structural:
-            config, reason = self.problem.check(point)
-            self.structural[k] = (config, reason)
-            if reason:
-                self.reasons[reason] += 1
-        return self.structural[k]
+        return self._structure(_key(self.canonical(point)), point)
+
+    def _structure(self, k: tuple, point: dict[str, Any]) -> tuple[Any, str | None]:
+        """:meth:`structure` of ``point``, whose canonical form's key is ``k``."""
+        hit = self.structural.get(k)
+        if hit is None:
+            hit = self.structural[k] = self.problem.check(point)
+            if hit[1]:
+                self.reasons[hit[1]] += 1
+        return hit
 
     def evaluate_many(self, points: list[dict[str, Any]]) -> list[Evaluation | None]:
         """Evaluations in the order given (None for structurally infeasible points)."""
@@ -267,8 +276,12 @@ def optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings | 
 
 def _feasible(search: "_Search") -> list[dict[str, Any]]:
     """The distinct structurally feasible points of the search's space."""
-    unique = {_key(c): c for c in (search.canonical(p) for p in search.space.points())}
-    return [p for p in unique.values() if search.structure(p)[0] is not None]
+    unique: dict[tuple, dict[str, Any]] = {}
+    for p in search.space.points():
+        c = search.canonical(p)
+        unique.setdefault(_key(c), c)
+    # (each canonical point keyed once: the space has some 200,000 points)
+    return [p for k, p in unique.items() if search._structure(k, p)[0] is not None]
 
 
 def _small_enough(n: int, settings: OptimizeSettings) -> bool:
@@ -294,7 +307,7 @@ def _merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def _boundable(search: "_Search") -> bool:
     """Whether the search's points have lower bounds: the training problem (not a caller's
     own), under an objective that grows with the step time."""
-    return type(search.problem) is Problem and search.settings.objective.name in ("step-time", "tokens-per-gpu", "cost")
+    return type(search.problem) is Problem and search.settings.objective.name in OBJECTIVES
 
 
 def _enumerable(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings) -> bool:
@@ -321,7 +334,7 @@ def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
             method = "exhaustive" if exhaustive else "branch_and_bound" if bounded else "differential_evolution"
         try:
             if exhaustive:
-                search.evaluate_many(feasible)
+                search.problem.exhaust(search, feasible)
             elif bounded:
                 bounds = {}
                 _branch_and_bound(search, feasible, bounds)

@@ -13,6 +13,11 @@ cluster's GPU count only decides which layouts fit it (the count must be a multi
 unit). Each rate is judged on ``num_requests`` Poisson arrivals; above the unit's capacity
 their queue grows through the run and the SLOs fail for its later part, so the search finds the
 highest rate a run of that many requests sustains.
+
+Where the feasible layouts are few enough to settle them all, the answer is proven optimal
+without simulating each to its edge: a layout whose rate search has failed at a rate below the
+goodput of the layouts already in the top list cannot join it (see
+:meth:`ServingProblem.exhaust`).
 """
 
 from __future__ import annotations
@@ -192,9 +197,14 @@ def _deploy(model: ModelConfig, cluster: Cluster, config: dict[str, Any], target
 
 
 def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
-            target: ServeTarget, num_requests: int) -> Evaluation:
+            target: ServeTarget, num_requests: int, floor: float | None = None) -> Evaluation:
     """Simulate the layout's unit at increasing rates; its goodput per GPU (an Evaluation whose
-    score is minus it)."""
+    score is GPU-seconds per request, the inverse).
+
+    ``floor``: a goodput per GPU the layout is only of interest above. Once a probe has failed
+    at a rate whose share per GPU is below it, the layout is ruled out (see :func:`ruled_out`)
+    and its search ends there; every rate it probed until then is the one it probes without a
+    floor, so a layout that is not ruled out has the goodput it has without one."""
     from stage_cosim.serving.run import simulate_serving
 
     try:
@@ -217,6 +227,12 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
     # fail or hold, and bisect between the last rate that held and the first that failed.
     rate = max(1e-3, run(1e6, decided=False)["throughput"]["requests_per_s"])
     lo, lo_report, hi = 0.0, None, math.inf
+    # Once a rate has failed, every rate the search goes on to accept is below it (it halves
+    # below a failure, or bisects between a success and the failure above it): the goodput it
+    # ends at is under the lowest failure so far, or the layout misses the SLOs at any rate.
+    def below_floor() -> bool:
+        return floor is not None and hi / unit.num_gpus < floor
+
     for _ in range(24):
         report = run(rate)
         if ok(report):
@@ -226,6 +242,8 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
             rate *= 1.5
         else:
             hi = rate
+            if below_floor():
+                return ruled_out(point, config, hi / unit.num_gpus)
             if lo_report is not None:
                 break
             rate /= 2
@@ -238,6 +256,8 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
             lo, lo_report = mid, report
         else:
             hi = mid
+            if below_floor():
+                return ruled_out(point, config, hi / unit.num_gpus)
     if lo_report is None:
         return Evaluation(point, config, False, "misses the SLOs at any rate", None, None)
     per_gpu = lo / unit.num_gpus
@@ -247,6 +267,16 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
               "tokens_per_s_per_gpu": lo_report["throughput"]["output_tokens_per_s_per_gpu"],
               "cluster_goodput_requests_per_s": per_gpu * cluster.num_gpus}
     return Evaluation(point, config, True, None, 1 / per_gpu, result)
+
+
+def ruled_out(point: dict[str, Any], config: dict[str, Any], below: float) -> Evaluation:
+    """A layout whose goodput per GPU is proven below ``below``: not ranked (not feasible) and
+    with no reason (it breaks no rule); its result says why it was left."""
+    return Evaluation(point, config, False, None, None, {"ruled_out_below": below})
+
+
+def is_ruled_out(e: Evaluation) -> bool:
+    return not e.feasible and e.reason is None and "ruled_out_below" in (e.result or {})
 
 
 def failed(target: ServeTarget, request_overhead_s: float):  # noqa: ANN201
@@ -288,6 +318,7 @@ class ServingProblem:
 
     def __init__(self, space: SearchSpace, cluster: Cluster, target: ServeTarget, num_requests: int) -> None:
         self.space, self.cluster, self.target, self.num_requests = space, cluster, target, num_requests
+        self.floor: float | None = None      # the goodput per GPU a layout must beat to matter
 
     def canonical(self, point: dict[str, Any]) -> dict[str, Any]:
         return canonical(point)
@@ -306,13 +337,35 @@ class ServingProblem:
         return config, None
 
     def job(self, config: dict[str, Any], point: dict[str, Any]) -> tuple:
-        return (goodput, self.space.model, self.cluster, config, point, self.target, self.num_requests)
+        return (goodput, self.space.model, self.cluster, config, point, self.target, self.num_requests, self.floor)
+
+    def exhaust(self, search, points: list[dict[str, Any]]) -> None:  # noqa: ANN001 (optimize's _Search)
+        """Settle every feasible layout, the likeliest best first (no pipeline, one pool, the
+        widest tp: the cheapest to simulate, and the fastest steps), a batch of one per worker
+        at a time. A layout searched after ``top_k`` others have a goodput is searched with the
+        ``top_k``-th best goodput so far as its floor (see :func:`goodput`): one proven below it
+        is ruled out, and neither the best nor any layout of the top ``top_k`` can be one, so
+        the answer and its list are those of simulating every layout to the end."""
+        settings = search.settings
+        k = max(1, settings.top_k)
+        batch = 8 if settings.ray else max(1, settings.workers)
+        order = sorted(points, key=lambda p: (p.get("pp", 1), p.get("split", "none") != "none", -p.get("tp", 1),
+                                              p.get("max_num_seqs", 0), str(sorted(p.items()))))
+        try:
+            for i in range(0, len(order), batch):
+                found = sorted((e.result["goodput_requests_per_s_per_gpu"] for e in search.cache.values()
+                                if e.feasible), reverse=True)
+                self.floor = found[k - 1] if len(found) >= k else None
+                search.evaluate_many(order[i:i + batch])
+        finally:
+            self.floor = None
 
 
 def proof(result: OptimizeResult) -> tuple[bool, int | None]:
-    """(proven optimal, feasible layouts never simulated): one statement, counted as optimize
-    counts (distinct canonical layouts, not raw grid points). Every feasible layout simulated
-    is a proof whatever method visited them; None: the space was not counted."""
+    """(proven optimal, feasible layouts never settled): one statement, counted as optimize
+    counts (distinct canonical layouts, not raw grid points). Every feasible layout settled —
+    simulated, or ruled out below the best found (:func:`goodput`'s floor) — is a proof
+    whatever method visited them; None: the space was not counted."""
     unexplored = None if result.feasible is None else max(0, result.feasible - len(result.evaluated))
     proven = result.proven_optimal or (unexplored == 0 and not result.interrupted)
     return proven, 0 if proven else unexplored
@@ -338,8 +391,9 @@ def optimize_serving(model: ModelConfig, cluster: Cluster, target: ServeTarget, 
         return {**r, "point": e.point, "score": e.score}
 
     proven, unexplored = proof(result)
+    ruled = sum(1 for e in result.evaluated if is_ruled_out(e))
     return {"best": entry(ranked[0]) if ranked else None, "top": [entry(e) for e in ranked[:settings.top_k]],
-            "proven_optimal": proven, "evaluations": len(result.evaluated),
+            "proven_optimal": proven, "evaluations": len(result.evaluated) - ruled, "ruled_out": ruled,
             "infeasible": dict(sorted(result.infeasible.items())), "objective": "goodput-per-gpu",
             "method": result.method, "space_size": result.space_size, "interrupted": result.interrupted,
             "unexplored": 0 if proven else unexplored, "feasible": result.feasible,
@@ -403,6 +457,9 @@ class DecodeProblem(ServingProblem):
 
     def check(self, point: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
         return layout(self.space, point, self.cluster, self.target)    # decode_rate checks the memory
+
+    def exhaust(self, search, points: list[dict[str, Any]]) -> None:  # noqa: ANN001 (optimize's _Search)
+        search.evaluate_many(points)
 
     def job(self, config: dict[str, Any], point: dict[str, Any]) -> tuple:
         return (decode_rate, self.space.model, self.cluster, config, point, self.decode)

@@ -363,6 +363,11 @@ def optimize(req: Mapping[str, Any], progress: Callable[[dict], None] | None = N
     return run(space, cluster, settings, progress=progress, should_stop=should_stop).to_dict()
 
 
+# Feasible serving layouts enumerated whole (the answer proven optimal) rather than searched
+# with a budget: a layout settled after the first few ends at its first failing probe below the
+# best found, so a DGX's 80 or so take minutes, not the half hour of simulating each to its edge.
+SERVE_EXHAUSTIVE_LIMIT = 200
+
 SERVE_OPTIMIZE_KEYS = {"slo_ttft", "slo_tpot", "attainment", "input_len", "output_len", "lengths", "length_spread",
                        "num_requests", "chunk_tokens", "kv_cache_dtype", "weight_dtype", "hbm_utilization",
                        "step_overhead", "step_resolution", "seed", "budget", "workers", "ray", "top",
@@ -401,7 +406,8 @@ def optimize_serving(req: Mapping[str, Any], progress: Callable[[dict], None] | 
                          inference, serving)
     settings = OptimizeSettings(seed=int(req.get("seed") or 0), budget=req.get("budget"),
                                 workers=int(req.get("workers") or 1), ray=req.get("ray"),
-                                top_k=int(req.get("top") or 5), exhaustive_limit=int(req.get("exhaustive_limit") or 60))
+                                top_k=int(req.get("top") or 5),
+                                exhaustive_limit=int(req.get("exhaustive_limit") or SERVE_EXHAUSTIVE_LIMIT))
     search = req.get("search") or {}
     if not isinstance(search, Mapping):
         raise UserError("search", "must map dimension names to lists of choices")
@@ -416,6 +422,7 @@ def explore(req: Mapping[str, Any], progress: Callable[[dict], None] | None = No
             should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Hardware design-space exploration (what ``explore --json`` prints); the request is the
     content of an explore spec (see ``stage-cosim explore --help``)."""
-    from stage_cosim.search.explore import explore as run, spec_from_dict
+    from stage_cosim.search.explore import explore as run
+    from stage_cosim.search.explore_spec import spec_from_dict
 
     return run(spec_from_dict(dict(req), "request"), progress=progress, should_stop=should_stop)

@@ -297,3 +297,43 @@ def test_local_search_crosses_a_memory_wall() -> None:
     settings = OptimizeSettings(seeds=({"micro_batch": 1, "zero": 1, "vp": 1},), budget=20, exhaustive_limit=0)
     r = optimize(space, cluster, settings, problem=Wall(space, cluster, settings))
     assert r.best.point == {"micro_batch": 2, "zero": 3, "vp": 1} and r.best.score == 5.0
+
+
+def test_the_feasible_points_are_each_points_structural_rules() -> None:
+    """The enumeration keys each canonical point once and checks it once: the same feasible
+    configurations, in the same order, and the same count of each broken rule, as checking
+    every distinct canonical point on its own. The DualPipe rule (two copies of the model
+    states) rules some points out and keeps others (its parameter count is taken once a model,
+    so two models in one process must each get their own)."""
+    from collections import Counter
+
+    from stage_cosim.schedule.memory import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
+    from stage_cosim.search.optimize import _feasible, _key, _Search
+    from stage_cosim.search.runner import SerialRunner
+    from stage_cosim.search.space import _dualpipe_states_exceed, canonical, check
+
+    big = get_preset("llama3-70b").with_overrides(layers=8)
+    space = default_space(big, CLUSTER, 16, 4096, overrides={"micro_batch": (1, 2), "recompute": ("none",),
+                                                              "zero": (0, 3)})
+    search = _Search(space, CLUSTER, OptimizeSettings(), SerialRunner(), None, None)
+    got = _feasible(search)
+    ref: dict = {}
+    reasons: Counter = Counter()
+    for p in space.points():
+        c = canonical(space, p)
+        if _key(c) not in ref:
+            par, reason = check(space, c, CLUSTER)
+            ref[_key(c)] = par
+            reasons[reason] += reason is not None
+    assert [_key(p) for p in got] == [k for k, par in ref.items() if par is not None]
+    assert search.reasons == +reasons
+    assert reasons["dualpipe: its two copies of the parameters do not fit in memory"] > 0
+    assert any(p["schedule"] == "dualpipe" for p in got)
+    # the rule against its closed form (2 copies x parameters / (pp x tp) x 18 bytes at ZeRO-0),
+    # for two models one after the other
+    for model in (big, MODEL):
+        s = default_space(model, CLUSTER, 16, 4096)
+        for tp in (1, 8):
+            states = 2 * model.param_count() / tp * (WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES)
+            point = {"tp": tp, "pp": 1, "zero": 0, "schedule": "dualpipe"}
+            assert _dualpipe_states_exceed(s, point, CLUSTER, 16 // tp) == (states > CLUSTER.gpu.memory_bytes)

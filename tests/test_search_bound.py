@@ -157,6 +157,18 @@ def test_bound_is_the_role_graphs_kernels(case: str) -> None:
         assert bound(par) >= max(mine) * (1 - SLACK)       # (and, with a pipeline, its fill and drain)
 
 
+@pytest.mark.parametrize("case", ["llama", "mixtral"])
+def test_a_shared_bound_is_each_configurations_own(case: str) -> None:
+    """One StepBound shares blocks between configurations (those alike in their degrees and
+    switches, whatever their schedule or virtual stages): each bound is the one a StepBound
+    of its own gives, to the last bit, over configurations of every schedule, cp, fp8 and ep."""
+    model, cluster, configs = _sample(case, 40, seed=5, policies=4)
+    shared = StepBound(model, cluster)
+    mine = [shared(par) for par in configs]
+    assert len({(p.schedule, p.vp) for p in configs}) > 2
+    assert mine == [StepBound(model, cluster)(par) for par in configs]
+
+
 def test_score_bounds_follow_the_objective() -> None:
     """Every objective grows with the step time at a fixed GPU count and batch: a bound on the
     step bounds its score (lower is better)."""

@@ -67,10 +67,12 @@ def print_serving(doc: dict[str, Any]) -> None:
         click.echo("interrupted before any serving layout was found feasible" if doc["interrupted"]
                    else "no feasible serving layout", err=True)
     else:
-        verdict = "proven optimum (every feasible layout simulated)" if doc["proven_optimal"] else \
+        settled = ("every feasible layout simulated" if not doc.get("ruled_out")
+                   else "every other feasible layout simulated or proven slower than the top found")
+        verdict = f"proven optimum ({settled})" if doc["proven_optimal"] else \
             f"best found by {doc['method']}; not proven optimal, " + (
                 "the feasible layouts were not counted" if doc["unexplored"] is None
-                else f"{doc['unexplored']:,} of {doc['feasible']:,} feasible layouts not simulated")
+                else f"{doc['unexplored']:,} of {doc['feasible']:,} feasible layouts neither simulated nor ruled out")
         click.echo(f"best: {_describe(best['point'])}  —  {best['goodput_requests_per_s_per_gpu']:.3f} requests/s per GPU "
                    f"({best['cluster_goodput_requests_per_s']:,.1f} on the cluster)  [{verdict}]")
         click.echo("")
@@ -80,8 +82,11 @@ def print_serving(doc: dict[str, Any]) -> None:
             click.echo(f"{i:>2} {_describe(e['point']):<44} {e['goodput_requests_per_s_per_gpu']:>10.3f} "
                        f"{e['tokens_per_s_per_gpu']:>10,.0f} {1e3 * lat['ttft']['p90']:>7.0f}ms "
                        f"{1e3 * lat['tpot']['p90']:>7.1f}ms")
-    click.echo(f"\n{doc['evaluations']} layouts simulated, space of {doc['space_size']}"
-               + (" (interrupted: best so far)" if doc["interrupted"] else ""))
+    ruled = doc.get("ruled_out") or 0
+    click.echo(f"\n{doc['evaluations']} layouts simulated"
+               + (f", {ruled} ruled out (each failed at a rate below the goodput of the top {len(doc['top'])})"
+                  if ruled else "")
+               + f", space of {doc['space_size']}" + (" (interrupted: best so far)" if doc["interrupted"] else ""))
     if doc["infeasible"]:
         click.echo("infeasible, by rule:")
         for reason, n in sorted(doc["infeasible"].items(), key=lambda kv: -kv[1]):
