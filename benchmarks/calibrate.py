@@ -270,11 +270,39 @@ def end_to_end_box(family: str, comps: Components) -> Box:
         bounds["attention_efficiency"] = (comps.values["attention_efficiency"], BOUNDS["attention_efficiency"][1])
     if "matmul_efficiency" in names:
         # no BF16 sweep: at most the best shape of the MAMF search (a ceiling)
-        ceiling = max(r.tflops for r in comp.gemm_rows()
-                      if comp.FAMILY_OF_GPU[r.gpu] == family and r.fmt == "bf16" and r.scope.startswith("best"))
-        bounds["matmul_efficiency"] = (BOUNDS["matmul_efficiency"][0],
-                                       ceiling / get_gpu(PRESET_OF_FAMILY[family]).bf16_tflops)
+        bounds["matmul_efficiency"] = (BOUNDS["matmul_efficiency"][0], bf16_ceiling(family))
     return Box(tuple(names), bounds)
+
+
+def bf16_ceiling(family: str) -> float:
+    """The best BF16 GEMM efficiency the family's MAMF searches found (each row against its own
+    GPU's peak)."""
+    return max(r.tflops / get_gpu(comp.PRESET_OF_GPU[r.gpu]).bf16_tflops for r in comp.gemm_rows()
+               if comp.FAMILY_OF_GPU[r.gpu] == family and r.fmt == "bf16" and r.scope.startswith("best"))
+
+
+# A family without an end-to-end table takes its tensor cores' in-training rates from its own
+# microbenchmarks times what a reference family, run by the same frameworks and kernel
+# libraries, keeps of its microbenchmark rates in its fitted end-to-end set (the H100 family's
+# GEMMs run at about 0.81 of their microbenchmark rates in training, BF16 and FP8 alike: see
+# docs/validation.md#bottom-up). Without it a Blackwell GEMM would run at its full
+# microbenchmark rate where a Hopper one runs at 0.81 of its own.
+CARRY_OVER = {"B200": "H100"}
+
+
+def carried_over(family: str, comps: Components) -> dict[str, float]:
+    """The GEMM efficiencies of ``family`` carried over from its CARRY_OVER reference (none if
+    it has none): its microbenchmark value times the reference's shipped / microbenchmark ratio."""
+    ref = CARRY_OVER.get(family)
+    if ref is None:
+        return {}
+    shipped = family_efficiencies(ref)
+    ref_values = fit_components(ref, shipped).values
+    out = {"matmul_efficiency": bf16_ceiling(family) * shipped["matmul_efficiency"] / bf16_ceiling(ref)}
+    if "fp8_matmul_efficiency" in comps.values and "fp8_matmul_efficiency" in ref_values:
+        out["fp8_matmul_efficiency"] = (comps.values["fp8_matmul_efficiency"] * shipped["fp8_matmul_efficiency"]
+                                        / ref_values["fp8_matmul_efficiency"])
+    return out
 
 
 def _cluster(family: str) -> str | None:
@@ -348,10 +376,19 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
               + (f"; outside the model's scope: {len(out)} rows ({_pct(f.errors(comps.values, out))}; "
                  f"{sorted({r.scope for r in out})[0]} ...)" if out else ""))
     if cluster is None:
-        # (no end-to-end table: what no microbenchmark pins keeps its hand-set default)
-        unpinned = [p for p in PARAMS if p not in {q for f in fits if not f.floor for q in f.params}]
-        print(f"end to end: no published end-to-end table; not fitted, the defaults: "
-              f"{', '.join(f'{p} {pinned[p]:.4g}' for p in unpinned)}")
+        # (no end-to-end table: the GEMMs' in-training rates carried over from a reference
+        # family; what no microbenchmark pins keeps its hand-set default)
+        carried = carried_over(family, comps)
+        if carried:
+            ref = CARRY_OVER[family]
+            print(f"end to end: no published end-to-end table; carried over from {ref} (its shipped / "
+                  f"microbenchmark ratio times this family's microbenchmark): "
+                  + ", ".join(f"{p} {v:.4g}" for p, v in carried.items()))
+            pinned = pinned | carried
+            sources |= {p: f"derived: this family's microbenchmark ({'BF16 MAMF ceiling' if p == 'matmul_efficiency' else 'gemm_microbench.csv (FP8)'}) "
+                           f"times the {ref} family's shipped / microbenchmark ratio" for p in carried}
+        unpinned = [p for p in PARAMS if p not in {q for f in fits if not f.floor for q in f.params} | set(carried)]
+        print(f"  not fitted, the defaults: {', '.join(f'{p} {pinned[p]:.4g}' for p in unpinned)}")
         print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
         # (only what the microbenchmarks pin is the family's; the rest stays the default section's)
         return {k: pinned[k] for k in PARAMS if k not in unpinned}, sources, len(on_bound)

@@ -41,7 +41,9 @@ class SimResult:
     config: dict[str, Any]
     roles: list[RoleResult] = field(default_factory=list)
     flop_convention: str = ("model FLOPs = matmul and attention FLOPs of forward and backward "
-                            "(backward = 2x forward), full s x s attention, no recomputation; "
+                            "(backward = 2x forward), attention over the whole score matrix the layer's keys span "
+                            "(s x s; s x window for sliding layers; the chunks' squares for chunked ones), "
+                            "causal mask not subtracted, no recomputation; "
                             "MFU and HFU against the dense BF16 peak, as NVIDIA's published MFU counts; "
                             "mfu_fp8 against the dense FP8 (MXFP8) peak; HFU counts every executed FLOP "
                             "including recomputation")

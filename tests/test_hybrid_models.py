@@ -174,7 +174,7 @@ def test_tp_must_divide_the_groups() -> None:
 
 # -- readers: what they refuse ------------------------------------------------------------------
 
-@pytest.mark.parametrize("model_type", ["zamba2", "llama4"])
+@pytest.mark.parametrize("model_type", ["zamba2", "dbrx"])
 def test_unmodelled_hybrids_are_refused_in_one_line(model_type: str) -> None:
     with pytest.raises(UserError) as exc:
         model_from_hf_dict({"model_type": model_type, "hidden_size": 1024}, "config.json")

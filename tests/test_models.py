@@ -16,6 +16,13 @@ PUBLISHED_PARAMS = {
     "llama2-70b": 68_976_648_192,
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "llama3.3-70b": 70_553_706_496,
+    "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
+    "gpt-oss-20b": 20_914_757_184,      # OpenAI's model card: 20.91B (3.61B active without the input embedding)
     "llama3.1-405b": 405_853_388_800,
 }
 

@@ -126,14 +126,14 @@ def test_optimize_interrupted_before_any_result_does_not_claim_infeasibility(run
 
 # -- Mixture-of-Experts families ----------------------------------------------------------------------
 
-MODELLED_MOE = "deepseek_v2, deepseek_v3, gpt_oss, jamba, mixtral, qwen2_moe, qwen3_moe, qwen3_next"
+MODELLED_MOE = "deepseek_v2, deepseek_v3, gpt_oss, jamba, llama4, llama4_text, mixtral, qwen2_moe, qwen3_moe, qwen3_next"
 
 
 @pytest.mark.parametrize("config, family", [
     ({"model_type": "olmoe", "num_experts": 64}, "olmoe"),
     ({"architectures": ["PhimoeForCausalLM"], "num_local_experts": 16}, "phimoe"),
-    ({"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"]}, "llama4"),
-    ({"model_type": "llama4_text", "num_local_experts": 16}, "llama4_text"),
+    ({"model_type": "dbrx", "architectures": ["DbrxForCausalLM"]}, "dbrx"),
+    ({"model_type": "granitemoe", "num_local_experts": 16}, "granitemoe"),
 ])
 def test_an_unmodelled_moe_family_is_named_beside_the_modelled_ones(run_cli, tmp_path, config, family) -> None:
     path = tmp_path / "config.json"

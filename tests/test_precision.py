@@ -72,15 +72,17 @@ def _closed_form(recipe: str, transposes: bool, t: dict[str, int]) -> tuple[Frac
         fwd = (4 * x + 4) + (2 * ctx + 4) + (4 * ctx + 4) + (4 * x + 4) + (2 * act + 4) + (4 * act + 4)
         bwd = sum((2 * g + 4) + (4 * g + 4) for g in grads)
         return Fraction(fwd), Fraction(bwd), Fraction(6 * t["weights"] + 8 * t["n_weights"])
-    q, wq = (MX, MX) if recipe == "mxfp8" else (TILE, BLOCK)
-    # block scaling: one kernel reads the bf16 tensor and writes both quantized copies
+    # rowwise: FP8 data alone (one fp32 scale per row of thousands of elements is not counted)
+    q, wq = {"mxfp8": (MX, MX), "rowwise": (1, 1)}.get(recipe, (TILE, BLOCK))
+    # block and row scaling: one kernel reads the bf16 tensor and writes both quantized copies
+    # (the weight's too: rowwise's per-row scales run along the other axis when transposed)
     fwd = sum((2 + 2 * q) * v for v in (x, ctx, x, act))
     bwd = sum((2 + 2 * q) * g for g in grads)
     return fwd, bwd, (2 + 2 * wq) * t["weights"]
 
 
 @pytest.mark.parametrize("recipe,gpu", [("delayed", H100), ("delayed", B200), ("tensorwise", H100),
-                                        ("mxfp8", B200), ("blockwise", H100)])
+                                        ("mxfp8", B200), ("blockwise", H100), ("rowwise", H100)])
 def test_quantization_bytes_per_layer_closed_form(llama_tiny, recipe, gpu) -> None:
     w = synthesize(llama_tiny, _par(fp8_recipe=recipe), gpu)
     fwd, bwd, weights = _closed_form(recipe, gpu.fp8_transposes, _layer_shapes(llama_tiny, 2 * 512))
@@ -284,7 +286,11 @@ def test_precision_errors(run_cli) -> None:
                         (["--dp", "2", "--dtype", "fp8", "--fp8-param-gather"], "error: fp8-param-gather:"),
                         (["--dp", "2", "--dtype", "fp8", "--fp8-dispatch"], "error: fp8-dispatch:"),
                         (["--dp", "2", "--dtype", "fp8", "--fp8-attention", "--fp8-recipe", "blockwise"],
-                         "error: fp8-attention:")):
+                         "error: fp8-attention:"),
+                        (["--dp", "2", "--dtype", "fp8", "--fp8-attention", "--fp8-recipe", "rowwise"],
+                         "error: fp8-attention:"),
+                        (["--dp", "2", "--zero", "3", "--dtype", "fp8", "--fp8-param-gather", "--fp8-recipe",
+                          "rowwise"], "error: fp8-param-gather:")):
         code, out, err = run_cli("simulate", "--model", "llama3-8b", "--layers", "2", *args)
         assert code == 2 and err.startswith(where) and "Traceback" not in err, (args, err)
     with pytest.raises(UserError, match="synthesize it for this cluster"):

@@ -51,10 +51,12 @@ def test_moe_rows_with_the_same_calibration() -> None:
     """Checks, not fits. Mixtral 8x7B on 64 H100 (its step time derived from 468 TFLOP/s with
     Megatron-Core v0.9's formula) at its documented level (-9.8 %: the causal kernel's skipped
     half of the score matrix took it from -2.3 %, the end-to-end H100 fit having learnt the full
-    matrix's time); DeepSeek-V3 FP8 on 2,048 H800, its tokens dispatched once per node reached
-    (node-limited routing, the flex dispatcher), is the known miss (docs/validation.md: DualPipe's
-    pairing of the first and last stages and its overlap of the all-to-all are not modelled),
-    guarded at its documented level."""
+    matrix's time); DeepSeek-V3 FP8 on 2,048 H800 with the report's own layout: its tokens
+    dispatched once per node reached (node-limited routing, the flex dispatcher) and its 16
+    stages run by DualPipe (each rank holds stage i and stage 15 - i, so the heavy first and
+    last stages share ranks), within 5 % of its 180K H800-hours per trillion tokens (the same
+    row under 1F1B is 63 % slow: its last stage, with the MTP module and both output heads,
+    alone computes longer than the measured step)."""
     from stage_cosim.validation.published import moe_published
 
     errors = {}
@@ -63,7 +65,7 @@ def test_moe_rows_with_the_same_calibration() -> None:
         result, _, _ = simulate(synthesize(run.model, run.parallel(), cluster.gpu), cluster)
         errors[run.name] = result.step_time_s / run.measured_step_s - 1
     assert abs(errors["mixtral-8x7b"]) <= 0.10
-    assert 0.55 <= errors["deepseek-v3"] <= 0.70
+    assert abs(errors["deepseek-v3"]) <= 0.05
 
 
 # -- NeMo Framework 24.07, FP8 on H100 (fitted together with Megatron-Core's table) ----------------
@@ -186,7 +188,9 @@ def test_torchtitan_rows_at_their_documented_level() -> None:
     """Guarded at the level docs/validation.md reports. The H200 rows (Float8 FSDP at full
     power, torchtitan's per-op selective checkpointing) within 6 %; every expressible H100 row
     predicted faster than measured (the runs were at a 500 W power limit, the model's H100 is
-    the 700 W part), by 10-50 %."""
+    the 700 W part), by 10-50 %, and the rowwise rows by 30-65 % (their GEMMs priced at the
+    per-tensor FP8 rate: the rowwise-scaled CUTLASS GEMMs those runs used have no measurement
+    here, and the runs are 1.2-1.4x slower than the same runs with tensorwise scaling)."""
     from stage_cosim.validation.published import torchtitan_benchmarks
 
     runs, _ = torchtitan_benchmarks()
@@ -200,6 +204,8 @@ def test_torchtitan_rows_at_their_documented_level() -> None:
         if run.gpu == "H200":
             assert abs(error) <= 0.06, (run.name, error)
             checked += 1
+        elif run.fp8_recipe == "rowwise":
+            assert -0.65 <= error <= -0.30, (run.name, error)
         else:
             assert -0.50 <= error <= -0.10, (run.name, error)
     assert checked == 2

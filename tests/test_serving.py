@@ -359,7 +359,8 @@ def test_decode_rate_is_the_decode_step(llama) -> None:
 def test_explore_decode_throughput_is_bandwidth_bound() -> None:
     """A decode step reads its weights and KV cache: GPU-seconds per token fall with HBM
     bandwidth, never faster than its inverse (elasticity in [-1, 0))."""
-    from stage_cosim.search.explore import explore, spec_from_dict
+    from stage_cosim.search.explore import explore
+    from stage_cosim.search.explore_spec import spec_from_dict
 
     spec = spec_from_dict({"model": "llama3-8b", "baseline": "dgx-h100:2", "objective": "decode-throughput",
                            "serving": {"batch_per_gpu": 32, "context_len": 2048},
@@ -476,3 +477,44 @@ def test_serving_search_ends_failing_probes_early_without_changing_a_layout(monk
         assert ev.feasible == full.feasible and ev.score == full.score and ev.reason == full.reason
         if ev.feasible:
             assert ev.result["report"]["slo"] == full.result["report"]["slo"]
+
+
+@pytest.mark.slow
+def test_serving_search_rules_out_layouts_below_the_best_without_changing_the_answer() -> None:
+    """With the top 1 kept, a layout settled after a best is found ends its search at the first
+    probe that fails below the best's goodput. Searched to the end on its own, each layout so
+    ruled out has a goodput below that of the best (the bound's winner), and every layout
+    simulated has the goodput and report it has when every layout is searched to the end."""
+    from stage_cosim.model import resolve_model
+    from stage_cosim.search import serving as search
+    from stage_cosim.search.optimize import OptimizeSettings, optimize
+
+    model = resolve_model("llama3-8b").with_overrides(layers=4)
+    cluster = resolve_cluster("dgx-h100", 2)
+    target = search.ServeTarget(RequestStream(rate=1.0, input_len=512, output_len=64),
+                                SLO(ttft_s=0.05, tpot_s=0.004), 0.9)
+    space = search.serving_space(model, cluster, {"tp": (1, 2), "pp": (1, 2), "max_num_seqs": (32, 256),
+                                                  "split": ("none", "1:1")})
+    problem = search.ServingProblem(space, cluster, target, 100)
+    result = optimize(space, cluster, OptimizeSettings(top_k=1), problem=problem)
+    ruled = [e for e in result.evaluated if search.is_ruled_out(e)]
+    simulated = [e for e in result.evaluated if not search.is_ruled_out(e)]
+    assert result.proven_optimal and result.method == "exhaustive" and len(result.evaluated) == result.feasible == 8
+    assert ruled and simulated
+    best = result.best.result["goodput_requests_per_s_per_gpu"]
+    alone = {}
+    for e in result.evaluated:
+        config, _ = problem.check(e.point)
+        alone[str(e.point)] = search.goodput(model, cluster, config, e.point, target, 100)
+    full_best = max((a for a in alone.values() if a.feasible), key=lambda a: a.result["goodput_requests_per_s_per_gpu"])
+    assert full_best.point == result.best.point
+    for e in ruled:
+        below = e.result["ruled_out_below"]
+        a = alone[str(e.point)]
+        assert below <= best
+        assert not a.feasible or a.result["goodput_requests_per_s_per_gpu"] < below
+    for e in simulated:
+        a = alone[str(e.point)]
+        assert (e.feasible, e.score, e.reason) == (a.feasible, a.score, a.reason)
+        if e.feasible:
+            assert e.result["report"]["slo"] == a.result["report"]["slo"]

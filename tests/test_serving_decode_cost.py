@@ -60,6 +60,23 @@ def test_grouped_expert_gemms_pay_no_floor_per_expert() -> None:
     assert t8 == pytest.approx(cm.duration_s(flops, nbytes, "bf16", groups=1), rel=1e-9)
 
 
+def test_a_varied_gpu_scales_its_measurements() -> None:
+    """A design exploration that varies a shipped GPU's peaks gets the measured fractions of
+    them: A100 with twice its HBM bandwidth streams at twice the measured triad, with twice its
+    BF16 peak runs the 8192^3 GEMM at twice the measured 253.7 TFLOP/s, and every kernel of the
+    step (attention and norms too) moves its bytes at that one rate."""
+    gpu = resolve_cluster("dgx-a100").gpu
+    bw = _triad("A100-SXM4-80GB")
+    fast_hbm = InferenceComputeModel(gpu.with_overrides(hbm_GBps=2 * gpu.hbm_GBps))
+    nbytes = 1 << 30
+    assert fast_hbm.duration_s(0, nbytes, "") == pytest.approx(nbytes / (2 * bw) + gpu.kernel_overhead_us * 1e-6,
+                                                              rel=1e-12)
+    assert InferenceComputeModel(gpu).duration_s(0, nbytes, "") == nbytes / bw + gpu.kernel_overhead_us * 1e-6
+    fast_tc = InferenceComputeModel(gpu.with_overrides(bf16_tflops=2 * gpu.bf16_tflops))
+    f = 2.0 * 8192 ** 3
+    assert fast_tc.duration_s(f, 3 * 8192 ** 2 * 2, "bf16") == pytest.approx(f / (2 * 253.7e12) + 1e-6, rel=1e-9)
+
+
 def test_compute_bound_gemm_runs_at_the_measured_rate() -> None:
     """A100's cuBLASLt 8192^3 FP16 GEMM measured 253.7 TFLOP/s: a GEMM of that size costs its
     FLOPs at that rate (plus a launch), between measured sizes the rate is interpolated, and

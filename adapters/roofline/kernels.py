@@ -13,7 +13,9 @@ with ``rate(F)`` the GPU's measured GEMM throughput at that size (the microbench
 interpolated in log F; outside the measured sizes, the nearest measured rate: never a
 per-kernel floor), and the achievable bandwidth the measured STREAM triad bandwidth. A GPU or number format without measurements falls back to the record's peak ·
 ``matmul_efficiency`` (its large-GEMM asymptote) and ``hbm_GBps · memory_efficiency``.
-Everything but GEMMs (attention, norms, collectives) is the training model's.
+Every other kernel of the step (attention, norms, the KV-cache writes) moves its bytes at the
+same measured bandwidth, so a step has one HBM rate; their compute side (attention's FLOP rate,
+the vector rate) is the training model's.
 
 Every inference step is priced this way (:func:`step_compute_model`): ``simulate --phase``,
 ``serve-sim`` and the serving search give the same step the same time.
@@ -28,7 +30,7 @@ from functools import lru_cache
 from importlib import resources
 
 from stage_cosim.adapters.roofline.compute import ComputeModel, matmul_format
-from stage_cosim.hardware.gpu import GPU, gpu_records
+from stage_cosim.hardware.gpu import GPU, MATMUL_PEAKS, gpu_records
 
 
 def _format_of(dtype: str) -> str | None:
@@ -98,7 +100,12 @@ def part_of(gpu: GPU) -> str | None:
 
 @dataclass(frozen=True)
 class InferenceComputeModel(ComputeModel):
-    """The training compute model with GEMMs priced by the measured tables (see the module)."""
+    """The training compute model with GEMMs priced by the measured tables (see the module).
+
+    The tables measure a shipped part at its data-sheet peaks; what this GPU gets is their
+    fraction of those peaks applied to its own, so a GPU whose peaks a design exploration varies
+    (``gpu.hbm_GBps``, ``gpu.bf16_tflops``, ...) scales with them, and the shipped part is priced
+    at exactly its measurements."""
 
     _hbm: float = field(init=False, repr=False, compare=False)
     _part: str = field(init=False, repr=False, compare=False)
@@ -107,7 +114,16 @@ class InferenceComputeModel(ComputeModel):
         g = self.gpu
         part = part_of(g) or ""
         object.__setattr__(self, "_part", part)
-        object.__setattr__(self, "_hbm", (hbm_Bps(part) if part else None) or g.hbm_GBps * 1e9 * g.memory_efficiency)
+        measured = hbm_Bps(part) if part else None
+        hbm = (measured * (g.hbm_GBps / gpu_records()[g.name]["hbm_GBps"]) if measured
+               else g.hbm_GBps * 1e9 * g.memory_efficiency)
+        object.__setattr__(self, "_hbm", hbm)
+
+    def _peak_ratio(self, fmt: str) -> float:
+        """This GPU's peak in ``fmt`` over its shipped record's (1 unless an exploration varies it)."""
+        shipped = gpu_records()[self.gpu.name].get(MATMUL_PEAKS[fmt])
+        own = self.gpu.peak_tflops(fmt)
+        return own / shipped if shipped and own else 1.0
 
     @property
     def hbm_bandwidth(self) -> float:
@@ -117,7 +133,7 @@ class InferenceComputeModel(ComputeModel):
         g = self.gpu
         points = gemm_points(self._part, fmt) if self._part else ()
         if points:
-            return measured_rate(points, flops)
+            return measured_rate(points, flops) * self._peak_ratio(fmt)
         peak = g.peak_tflops(fmt)
         if peak is None:
             raise ValueError(f"{g.name} has no {fmt} tensor cores")
@@ -127,11 +143,17 @@ class InferenceComputeModel(ComputeModel):
     def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
                    groups: int = 1, keys: float = 0.0) -> float:
         fmt = matmul_format(matmul)
-        if attention or not fmt or flops <= 0:
-            return super().duration_s(flops, nbytes, matmul, attention, groups, keys)
-        # a grouped GEMM (an MoE layer's local experts) runs each group at its own size's rate,
-        # all in one kernel: one launch, no floor per expert
-        t_flops = flops / self.matmul_rate(flops / max(1, groups), fmt)
+        if attention and flops > 0:
+            t_flops = flops / self.attention_rate(fmt, keys, groups)
+        elif fmt and flops > 0:
+            # a grouped GEMM (an MoE layer's local experts) runs each group at its own size's
+            # rate, all in one kernel: one launch, no floor per expert
+            t_flops = flops / self.matmul_rate(flops / max(1, groups), fmt)
+        else:
+            t_flops = flops / (self.gpu.vector_peak_tflops * 1e12) if flops > 0 else 0.0
+        # every kernel of the step moves its bytes at the one measured rate (the decode
+        # attention's KV cache above all: FlashMLA's memory-bound decode reaches 3,000 GB/s on
+        # an H800, about STREAM's triad)
         return max(t_flops, nbytes / self._hbm) + self.gpu.kernel_overhead_us * 1e-6
 
 

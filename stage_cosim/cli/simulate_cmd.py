@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from stage_cosim.adapters import BACKENDS
+from stage_cosim.adapters.roofline.network import ALGORITHMS
 from stage_cosim.cli.astra_cmd import settings_from, with_astra_options
 from stage_cosim.cli.emit import emit_option, launch_for, print_launch
 from stage_cosim.cli.options import (
@@ -35,7 +37,13 @@ def describe_precision(p: dict) -> str:
     extras = [label for key, label in (("attention", "FP8 attention"), ("param_gather", "FP8 parameters"),
                                        ("dispatch", "FP8 dispatch"), ("te_layernorm_mlp", "TE LayerNormMLP"))
               if p.get(key)]
-    layout = "transposed FP8 copies" if p.get("transposes") else "no transposes"
+    if p.get("recipe") in ("blockwise", "rowwise"):
+        layout = "column-wise copies quantized separately"      # their scales are not transposable
+    else:
+        layout = "transposed FP8 copies" if p.get("transposes") else "no transposes"
+    if p.get("recipe") == "rowwise":
+        # stated because nothing measures it: the rowwise-scaled GEMM kernels' own rate
+        extras.append("rowwise GEMMs assumed at the per-tensor FP8 rate")
     return ", ".join([f"fp8 {p.get('recipe')} ({p.get('format')}, {layout})", *extras])
 
 
@@ -304,7 +312,7 @@ def plot_stages(r: SimResult, path: Path) -> None:
 @inference_options
 @cluster_option
 @network_model_option
-@click.option("--nccl-algo", type=click.Choice(("auto", "ring", "tree", "nvls", "collnet")), default="auto",
+@click.option("--nccl-algo", type=click.Choice(ALGORITHMS), default="auto",
               show_default=True,
               help="All-reduce algorithm, as NCCL_ALGO: auto (the fastest of ring, tree and, where the cluster's "
                    "switches reduce, collnet, by size and scale), or one forced where it can run (nvls: inside one "
@@ -327,7 +335,7 @@ def plot_stages(r: SimResult, path: Path) -> None:
 @click.option("--price", type=float, default=None, metavar="$/GPU-h",
               help="Price per GPU-hour: the cost of a step, of a million tokens and of --train-tokens.")
 @click.option("--quiet", is_flag=True, help="No progress (--full shows it on a terminal).")
-@click.option("--backend", type=click.Choice(["roofline", "astra-sim"]), default="roofline", show_default=True,
+@click.option("--backend", type=click.Choice(BACKENDS), default="roofline", show_default=True,
               help="Our analytical simulator, or a user's ASTRA-sim binary.")
 @click.option("--astra-sim", "astra_bin", default=None, metavar="PATH",
               help="ASTRA-sim binary (default: $ASTRA_SIM_BIN, then AstraSim_Analytical_Congestion_Unaware on PATH).")

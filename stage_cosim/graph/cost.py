@@ -6,8 +6,8 @@ from typing import Callable
 
 import sympy as sp
 
-from stage_cosim.graph.dims import DEQUANTIZED_FLOPS, DTYPE_BYTES, S, W
-from stage_cosim.graph.ir import Op
+from stage_cosim.graph.dims import DEQUANTIZED_FLOPS, DTYPE_BYTES, U, W
+from stage_cosim.graph.ir import ATTENTION_KINDS, Op
 
 # local_size(label_letter_of_this_op) -> per-rank size of that dimension for this op
 LocalSize = Callable[[str], sp.Expr]
@@ -30,14 +30,15 @@ ALIBI_FLOPS_PER_SCORE = 2
 
 def attention_scores(op: Op, local: LocalSize) -> sp.Expr:
     """Scores a fused kernel computes: every query against the keys it attends to (``W``: the
-    whole sequence, or the sliding window)."""
+    whole sequence, the sliding window, or its chunk on average)."""
     return local("b") * local("s") * W * local("g") * local("q")
 
 
 def causal_fraction() -> sp.Expr:
     """The unmasked share of the scores under a causal mask: with a window of w keys a query
-    sees min(i + 1, w) of them, s*w - w^2/2 pairs in all, i.e. 1 - w/(2s) (1/2 for w = s)."""
-    return 1 - W / (2 * S)
+    sees min(i + 1, w) of them, s*w - w^2/2 pairs in all, i.e. 1 - w/(2s) (1/2 for w = s); in a
+    chunked layer 1/2 of each chunk's square. Bound per layer (:func:`dims.attention_extent`)."""
+    return U
 
 
 def attention_flops(op: Op, local: LocalSize) -> sp.Expr:
@@ -56,7 +57,7 @@ def op_flops(op: Op, local: LocalSize, out_numel: sp.Expr) -> tuple[sp.Expr, sp.
         return f + dequantize_flops(op, local), f
     # A causal kernel skips the masked half of the score matrix; the model-FLOP convention of the
     # published formulas still counts all of it.
-    if op.kind in ("attention", "attention_grad"):
+    if op.kind in ATTENTION_KINDS:
         f = attention_flops(op, local)
         # Flash attention's backward: four matmuls plus recomputing QK^T (2.5x the forward).
         executed = f if op.kind == "attention" else sp.Rational(5, 2) * f

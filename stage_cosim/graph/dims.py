@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import sympy as sp
 
+from stage_cosim.model.architecture import ChunkSpan
+
 # Model and batch symbols (positive integers, so sympy simplifies divisions sensibly).
 B, S, H, F, G, Q, D, V, P = sp.symbols("b s h f g q d v p", positive=True, integer=True)
 # Keys each query attends to: the sequence in a global-attention layer, min(sequence, window)
 # in a sliding-window layer. Not a tensor dimension (keys and values still hold the whole
 # sequence), only the extent of the score matrix a fused kernel computes; bound per layer.
 W = sp.Symbol("w", positive=True, integer=True)
+# The unmasked share of those scores under a causal mask (what a flash kernel executes of them),
+# bound per layer with W: 1 - w/(2s) for a window of w keys (1/2 for global attention), 1/2
+# in a chunked layer (each chunk is a causal square).
+U = sp.Symbol("causal_share", positive=True)
 # Mixture of Experts: experts, experts per token, a routed expert's and the shared experts'
 # intermediate sizes, and the load of the busiest expert rank over the mean (1: balanced
 # routing; the imbalance or the capacity factor otherwise; not an integer).
@@ -37,7 +43,7 @@ SI, SD = sp.symbols("ssm_inner ssm_dt_rank", positive=True, integer=True)
 
 MODEL_SYMBOLS: dict[str, sp.Symbol] = {
     "micro_batch": B, "seq": S, "hidden": H, "ffn": F, "kv_heads": G,
-    "query_groups": Q, "head_dim": D, "vocab": V, "max_seq": P, "attention_span": W,
+    "query_groups": Q, "head_dim": D, "vocab": V, "max_seq": P, "attention_span": W, "causal_share": U,
     "num_experts": E, "moe_router_topk": K, "moe_ffn_hidden_size": FI,
     "moe_shared_expert_intermediate_size": FJ, "moe_load": L, "q_lora_rank": LQ, "kv_lora_rank": LKV,
     "qk_head_dim": NOPE, "qk_pos_emb_head_dim": ROPE,
@@ -122,21 +128,36 @@ DEQUANTIZED_FLOPS: dict[str, int] = {"int4_g128": 3}
 
 def model_values(model: "ModelConfig", micro_batch: int, seq: int,  # noqa: F821
                  window: int | None = None, moe_load: float = 1.0) -> dict[sp.Symbol, float]:
-    """Bind the model and batch symbols to numbers (for a layer with sliding ``window``, if
-    given; with the busiest expert rank's load ``moe_load``). Symbols a model does not use
-    (no experts, no latent attention) are bound to 1. Keys are the sequence itself
+    """Bind the model and batch symbols to numbers (for a layer with sliding ``window``, or
+    chunk, if given; with the busiest expert rank's load ``moe_load``). Symbols a model does not
+    use (no experts, no latent attention) are bound to 1. Keys are the sequence itself
     (training); inference rebinds ``T`` and ``W``."""
+    keys, share = attention_extent(seq, window)
     moe = model.num_experts is not None
     shared = model.moe_shared_expert_intermediate_size
     mla = model.multi_latent_attention
     return {B: micro_batch, S: seq, H: model.hidden, F: model.ffn, G: model.kv_heads,
             Q: model.query_groups, D: model.v_head_dim if mla else model.head_dim, V: model.vocab,
-            P: model.max_seq, W: seq if window is None else min(seq, window),
+            P: model.max_seq, W: keys, U: share,
             E: model.num_experts if moe else 1, K: model.moe_router_topk if moe else 1,
             FI: model.expert_ffn if moe else 1, FJ: shared if moe and shared else 1, L: moe_load,
             LQ: model.q_lora_rank if mla and model.q_lora_rank else 1, LKV: model.kv_lora_rank if mla else 1,
             NOPE: model.qk_head_dim if mla else 1, ROPE: model.qk_pos_emb_head_dim if mla else 1, T: seq,
             **ssm_values(model, seq)}
+
+
+def attention_extent(seq: int, window: int | None) -> tuple[float, float]:
+    """(keys per query of the scores a fused kernel covers, the causal unmasked share of them)
+    in a training sequence of ``seq`` tokens. A window of w keys: s x min(s, w) scores,
+    1 - w/(2s) of them unmasked (the continuous count the global s^2/2 convention uses). A
+    chunked layer (:class:`ChunkSpan` c): the sequence is full chunks and a remainder r, each a
+    causal square, sum L^2 scores (so sum L^2 / s keys per query) of which half are unmasked;
+    a flash kernel skips the blocks outside a query's chunk."""
+    if isinstance(window, ChunkSpan):
+        full, rest = divmod(seq, int(window))
+        return (full * int(window) ** 2 + rest ** 2) / seq, 0.5
+    keys = seq if window is None else min(seq, window)
+    return keys, 1 - keys / (2 * seq)
 
 
 def ssm_values(model: "ModelConfig", seq: int) -> dict[sp.Symbol, int]:  # noqa: F821

@@ -56,7 +56,7 @@ from stage_cosim.graph.dims import LABEL_SIZE
 from stage_cosim.graph.ir import Block, BlockBuilder, Op, Tensor
 from stage_cosim.graph.ssm import with_state_cache
 from stage_cosim.graph.transformer import ModelGraph, _norm, build_blocks, build_layer
-from stage_cosim.model.config import ArchSwitches
+from stage_cosim.model.architecture import ArchSwitches
 
 # Work per logit of sampling (softmax, top-k/top-p filtering, the draw), memory-bound anyway.
 SAMPLE_FLOPS_PER_LOGIT = 5

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from stage_cosim.errors import UserError, require
+from stage_cosim.inference.config import FP8_ACTIVATION_SCALES
 
 # Transformer Engine keeps, per FP8 module with delayed scaling, an amax history and a scale and
 # inverse scale for three forward tensors (input, weight, output) and two backward ones (output
@@ -31,7 +32,7 @@ class Precision:
     """How a step computes and stores: BF16, or an FP8 recipe of Transformer Engine."""
 
     dtype: str = "bf16"
-    recipe: str = ""                  # delayed | tensorwise | mxfp8 | blockwise (fp8 only)
+    recipe: str = ""                  # delayed | tensorwise | mxfp8 | blockwise | rowwise (fp8 only)
     format: str = "hybrid"            # e4m3 | hybrid (e5m2 gradients): same bytes, same rate
     transposes: bool = True           # FP8 GEMMs take K-major operands only (Hopper)
     attention: bool = False           # FP8 fused attention
@@ -91,7 +92,8 @@ class Precision:
 
     @property
     def activation_dtype(self) -> str:
-        """Quantized activations and gradients (data and scales per element)."""
+        """Quantized activations and gradients (data and scales per element; rowwise's one fp32
+        scale per row of thousands of elements is left out, as per-tensor scales are)."""
         return {"mxfp8": "mxfp8", "blockwise": "fp8_1x128"}.get(self.recipe, "fp8")
 
     @property
@@ -111,7 +113,9 @@ class Precision:
     def weight_columnwise(self) -> str:
         if self.forward_only:
             return "same"
-        if self.recipe == "mxfp8":
+        if self.recipe in ("mxfp8", "rowwise"):
+            # 32-element blocks, and one scale per output row, run along the other axis in the
+            # transposed GEMM: the copy is quantized again from the high-precision weight
             return "quantize"
         # per-tensor scales and 128x128 blocks are the same for the transposed weight
         return "transpose" if self.transposes else "same"
@@ -154,8 +158,8 @@ def inference_precision(weight_dtype: str, gpu: Any = None, activation_scale: st
     if gpu is not None:
         require(gpu.fp8_tflops is not None, "weight-dtype",
                 f"fp8 needs FP8 tensor cores; {gpu.name} has none (its gpu.fp8_tflops is not set)")
-    require(activation_scale in ("static", "dynamic"), "fp8-activation-scale",
-            f"must be static or dynamic, got {activation_scale!r}")
+    require(activation_scale in FP8_ACTIVATION_SCALES, "fp8-activation-scale",
+            f"must be {' or '.join(FP8_ACTIVATION_SCALES)}, got {activation_scale!r}")
     return Precision("fp8", "tensorwise", "e4m3", transposes=False, param_gather=True, forward_only=True,
                      activation_scale=activation_scale)
 

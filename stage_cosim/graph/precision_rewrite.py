@@ -15,8 +15,11 @@ the policy:
   Per-tensor scaling (``delayed``, ``tensorwise``) gets column-wise copies by transposing the
   FP8 data, in the cast kernel itself (``cast_transpose``) or, where the row-wise copy was made
   elsewhere, by a separate transpose; Blackwell's FP8 GEMMs read either layout, so there are
-  none there. Block scaling (``mxfp8``: 32-element blocks; ``blockwise``: 1x128 tiles) quantizes
-  the column-wise copy separately from the high-precision tensor, in the same kernel.
+  none there. Block scaling (``mxfp8``: 32-element blocks; ``blockwise``: 1x128 tiles) and
+  torchao's ``rowwise`` scaling (a scale per row, computed as the row is cast: no amax pass, no
+  reduction across ranks) quantize the column-wise copy separately from the high-precision
+  tensor, in the same kernel; ``mxfp8`` and ``rowwise`` quantize the weight's column-wise copy
+  the same way (their scales run along one axis only).
 * Fusions follow Transformer Engine: the norm before QKV and FC1 (``LayerNormLinear``) writes
   FP8 directly under delayed scaling (under current scaling it computes the amax, the cast is a
   second kernel; block scaling normalizes in BF16 and quantizes after); Transformer Engine's

@@ -21,7 +21,8 @@ from stage_cosim.graph.cost import SOFTCAP_FLOPS_PER_SCORE as SOFTCAP_FLOPS
 from stage_cosim.graph.dims import LABEL_SIZE, NOPE, ROPE
 from stage_cosim.graph.ir import DENSE, EXPERT, Block, BlockBuilder, Tensor
 from stage_cosim.graph.ssm import product
-from stage_cosim.model.config import ATTENTION, ATTENTION_MAMBA2, MOE_MLP, NO_MIXER, NO_MLP, ArchSwitches, ModelConfig
+from stage_cosim.model.architecture import ATTENTION, ATTENTION_MAMBA2, MOE_MLP, NO_MIXER, NO_MLP, ArchSwitches
+from stage_cosim.model.config import ModelConfig
 
 
 # Work per element of the activations (rough: these kernels are memory-bound).

@@ -37,6 +37,7 @@ def _unsupported_model(model: ModelConfig) -> str | None:
         (model.scale_embeddings, "embeddings scaled by sqrt(hidden)"),
         (model.attn_logit_softcapping is not None or model.final_logit_softcapping is not None, "logit soft-capping"),
         (model.sliding_window is not None, "sliding-window attention"),
+        (model.attention_chunk_size is not None, "chunked attention"),
         (model.attention_sinks, "attention sinks"),
         (model.parallel_residual, "a parallel residual"),
         (model.moe_router_bias, "a bias on the router"),
@@ -158,6 +159,8 @@ def refuse_what_megatron_core_lacks(target: str, par: ParallelConfig) -> None:
         raise refuse(target, f"has no {knob} for Transformer Engine's LayerNormMLP (--te-layernorm-mlp)")
     if par.fp8_dispatch:
         raise refuse(target, f"has no {knob} for an FP8 token dispatch (--fp8-dispatch)")
+    if par.dtype == "fp8" and par.fp8_recipe == "rowwise":
+        raise refuse(target, "has no rowwise FP8 recipe (torchao's; Transformer Engine scales per tensor or per block)")
     if par.recompute == "op":
         raise refuse(target, "has no per-op selective checkpointing (--recompute op is torchtitan's); its "
                              "selective granularity recomputes the attention core (--recompute selective)")

@@ -19,7 +19,9 @@ from typing import Any, Callable
 
 from stage_cosim.errors import UserError
 from stage_cosim.model import hf_hybrid as _hybrid
-from stage_cosim.model.config import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION, ModelConfig
+from stage_cosim.model import hf_llama4 as _llama4
+from stage_cosim.model.architecture import FULL_ATTENTION, LAYER_TYPES, SLIDING_ATTENTION
+from stage_cosim.model.config import ModelConfig
 from stage_cosim.model.hf_layers import sparse_layers as _sparse_layers
 
 # Hugging Face activation names, by what they cost (the tanh and erf forms of GELU alike).
@@ -32,20 +34,29 @@ _REQUIRED = object()
 class HFConfig:
     """One parsed config.json and the file it came from; typed reads that fail in one line."""
 
-    def __init__(self, cfg: dict[str, Any], file: Path, model_type: str) -> None:
+    def __init__(self, cfg: dict[str, Any], file: Path, model_type: str, prefix: str = "") -> None:
         self.cfg = cfg
         self.file = file
         self.model_type = model_type
+        self.prefix = prefix    # where cfg sits in the file ("text_config."), for messages
 
     def error(self, key: str, value: Any, rule: str) -> UserError:
-        return UserError("model", f"{self.file}: {key} = {json.dumps(value)}: {rule}")
+        return UserError("model", f"{self.file}: {self.prefix}{key} = {json.dumps(value)}: {rule}")
 
     def _get(self, key: str, default: Any) -> Any:
         if key in self.cfg:
             return self.cfg[key]
         if default is _REQUIRED:
-            raise UserError("model", f"{self.file}: key {key!r} is missing (a {self.model_type} config needs it)")
+            raise UserError("model", f"{self.file}: key {self.prefix + key!r} is missing "
+                                     f"(a {self.model_type} config needs it)")
         return default
+
+    def nested(self, key: str) -> "HFConfig":
+        """The config object under ``key`` (a multimodal model's text_config), read the same way."""
+        value = self._get(key, _REQUIRED)
+        if not isinstance(value, dict):
+            raise self.error(key, value, "must be a JSON object")
+        return HFConfig(value, self.file, self.model_type, f"{self.prefix}{key}.")
 
     def int(self, key: str, default: Any = _REQUIRED, *, nullable: bool = False, minimum: int = 1) -> int | None:
         value = self._get(key, default)
@@ -449,8 +460,9 @@ ARCHITECTURES: dict[str, str] = {
     "Llama4ForConditionalGeneration": "llama4", "Llama4ForCausalLM": "llama4_text",
 }
 
-# The hybrid and state-space families (stage_cosim.model.hf_hybrid).
+# The hybrid and state-space families (stage_cosim.model.hf_hybrid), and Llama 4.
 READERS.update(_hybrid.READERS)
+READERS.update(_llama4.READERS)
 ARCHITECTURES.update(_hybrid.ARCHITECTURES)
 
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "dbrx", "olmoe",

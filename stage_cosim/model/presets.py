@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from stage_cosim.errors import UserError
 from stage_cosim.model.config import ModelConfig
+
+_LLAMA3_8B = ModelConfig.build("llama3-8b", "llama", layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8,
+                               vocab=128256, max_seq=8192)
+_LLAMA3_70B = ModelConfig.build("llama3-70b", "llama", layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8,
+                                vocab=128256, max_seq=8192)
 
 # Dimensions from the published papers and the models' own config.json files.
 PRESETS: dict[str, ModelConfig] = {
@@ -16,10 +22,13 @@ PRESETS: dict[str, ModelConfig] = {
                                    heads=32, vocab=32000, max_seq=4096),
     "llama2-70b": ModelConfig.build("llama2-70b", "llama", layers=80, hidden=8192, ffn=28672,
                                     heads=64, kv_heads=8, vocab=32000, max_seq=4096),
-    "llama3-8b": ModelConfig.build("llama3-8b", "llama", layers=32, hidden=4096, ffn=14336,
-                                   heads=32, kv_heads=8, vocab=128256, max_seq=8192),
-    "llama3-70b": ModelConfig.build("llama3-70b", "llama", layers=80, hidden=8192, ffn=28672,
-                                    heads=64, kv_heads=8, vocab=128256, max_seq=8192),
+    "llama3-8b": _LLAMA3_8B,
+    "llama3-70b": _LLAMA3_70B,
+    # Llama 3.1 and 3.3 (Meta 2024): Llama 3's dimensions with a 128K context (RoPE scaling
+    # changes no shape or cost); NVIDIA's recipes and MLPerf name these.
+    "llama3.1-8b": replace(_LLAMA3_8B, name="llama3.1-8b", max_seq=131072),
+    "llama3.1-70b": replace(_LLAMA3_70B, name="llama3.1-70b", max_seq=131072),
+    "llama3.3-70b": replace(_LLAMA3_70B, name="llama3.3-70b", max_seq=131072),
     "llama3.1-405b": ModelConfig.build("llama3.1-405b", "llama", layers=126, hidden=16384,
                                        ffn=53248, heads=128, kv_heads=8, vocab=128256,
                                        max_seq=131072),
@@ -35,6 +44,11 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-235b-a22b": ModelConfig.build("qwen3-235b-a22b", "llama", layers=94, hidden=4096, ffn=12288, heads=64,
                                          kv_heads=4, head_dim=128, vocab=151936, max_seq=40960, qk_layernorm=True,
                                          num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=1536),
+    # Qwen3's dense models (Qwen 2025), from their config.json files: QK-norm, untied embeddings.
+    **{f"qwen3-{size}": ModelConfig.build(f"qwen3-{size}", "llama", layers=layers, hidden=hidden, ffn=ffn, heads=heads,
+                                          kv_heads=8, head_dim=128, vocab=151936, max_seq=40960, qk_layernorm=True)
+       for size, layers, hidden, ffn, heads in (("8b", 36, 4096, 12288, 32), ("14b", 40, 5120, 17408, 40),
+                                                ("32b", 64, 5120, 25600, 64))},
     # Alternating 128-token sliding-window and full attention, attention sinks, biases on the
     # attention projections, the experts and the router.
     "gpt-oss-120b": ModelConfig.build("gpt-oss-120b", "llama", layers=36, hidden=2880, ffn=2880, heads=64,
@@ -42,6 +56,27 @@ PRESETS: dict[str, ModelConfig] = {
                                       mlp_bias=True, attention_sinks=True, sliding_window=128,
                                       layer_types=("sliding_attention", "full_attention"), num_experts=128,
                                       moe_router_topk=4, moe_router_bias=True),
+    "gpt-oss-20b": ModelConfig.build("gpt-oss-20b", "llama", layers=24, hidden=2880, ffn=2880, heads=64,
+                                     kv_heads=8, head_dim=64, vocab=201088, max_seq=131072, attention_bias=True,
+                                     mlp_bias=True, attention_sinks=True, sliding_window=128,
+                                     layer_types=("sliding_attention", "full_attention"), num_experts=32,
+                                     moe_router_topk=4, moe_router_bias=True),
+    # Llama 4 (Meta 2025), the text model: every 4th layer global attention without RoPE, the
+    # others chunked attention over 8,192-token chunks; MoE layers with one shared expert beside
+    # top-1 routed experts, all of intermediate size 8,192. Scout: 16 experts in every layer;
+    # Maverick: 128 experts in every 2nd layer (the odd ones), dense MLPs of 16,384 between.
+    "llama4-scout": ModelConfig.build("llama4-scout", "llama", layers=48, hidden=5120, ffn=16384, heads=40,
+                                      kv_heads=8, head_dim=128, vocab=202048, max_seq=10485760,
+                                      attention_chunk_size=8192,
+                                      layer_types=("chunked_attention",) * 3 + ("full_attention",),
+                                      num_experts=16, moe_router_topk=1, moe_ffn_hidden_size=8192,
+                                      moe_shared_expert_intermediate_size=8192),
+    "llama4-maverick": ModelConfig.build("llama4-maverick", "llama", layers=48, hidden=5120, ffn=16384, heads=40,
+                                         kv_heads=8, head_dim=128, vocab=202048, max_seq=1048576,
+                                         attention_chunk_size=8192,
+                                         layer_types=("chunked_attention",) * 3 + ("full_attention",),
+                                         num_experts=128, moe_router_topk=1, moe_ffn_hidden_size=8192,
+                                         moe_shared_expert_intermediate_size=8192, moe_layer_freq=(0, 1) * 24),
     # Multi-latent attention, 3 dense layers then 58 MoE layers (256 routed experts, top 8, one
     # shared expert), one multi-token-prediction module.
     "deepseek-v3": ModelConfig.build("deepseek-v3", "llama", layers=61, hidden=7168, ffn=18432, heads=128,

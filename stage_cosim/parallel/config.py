@@ -28,11 +28,15 @@ Recompute = Literal["none", "selective", "op", "full"]
 Dtype = Literal["bf16", "fp8"]
 # Megatron-LM's --fp8-recipe choices (Transformer Engine recipes): per-tensor delayed scaling
 # (amax history), per-tensor current scaling, MXFP8 (32-element blocks, Blackwell) and
-# DeepSeek-V3's blockwise scaling (1x128 activation tiles, 128x128 weight blocks).
-Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
+# DeepSeek-V3's blockwise scaling (1x128 activation tiles, 128x128 weight blocks); and torchao's
+# rowwise scaling (one scale per row of each GEMM operand, a PyTorch-native recipe that
+# Transformer Engine does not have).
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise", "rowwise"]
 Fp8Format = Literal["e4m3", "hybrid"]
 GradReduceDtype = Literal["fp32", "bf16"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+# Schedules that place two chunks per stage in a V (the second leg comes back up the stages).
+V_SCHEDULES = ("zb-v", "dualpipev")
 TOKEN_DISPATCHERS: tuple[str, ...] = get_args(TokenDispatcher)
 CP_COMMS: tuple[str, ...] = get_args(CpComm)
 RECOMPUTE: tuple[str, ...] = get_args(Recompute)
@@ -198,10 +202,10 @@ class ParallelConfig:
         schedule = self.schedule or ("interleaved" if self.vp > 1 else "1f1b")
         object.__setattr__(self, "schedule", schedule)
         require(schedule in SCHEDULES, "schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-        require(self.vp == 1 or schedule in ("interleaved", "zb-v", "dualpipev"), "vp",
+        require(self.vp == 1 or schedule in ("interleaved", *V_SCHEDULES), "vp",
                 f"virtual stages need the interleaved, zb-v or dualpipev schedule, got schedule {schedule}")
         require(schedule in ("1f1b", "gpipe") or self.pp > 1, "schedule", f"{schedule} needs pp > 1")
-        require(schedule not in ("zb-v", "dualpipev") or self.vp == 2, "vp",
+        require(schedule not in V_SCHEDULES or self.vp == 2, "vp",
                 f"{schedule} places 2 model chunks per stage in a V: needs vp 2, got {self.vp}")
         require(schedule != "dualpipe" or self.pp % 2 == 0, "pp",
                 f"dualpipe runs half the stages from each end: needs an even pp, got {self.pp}")
@@ -273,8 +277,10 @@ class ParallelConfig:
             for flag in ("fp8_recipe", "fp8_attention", "fp8_param_gather", "fp8_dispatch", "te_layernorm_mlp"):
                 require(not getattr(self, flag), flag.replace("_", "-"), "needs --dtype fp8")
             return
-        require(not (self.fp8_attention and self.fp8_recipe == "blockwise"), "fp8-attention",
-                "Transformer Engine has no FP8 attention with blockwise scaling")
+        require(not (self.fp8_attention and self.fp8_recipe in ("blockwise", "rowwise")), "fp8-attention",
+                f"Transformer Engine has no FP8 attention with {self.fp8_recipe} scaling")
+        require(not (self.fp8_param_gather and self.fp8_recipe == "rowwise"), "fp8-param-gather",
+                "torchao gathers FP8 parameters with tensorwise scaling only, not rowwise")
         # Megatron: parameters live in FP8 only where something else holds the fp32 master
         # copy and gathers them: the distributed optimizer or FSDP (ZeRO 1-3 here).
         require(not self.fp8_param_gather or self.zero >= 1, "fp8-param-gather",
@@ -462,8 +468,8 @@ class ParallelConfig:
                     f"{self.tp * a2a}: it must divide heads ({model.heads}) and kv-heads ({model.kv_heads})")
         if self.cp_ring > 1:
             windowed = [w for w in model.layer_windows() if w is not None and w < self.seq_len]
-            require(not windowed, "cp-comm", f"{self.cp_comm} does not support sliding-window attention "
-                                             "(Transformer Engine); use all-gather or a2a")
+            require(not windowed, "cp-comm", f"{self.cp_comm} does not support sliding-window or chunked "
+                                             "attention (Transformer Engine); use all-gather or a2a")
         if model.attention != "fused":
             require(self.cp_comm == "all-gather", "cp-comm",
                     f"{self.cp_comm} needs fused (flash) attention; with --attention unfused use all-gather")

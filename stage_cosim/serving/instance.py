@@ -32,7 +32,8 @@ class KVLayout:
 
     A sequence with ``n`` cached tokens holds ``ceil(n / block_size)`` blocks in each global
     attention layer; a sliding-window layer frees the blocks that fall out of its window, so it
-    holds at most ``ceil(window / block_size) + 1``.
+    holds at most ``ceil(window / block_size) + 1``; a chunked-attention layer is held at the
+    same bound for its chunk (the peak of its chunks' blocks: earlier chunks' are freed).
     """
 
     block_size: int

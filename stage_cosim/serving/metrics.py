@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from stage_cosim.serving.config import SLO
-from stage_cosim.serving.engine import RequestLog, Trace
+from stage_cosim.serving.engine import Trace
+from stage_cosim.serving.scheduler import RequestLog
 
 PERCENTILES = (50, 90, 99)
 KV_POINTS = 200            # KV-occupancy samples kept in the report

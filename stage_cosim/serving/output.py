@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from stage_cosim.serving.engine import RequestLog
+from stage_cosim.serving.scheduler import RequestLog
 
 COLUMNS = ("arrival_s", "first_token_s", "finish_s", "input_tokens", "cached_tokens", "output_tokens", "dropped")
 

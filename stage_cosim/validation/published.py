@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 from stage_cosim.model.config import ModelConfig
@@ -59,6 +59,8 @@ class TrainingRun:
     # switches the source states (None: the software profile's default)
     tp_comm_overlap: bool | None = None
     fp8_param_gather: bool = False
+    # the pipeline schedule the source states (None: 1F1B, interleaved where vp > 1)
+    schedule: str | None = None
 
     def parallel(self) -> "ParallelConfig":  # noqa: F821
         from stage_cosim.parallel import ParallelConfig
@@ -72,6 +74,7 @@ class TrainingRun:
                               ep=self.ep, expert_tp=self.expert_tp, moe_token_dispatcher=self.moe_token_dispatcher,
                               dtype=self.dtype, fp8_recipe=self.fp8_recipe, fp8_dispatch=self.fp8_dispatch,
                               pp_layers=self.pp_layers,
+                              **({"schedule": self.schedule} if self.schedule else {}),
                               **({"axis_order": self.axis_order} if self.axis_order else {}),
                               **({"fp8_format": self.fp8_format}
                                  if self.dtype == "fp8" else {}))
@@ -139,6 +142,10 @@ _MOE_CLUSTER = {"H100-SXM5-80GB": "dgx-h100", "H800-SXM": "dgx-h800"}
 # reaches (at most 4: node-limited routing) and forwards it over NVLink there, which is the
 # flex (DeepEP) dispatcher
 _DISPATCHER = {"deepseek_v3_tech_report": "flex"}
+# The pipeline schedule a source names in its text: DeepSeek-V3's report (section 3.2.1) runs
+# its 16 stages with DualPipe (each rank holds stage i and stage pp-1-i, micro-batches fed from
+# both ends).
+_SCHEDULE = {"deepseek_v3_tech_report": "dualpipe"}
 
 
 def moe_published() -> list[TrainingRun]:
@@ -171,7 +178,7 @@ def moe_published() -> list[TrainingRun]:
                                 moe_token_dispatcher=_DISPATCHER.get(r["source"], r["dispatcher"]),
                                 dtype="fp8" if fp8 else "bf16",
                                 fp8_recipe="blockwise" if r["dtype"] == "fp8-blockwise" else None, fp8_dispatch=fp8,
-                                cluster=_MOE_CLUSTER[r["gpu"]]))
+                                cluster=_MOE_CLUSTER[r["gpu"]], schedule=_SCHEDULE.get(r["source"])))
     return runs
 
 
@@ -259,8 +266,29 @@ def llama3_herd_table4() -> list[TrainingRun]:
 
 # torchtitan's model names -> presets (Llama 3.1 8B and 70B have Llama 3's dimensions)
 _TORCHTITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3-8b": "llama3-8b", "llama3.1-70b": "llama3-70b",
-                      "llama3.1-405b": "llama3.1-405b"}
-_TORCHTITAN_CLUSTERS = {"H100": "dgx-h100", "H200": "dgx-h200", "B200": "dgx-b200"}
+                      "llama3.1-405b": "llama3.1-405b", "llama4-scout (17B active, 16 experts)": "llama4-scout",
+                      "llama4-17bx16e reduced to 2 layers": "llama4-scout"}
+# rows that run a preset cut to fewer layers (torchao's MoE benchmark fits Scout on one node so)
+_TORCHTITAN_LAYERS = {"llama4-17bx16e reduced to 2 layers": 2}
+_TORCHTITAN_CLUSTERS = {"H100": "dgx-h100", "H200": "dgx-h200", "B200": "dgx-b200", "MI300X": "mi300x-8",
+                        "GB200": "gb200-nvl72"}
+# torchtitan's activation_checkpointing modes (its own names: its "selective" runs here as our "op")
+TORCHTITAN_AC_MODES = ("none", "selective", "full")
+
+
+def _torchtitan_recipe(recipe: str) -> str:
+    """This tool's FP8 recipe for a torchao float8 recipe, or why there is none ("!" first)."""
+    if recipe in ("mxfp8 linears only", "mxfp8 grouped GEMMs only"):
+        return (f"!float8 recipe {recipe!r}: MXFP8 on part of the GEMMs is not modelled (the recipe quantizes "
+                "the linear layers and the experts' grouped GEMMs together)")
+    name = recipe.split(" ")[0]
+    if name in ("tensorwise", "rowwise", "mxfp8"):
+        return name
+    if name in ("mxfp8_cublas", "mxfp8_cublas_rceil"):
+        return "mxfp8"          # cuBLAS's MXFP8 GEMMs; rceil only rounds the scales differently
+    if name == "rowwise_with_gw_hp":
+        return "!float8 recipe 'rowwise_with_gw_hp': a weight-gradient GEMM kept in BF16 is not modelled"
+    return f"!float8 recipe {name!r}: not modelled"
 
 
 @dataclass(frozen=True)
@@ -282,8 +310,9 @@ def torchtitan_benchmarks() -> tuple[list[TrainingRun], list[Unexpressed]]:
     (ZeRO 2 with pipelining, where torchtitan does not reshard after the forward); the tp plan
     shards norms over the sequence (sp) and async TP is the tp overlap; interleaved 1F1B has two
     stages per rank and torchtitan's default micro-batch count is pp; context parallelism
-    all-gathers keys and values; Float8 tensorwise is the ``tensorwise`` recipe, its FSDP float8
-    all-gather FP8 parameter gather. Activation checkpointing: full as full; torchtitan's
+    all-gathers keys and values; Float8 tensorwise and rowwise are the ``tensorwise`` and
+    ``rowwise`` recipes (tensorwise's FSDP float8 all-gather the FP8 parameter gather), cuBLAS's
+    MXFP8 on B200 the ``mxfp8`` recipe; MI300X runs on the ``mi300x-8`` preset. Activation checkpointing: full as full; torchtitan's
     selective (per-op: matmul and attention outputs saved, every second matmul of a layer and
     every other op recomputed) as ``op``. Caveats the source states: the H100 rows ran on Meta Grand Teton H100s with
     96 GB HBM2e at a 500 W power limit, whose peak is not published — they are predicted with
@@ -311,11 +340,12 @@ def _torchtitan_run(r: dict[str, str], source: str, name: str) -> "TrainingRun |
         return f"no {r['gpu']} preset"
     if r["torch_compile"] != "true":
         return "eager PyTorch (no torch.compile): its unfused elementwise kernels are not modelled"
-    recipe = r["float8_recipe"]
-    if r["compute_dtype"] != "bf16" and not recipe.startswith("tensorwise"):
-        return f"float8 recipe {recipe.split(' ')[0]!r}: only tensorwise scaling is modelled"
+    fp8 = r["compute_dtype"] != "bf16"
+    recipe = _torchtitan_recipe(r["float8_recipe"]) if fp8 else None
+    if recipe and recipe.startswith("!"):
+        return recipe[1:]
     ac = r["activation_checkpointing"].split(" ")[0]
-    if ac not in ("none", "full", "selective"):
+    if ac not in TORCHTITAN_AC_MODES:
         return f"activation checkpointing {r['activation_checkpointing']!r}"
     # torchtitan's selective mode is per-op in every source here (the llama3 tomls' default,
     # selective_ac_option = "op")
@@ -328,12 +358,15 @@ def _torchtitan_run(r: dict[str, str], source: str, name: str) -> "TrainingRun |
     gb = int(r["global_batch"]) if r["global_batch"] else local * dp
     s = int(r["seq_len"])
     microbatches = pp if pp > 1 else 1        # torchtitan's default: pp micro-batches
-    fp8 = r["compute_dtype"] != "bf16"
+    model = get_preset(_TORCHTITAN_MODELS[r["model"]])
+    if r["model"] in _TORCHTITAN_LAYERS:
+        model = replace(model, name=f"{model.name}-{_TORCHTITAN_LAYERS[r['model']]}l",
+                        layers=_TORCHTITAN_LAYERS[r["model"]])
     return TrainingRun(
-        source, name, get_preset(_TORCHTITAN_MODELS[r["model"]]), r["gpu"], gpus, tp, pp, dp,
+        source, name, model, r["gpu"], gpus, tp, pp, dp,
         2 if r["pp_schedule"].startswith("Interleaved") else 1, gb, local // microbatches, s, ac, tp > 1,
         gb * s / (float(r["tokens_per_s_per_gpu"]) * gpus), zero=3 if pp == 1 else 2, software="torchtitan-2024.12",
-        dtype="fp8" if fp8 else "bf16", fp8_recipe="tensorwise" if fp8 else None,
-        cluster=_TORCHTITAN_CLUSTERS[r["gpu"]], cp=cp, cp_comm="all-gather",
+        dtype="fp8" if fp8 else "bf16", fp8_recipe=recipe,
+        cluster=_TORCHTITAN_CLUSTERS[r["gpu"]], cp=cp, cp_comm="all-gather", ep=int(r["ep"] or 1),
         tp_comm_overlap=(r["async_tp"] == "true") if tp > 1 else None,
-        fp8_param_gather=fp8 and r["fsdp_float8_allgather"] == "true")
+        fp8_param_gather=recipe == "tensorwise" and r["fsdp_float8_allgather"] == "true")
