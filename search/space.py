@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Any, Iterator, Sequence
 
 from stage_cosim.errors import UserError
@@ -241,13 +240,6 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
     return par, None
 
 
-@lru_cache(maxsize=16)
-def _param_count(model: ModelConfig) -> int:
-    """The model's parameters, counted once: counting walks every layer's kinds (tens of
-    milliseconds for a large model), and the DualPipe rule asks for it at every point."""
-    return model.param_count()
-
-
 def _dualpipe_states_exceed(space: SearchSpace, point: dict[str, Any], cluster: Cluster, dp: int) -> bool:
     """Whether DualPipe's two copies of the model states (weights, gradients, Adam state) alone,
     spread as evenly as the point's degrees allow, exceed a GPU's whole memory: a lower bound
@@ -260,5 +252,5 @@ def _dualpipe_states_exceed(space: SearchSpace, point: dict[str, Any], cluster: 
     per_param = (WEIGHT_BYTES / (shard if zero >= 3 else 1) + GRAD_BYTES / (shard if zero >= 2 else 1)
                  + OPTIMIZER_BYTES / (shard if zero >= 1 else 1))
     split = point.get("pp", 1) * max(point.get("tp", 1), point.get("ep", 1) * point.get("expert_tp", 1))
-    states = 2 * _param_count(space.model) / split * per_param
+    states = 2 * space.model.param_count() / split * per_param
     return states > cluster.gpu.memory_bytes

@@ -71,6 +71,12 @@ class ComputeModel:
             rate *= min(1.0, math.ceil(rows / g.attention_block_rows) / g.sm_count)
         return rate
 
+    @property
+    def memory_bandwidth(self) -> float:
+        """B/s a memory-bound kernel reaches: peak HBM bandwidth * memory_efficiency."""
+        g = self.gpu
+        return g.hbm_GBps * 1e9 * g.memory_efficiency
+
     def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
                    groups: int = 1, keys: float = 0.0) -> float:
         """``groups``: the equal GEMMs of a grouped GEMM (each runs at its own shape's rate), or
@@ -85,7 +91,7 @@ class ComputeModel:
         else:
             rate = g.vector_peak_tflops * 1e12
         t_flops = flops / rate if flops > 0 else 0.0
-        t_mem = nbytes / (g.hbm_GBps * 1e9 * g.memory_efficiency)
+        t_mem = nbytes / self.memory_bandwidth
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
 
     def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1, keys: float = 0.0) -> float:

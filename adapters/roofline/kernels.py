@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
-from stage_cosim.adapters.roofline.compute import ComputeModel, matmul_format
+from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.hardware.gpu import GPU, MATMUL_PEAKS, gpu_records
 
 
@@ -109,52 +109,43 @@ class InferenceComputeModel(ComputeModel):
 
     _hbm: float = field(init=False, repr=False, compare=False)
     _part: str = field(init=False, repr=False, compare=False)
+    # this GPU's tensor-core peak per number format over its shipped record's (1 unless an
+    # exploration varies it)
+    _peak_ratio: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         g = self.gpu
         part = part_of(g) or ""
         object.__setattr__(self, "_part", part)
+        record = gpu_records()[g.name] if part else {}
         measured = hbm_Bps(part) if part else None
-        hbm = (measured * (g.hbm_GBps / gpu_records()[g.name]["hbm_GBps"]) if measured
-               else g.hbm_GBps * 1e9 * g.memory_efficiency)
+        hbm = (measured * (g.hbm_GBps / record["hbm_GBps"]) if measured else super().memory_bandwidth)
         object.__setattr__(self, "_hbm", hbm)
-
-    def _peak_ratio(self, fmt: str) -> float:
-        """This GPU's peak in ``fmt`` over its shipped record's (1 unless an exploration varies it)."""
-        shipped = gpu_records()[self.gpu.name].get(MATMUL_PEAKS[fmt])
-        own = self.gpu.peak_tflops(fmt)
-        return own / shipped if shipped and own else 1.0
+        ratios = {}
+        for fmt, key in MATMUL_PEAKS.items():
+            shipped, own = record.get(key), g.peak_tflops(fmt)
+            ratios[fmt] = own / shipped if shipped and own else 1.0
+        object.__setattr__(self, "_peak_ratio", ratios)
 
     @property
-    def hbm_bandwidth(self) -> float:
+    def memory_bandwidth(self) -> float:
+        """The measured STREAM triad rate, scaled to this GPU's HBM peak: every kernel of an
+        inference step moves its bytes at it (the decode attention's KV cache above all:
+        FlashMLA's memory-bound decode reaches 3,000 GB/s on an H800, about the triad)."""
         return self._hbm
 
     def matmul_rate(self, flops: float, fmt: str) -> float:
         g = self.gpu
         points = gemm_points(self._part, fmt) if self._part else ()
         if points:
-            return measured_rate(points, flops) * self._peak_ratio(fmt)
+            # a grouped GEMM (an MoE layer's local experts) runs each group at its own size's
+            # rate (duration_s asks for it), all in one kernel: one launch, no floor per expert
+            return measured_rate(points, flops) * self._peak_ratio[fmt]
         peak = g.peak_tflops(fmt)
         if peak is None:
             raise ValueError(f"{g.name} has no {fmt} tensor cores")
         eff = g.matmul_efficiency if fmt == "bf16" else g.fp8_matmul_efficiency
         return peak * 1e12 * eff
-
-    def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
-                   groups: int = 1, keys: float = 0.0) -> float:
-        fmt = matmul_format(matmul)
-        if attention and flops > 0:
-            t_flops = flops / self.attention_rate(fmt, keys, groups)
-        elif fmt and flops > 0:
-            # a grouped GEMM (an MoE layer's local experts) runs each group at its own size's
-            # rate, all in one kernel: one launch, no floor per expert
-            t_flops = flops / self.matmul_rate(flops / max(1, groups), fmt)
-        else:
-            t_flops = flops / (self.gpu.vector_peak_tflops * 1e12) if flops > 0 else 0.0
-        # every kernel of the step moves its bytes at the one measured rate (the decode
-        # attention's KV cache above all: FlashMLA's memory-bound decode reaches 3,000 GB/s on
-        # an H800, about STREAM's triad)
-        return max(t_flops, nbytes / self._hbm) + self.gpu.kernel_overhead_us * 1e-6
 
 
 def step_compute_model(gpu: GPU, inference: bool) -> ComputeModel:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 from fractions import Fraction
+from functools import lru_cache
 from typing import Any, Literal, get_args
 
 from stage_cosim.errors import UserError, positive_int, require
@@ -394,12 +395,12 @@ class ModelConfig:
         """Exact parameter count, in closed form (checked against the symbolic graph's weights).
         Multi-token-prediction modules are not counted (as published totals do not count them;
         see :meth:`mtp_param_count`)."""
-        return self._count(active=False)
+        return _parameters(self, False)
 
     def active_param_count(self) -> int:
         """Parameters a token uses: everything but the routed experts it is not sent to
         (the embedding table and the output layer included)."""
-        return self._count(active=True)
+        return _parameters(self, True)
 
     def mtp_param_count(self) -> int:
         """Parameters of the multi-token-prediction modules (embedding and head shared)."""
@@ -586,3 +587,10 @@ class ModelConfig:
 
 def _choice(value: object, parameter: str, allowed: tuple[str, ...]) -> None:
     require(value in allowed, parameter, f"must be one of {', '.join(allowed)}, got {value!r}")
+
+
+@lru_cache(maxsize=64)
+def _parameters(model: ModelConfig, active: bool) -> int:
+    """A model's parameter count, counted once per model: counting walks every layer's kinds
+    (tens of milliseconds for a large model), and a search asks at every configuration."""
+    return model._count(active=active)

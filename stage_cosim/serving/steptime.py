@@ -143,8 +143,7 @@ def _pricer(compute, matmul: str, attention: bool, key_share: float  # noqa: ANN
     g = compute.gpu
     base = g.peak_tflops(matmul_format(matmul) or "bf16") * 1e12 * g.attention_efficiency
     half_keys, block_rows, sms = g.attention_half_keys, g.attention_block_rows, g.sm_count
-    # (an inference step's kernels move bytes at the measured STREAM rate: InferenceComputeModel)
-    bandwidth = compute.hbm_bandwidth if isinstance(compute, InferenceComputeModel) else g.hbm_GBps * 1e9 * g.memory_efficiency
+    bandwidth = compute.memory_bandwidth
     overhead = g.kernel_overhead_us * 1e-6
     ceil = math.ceil
 

@@ -264,8 +264,8 @@ def llama3_herd_table4() -> list[TrainingRun]:
     return runs
 
 
-# torchtitan's model names -> presets (Llama 3.1 8B and 70B have Llama 3's dimensions)
-_TORCHTITAN_MODELS = {"llama3.1-8b": "llama3-8b", "llama3-8b": "llama3-8b", "llama3.1-70b": "llama3-70b",
+# torchtitan's model names -> presets
+_TORCHTITAN_MODELS = {"llama3.1-8b": "llama3.1-8b", "llama3-8b": "llama3-8b", "llama3.1-70b": "llama3.1-70b",
                       "llama3.1-405b": "llama3.1-405b", "llama4-scout (17B active, 16 experts)": "llama4-scout",
                       "llama4-17bx16e reduced to 2 layers": "llama4-scout"}
 # rows that run a preset cut to fewer layers (torchao's MoE benchmark fits Scout on one node so)
@@ -276,19 +276,25 @@ _TORCHTITAN_CLUSTERS = {"H100": "dgx-h100", "H200": "dgx-h200", "B200": "dgx-b20
 TORCHTITAN_AC_MODES = ("none", "selective", "full")
 
 
-def _torchtitan_recipe(recipe: str) -> str:
-    """This tool's FP8 recipe for a torchao float8 recipe, or why there is none ("!" first)."""
-    if recipe in ("mxfp8 linears only", "mxfp8 grouped GEMMs only"):
-        return (f"!float8 recipe {recipe!r}: MXFP8 on part of the GEMMs is not modelled (the recipe quantizes "
-                "the linear layers and the experts' grouped GEMMs together)")
+# torchao's float8 recipes (the first word of the file's column) in this tool's words: cuBLAS's
+# MXFP8 GEMMs are the mxfp8 recipe (rceil only rounds the scales differently) ...
+_TORCHAO_RECIPES = {"tensorwise": "tensorwise", "rowwise": "rowwise", "mxfp8": "mxfp8", "mxfp8_cublas": "mxfp8",
+                    "mxfp8_cublas_rceil": "mxfp8"}
+# ... and those it cannot express, by the column's whole text or its first word, with why
+_PARTIAL_MXFP8 = "MXFP8 on part of the GEMMs is not modelled (the recipe quantizes the linear layers and the " \
+                 "experts' grouped GEMMs together)"
+_TORCHAO_UNEXPRESSED = {"rowwise_with_gw_hp": "a weight-gradient GEMM kept in BF16 is not modelled",
+                        "mxfp8 linears only": _PARTIAL_MXFP8, "mxfp8 grouped GEMMs only": _PARTIAL_MXFP8}
+
+
+def _torchtitan_recipe(recipe: str) -> tuple[str | None, str]:
+    """This tool's FP8 recipe for a torchao float8 recipe, and why there is none ("" if there is)."""
     name = recipe.split(" ")[0]
-    if name in ("tensorwise", "rowwise", "mxfp8"):
-        return name
-    if name in ("mxfp8_cublas", "mxfp8_cublas_rceil"):
-        return "mxfp8"          # cuBLAS's MXFP8 GEMMs; rceil only rounds the scales differently
-    if name == "rowwise_with_gw_hp":
-        return "!float8 recipe 'rowwise_with_gw_hp': a weight-gradient GEMM kept in BF16 is not modelled"
-    return f"!float8 recipe {name!r}: not modelled"
+    why = _TORCHAO_UNEXPRESSED.get(recipe) or _TORCHAO_UNEXPRESSED.get(name)
+    if why or name not in _TORCHAO_RECIPES:
+        shown = recipe if recipe in _TORCHAO_UNEXPRESSED else name
+        return None, f"float8 recipe {shown!r}: {why or 'not modelled'}"
+    return _TORCHAO_RECIPES[name], ""
 
 
 @dataclass(frozen=True)
@@ -341,9 +347,9 @@ def _torchtitan_run(r: dict[str, str], source: str, name: str) -> "TrainingRun |
     if r["torch_compile"] != "true":
         return "eager PyTorch (no torch.compile): its unfused elementwise kernels are not modelled"
     fp8 = r["compute_dtype"] != "bf16"
-    recipe = _torchtitan_recipe(r["float8_recipe"]) if fp8 else None
-    if recipe and recipe.startswith("!"):
-        return recipe[1:]
+    recipe, why = _torchtitan_recipe(r["float8_recipe"]) if fp8 else (None, "")
+    if why:
+        return why
     ac = r["activation_checkpointing"].split(" ")[0]
     if ac not in TORCHTITAN_AC_MODES:
         return f"activation checkpointing {r['activation_checkpointing']!r}"
