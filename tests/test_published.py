@@ -185,16 +185,17 @@ def test_torchtitan_rows_load_as_published() -> None:
 
 @pytest.mark.slow
 def test_torchtitan_rows_at_their_documented_level() -> None:
-    """Guarded at the level docs/validation.md reports. The H200 rows (Float8 FSDP at full
-    power, torchtitan's per-op selective checkpointing) within 6 %; every expressible H100 row
-    predicted faster than measured (the runs were at a 500 W power limit, the model's H100 is
-    the 700 W part), by 10-50 %, and the rowwise rows by 30-65 % (their GEMMs priced at the
-    per-tensor FP8 rate: the rowwise-scaled CUTLASS GEMMs those runs used have no measurement
-    here, and the runs are 1.2-1.4x slower than the same runs with tensorwise scaling)."""
-    from stage_cosim.validation.published import torchtitan_benchmarks
+    """Guarded at the level docs/validation.md reports (regression pins on check rows, never
+    fitted to them). The H200 rows (Float8 FSDP at full power, torchtitan's per-op selective
+    checkpointing) within 6 %; on the Grand Teton H100 that describes torchtitan's own H100 rows
+    (500 W GEMM rates, HBM2e), the BF16 FSDP rows within 6 %; every other H100 row predicted
+    faster than measured, by at most 40 %, and the rowwise rows by 30-60 % (their GEMMs priced
+    at the per-tensor FP8 rate and no rescale kernel, while the runs are 1.1-1.5x slower than
+    the same runs with tensorwise scaling)."""
+    from stage_cosim.validation.published import GRAND_TETON_H100, torchtitan_benchmarks
 
     runs, _ = torchtitan_benchmarks()
-    checked = 0
+    checked = fsdp_bf16 = 0
     for run in runs:
         if run.gpu not in ("H100", "H200"):
             continue
@@ -205,7 +206,10 @@ def test_torchtitan_rows_at_their_documented_level() -> None:
             assert abs(error) <= 0.06, (run.name, error)
             checked += 1
         elif run.fp8_recipe == "rowwise":
-            assert -0.65 <= error <= -0.30, (run.name, error)
+            assert -0.60 <= error <= -0.30, (run.name, error)
+        elif run.cluster == GRAND_TETON_H100 and run.dtype == "bf16" and run.tp == run.pp == run.cp == 1:
+            assert abs(error) <= 0.06, (run.name, error)
+            fsdp_bf16 += 1
         else:
-            assert -0.50 <= error <= -0.10, (run.name, error)
-    assert checked == 2
+            assert -0.40 <= error <= 0.0, (run.name, error)
+    assert checked == 2 and fsdp_bf16 == 2
