@@ -5,8 +5,9 @@ profiles' per-step overheads with its errors held out by source.
 
 * TensorRT-LLM's offline throughput benchmark (trtllm-bench: every request queued at once,
   fixed input and output lengths, FP8 checkpoints, FP8 KV cache, max batch 2048, 8192 tokens per
-  step, KV cache at 95 % of memory) on H100-SXM: ``serve-sim`` with the same settings, output
-  tokens per second against the published figure. NVIDIA ModelOpt's FP8 checkpoints carry
+  step, KV cache at 95 % of memory, a step of decodes only padded up to the next CUDA-graph batch
+  size its ``llm_options.yml`` captures) on H100-SXM: ``serve-sim`` with the same settings
+  (``--cuda-graph-sizes``), output tokens per second against the published figure. NVIDIA ModelOpt's FP8 checkpoints carry
   static activation scales (``--fp8-activation-scale static``, the default).
 * DeepSeek's online service on H800 (decode units of EP144/DP144, prefill units of EP32/DP32):
   the decode step of a rank at the service's average KV length and the batch its published
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import re
 import sys
 import time
@@ -68,6 +70,10 @@ DEEPSEEK_PREFILL_TOKENS = 16384    # assumed new tokens per rank per prefill ste
 # How DeepSeek's units run (the published overview): dual-batch overlap; FP8 GEMMs whose
 # activations are scaled as they come (DeepSeek-V3's checkpoint: activation_scheme dynamic).
 DEEPSEEK_RUN = dict(two_batch_overlap=True, weight_dtype="fp8", fp8_activation_scale="dynamic")
+# The CUDA-graph batch sizes NVIDIA's perf-overview runs captured, with padding on (the
+# `llm_options.yml` its "Reproducing Benchmarked Results" section gives for dense and MoE models):
+# a step of decodes only runs at the next of these sizes. Azure's runs do not publish theirs.
+TRTLLM_PERF_OVERVIEW_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
 
 
 def _csv(name: str) -> list[dict[str, str]]:
@@ -109,6 +115,39 @@ class Offline:
         return self.tokens / (self.duration_s + self.steps * overhead_s)
 
 
+def trtllm_bench_settings(row: dict[str, str], gpu_GiB: float) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) as trtllm-bench chooses them for a run that gives
+    neither (its ``calc_engine_setting`` and ``finetune_setting``, tensorrt_llm/bench/build/
+    tuning.py): the requests of ISL + OSL tokens that fit in 95 % of the memory the weights
+    leave over all GPUs, counting at least one KV head per tensor-parallel rank, capped at 4096
+    and rounded up; tokens per step the batch times 1 + ISL/OSL, at least 2048."""
+    from stage_cosim.model import resolve_model
+
+    m = resolve_model(row["model"])
+    tp = int(row["tp"])
+    isl, osl = int(row["input_len"]), int(row["output_len"])
+    byte = 1.0 if row["weight_dtype"] == "fp8" else 2.0
+    kv_byte = 1.0 if row["kv_cache_dtype"] == "fp8" else 2.0
+    per_token = 2 * m.layers * max(tp, m.kv_heads) * m.head_dim * kv_byte / 2**30
+    available = gpu_GiB * tp - m.param_count() * byte / 2**30
+    requests = 0.95 * available / (per_token * (isl + osl))
+    raw_bs = min(requests, 4096)
+    raw_token = min(raw_bs * (1 + isl / osl), 32768)
+    if raw_bs < 256:
+        bs = max(64, 32 * math.ceil(raw_bs / 32))
+    elif raw_bs < 1024:
+        bs = 128 * math.ceil(raw_bs / 128)
+    else:
+        bs = 256 * math.ceil(raw_bs / 256)
+    if raw_token < 4096:
+        tokens = max(2048, 256 * math.ceil(raw_token / 256))
+    elif raw_token < 8192:
+        tokens = 512 * math.ceil(raw_token / 512)
+    else:
+        tokens = 1024 * math.ceil(raw_token / 1024)
+    return bs, max(tokens, bs)
+
+
 def offline_run(row: dict[str, str], max_requests: int, engine: str = "trtllm") -> Offline:
     """Every request queued at once through ``serve-sim`` with ``engine``'s scheduler and no
     host overhead (added afterwards: see :class:`Offline`)."""
@@ -122,6 +161,13 @@ def offline_run(row: dict[str, str], max_requests: int, engine: str = "trtllm") 
         req.update(hbm_utilization=0.95)
     if row.get("max_num_seqs"):
         req.update(max_num_seqs=int(row["max_num_seqs"]))
+    if row["source"] == "trtllm_perf_overview":
+        # NVIDIA's runs give trtllm-bench no batch limits (its heuristic sets them) and pad
+        # decode steps to the CUDA graphs their options capture
+        from stage_cosim.hardware import resolve_cluster
+
+        bs, tokens = trtllm_bench_settings(row, resolve_cluster(CLUSTERS[row["gpu"]], 1).gpu.hbm_GiB)
+        req.update(max_num_seqs=bs, chunk_tokens=tokens, cuda_graph_sizes=TRTLLM_PERF_OVERVIEW_GRAPHS)
     if row["attention_dp"] == "true":
         req.update(dp=int(row["gpus"]) // int(row["tp"]) if int(row["tp"]) < int(row["gpus"]) else int(row["gpus"]),
                    tp=1 if int(row["tp"]) == int(row["gpus"]) else int(row["tp"]), attention_dp=True,

@@ -254,7 +254,8 @@ def test_the_serve_sim_flags_help_is_the_serving_config_docstrings() -> None:
                "hbm_utilization": "hbm_utilization", "step_overhead": "step_overhead_s",
                "step_resolution": "step_resolution", "prefill_gpus": "prefill_gpus", "decode_gpus": "decode_gpus",
                "routing": "routing", "enable_prefix_caching": "enable_prefix_caching",
-               "request_timeout": "request_timeout_s", "request_overhead": "request_overhead_s"}
+               "request_timeout": "request_timeout_s", "request_overhead": "request_overhead_s",
+               "kv_offloading_size": "kv_offloading_size", "cuda_graph_sizes": "cuda_graph_sizes"}
     stream = {"rate": "rate", "num_requests": "num_requests", "input_len": "input_len", "output_len": "output_len",
               "lengths": "lengths", "length_spread": "spread", "seed": "seed", "prefix_len": "prefix_len",
               "prefix_groups": "prefix_groups"}

@@ -104,6 +104,11 @@ def print_report(r: dict[str, Any]) -> None:
         pc = r["prefix_cache"]
         click.echo(f"prefix cache     {100 * pc['hit_rate']:.1f} % of prompt tokens hit ({pc['hit_tokens']:,} of "
                    f"{pc['queried_tokens']:,}); {pc['evicted_blocks']:,} blocks evicted")
+    if r["serving"].get("kv_offloading_size"):
+        off, link = r["kv_offload"], inst["host_to_device_GBps"]
+        click.echo(f"KV offload       {r['serving']['kv_offloading_size']:g} GiB of host memory: "
+                   f"{off['hit_tokens']:,} hit tokens from it; {off['stored_blocks']:,} blocks stored, "
+                   f"{off['loaded_blocks']:,} loaded back at {link:g} GB/s ({off['load_time_s']:.3f} s of steps)")
     t = r["throughput"]
     click.echo(f"throughput       {t['requests_per_s']:,.2f} requests/s, {t['output_tokens_per_s']:,.0f} output tokens/s "
                f"({t['output_tokens_per_s_per_gpu']:,.0f} per GPU), {t['total_tokens_per_s']:,.0f} tokens/s in all")
@@ -205,6 +210,10 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
               help="Engine release profile: its scheduler defaults and host overheads (default: the settings as given).")
 @click.option("--enable-prefix-caching/--no-enable-prefix-caching", "enable_prefix_caching", default=None,
               help=_engine_set("enable_prefix_caching"))
+@click.option("--cuda-graph-sizes", "cuda_graph_sizes", default=None, metavar="N,N,...",
+              help=_serving("cuda_graph_sizes"))
+@click.option("--kv-offloading-size", "kv_offloading_size", type=float, default=None, metavar="GIB",
+              help=_serving("kv_offloading_size", default=True))
 @click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", "enable_chunked_prefill", default=None,
               help=_engine_set("enable_chunked_prefill"))
 @click.option("--request-timeout", "request_timeout", type=float, default=None,

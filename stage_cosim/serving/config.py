@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stage_cosim.errors import positive_int, require
+from stage_cosim.errors import UserError, positive_int, require
 from stage_cosim.serving.steptime import DEFAULT_RESOLUTION
 
 ROUTING = ("least-loaded", "round-robin")
@@ -21,6 +21,19 @@ def _positive_seconds(value: float | None, parameter: str) -> None:
     if value is not None:
         require(isinstance(value, (int, float)) and value > 0 and math.isfinite(value), parameter,
                 f"must be a positive number of seconds, got {value!r}")
+
+
+def _graph_sizes(value: object) -> tuple[int, ...]:
+    """``value`` (a comma-separated string or a sequence) as sorted distinct positive ints."""
+    items = value.split(",") if isinstance(value, str) else value
+    rule = f"must be positive integers (batch sizes), comma-separated, got {value!r}"
+    try:
+        sizes = [int(x) if isinstance(x, str) else x for x in items]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise UserError("cuda-graph-sizes", rule) from None
+    require(bool(sizes) and all(not isinstance(x, bool) and isinstance(x, int) and x > 0 for x in sizes),
+            "cuda-graph-sizes", rule)
+    return tuple(sorted(set(sizes)))
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,16 @@ class ServingConfig:
     enable_prefix_caching: bool = False
     """Automatic prefix caching (vLLM's --enable-prefix-caching): full KV blocks kept by content and
     reused by later prompts that share them."""
+    cuda_graph_sizes: tuple[int, ...] | None = None
+    """Batch sizes the engine captured CUDA graphs for, padding a step of decodes only up to the
+    next one (dummy requests: every token-sized kernel runs for them too; TensorRT-LLM's
+    cuda_graph_config batch_sizes with enable_padding, vLLM's --cuda-graph-sizes); a batch past
+    the largest runs as it is. None: no padding."""
+    kv_offloading_size: float = 0.0
+    """GiB of host memory per engine — an instance, or each attention-DP rank of one — summed
+    over its GPUs as vLLM's --kv-offloading-size counts it, for a second tier of the prefix cache: blocks evicted from HBM are kept there and a
+    prompt that hits them loads them back at the GPU's measured host-to-device rate instead of
+    prefilling them again; 0: no offload. Needs prefix caching."""
     request_timeout_s: float | None = None
     """Seconds a client waits for a request before giving up (the engine aborts it and frees its
     cache); no timeout: clients wait forever."""
@@ -88,6 +111,13 @@ class ServingConfig:
                 f"must be true or false, got {self.enable_chunked_prefill!r}")
         require(isinstance(self.enable_prefix_caching, bool), "enable-prefix-caching",
                 f"must be true or false, got {self.enable_prefix_caching!r}")
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", _graph_sizes(self.cuda_graph_sizes))
+        require(not isinstance(self.kv_offloading_size, bool) and isinstance(self.kv_offloading_size, (int, float))
+                and 0 <= self.kv_offloading_size < math.inf, "kv-offloading-size",
+                f"must be a non-negative number of GiB, got {self.kv_offloading_size!r}")
+        require(not self.kv_offloading_size or self.enable_prefix_caching, "kv-offloading-size",
+                "is a second tier of the prefix cache: give --enable-prefix-caching too")
         _positive_seconds(self.request_timeout_s, "request-timeout")
         require(isinstance(self.request_overhead_s, (int, float)) and 0 <= self.request_overhead_s < math.inf,
                 "request-overhead", f"must be a non-negative number of seconds, got {self.request_overhead_s!r}")

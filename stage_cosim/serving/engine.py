@@ -16,6 +16,7 @@ decode instance once its first token is out; the KV cache arrives after the tran
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from stage_cosim.inference.config import BatchShape
@@ -46,6 +47,7 @@ class Instance:
         self.last_dt = 0.0
         self.counted = 0          # requests in it when last counted (the run's occupancy)
         self.kv_used = 0.0
+        self.graph_sizes = cfg.cuda_graph_sizes
 
     @property
     def in_system(self) -> int:
@@ -59,16 +61,34 @@ class Instance:
     def plan(self, log: RequestLog, now: float) -> BatchShape | None:
         if self.single is not None:
             p = self.single.schedule(log, now)
-            return None if p is None else p.shape
-        shapes = [p.shape for p in (r.schedule(log, now) for r in self.ranks) if p is not None]
-        if not shapes:
+            if p is None:
+                return None
+            return p.shape if self.graph_sizes is None or p.chunks else _padded(p.shape, self.graph_sizes)
+        plans = [p for p in (r.schedule(log, now) for r in self.ranks) if p is not None]
+        if not plans:
             return None
+        shapes = [p.shape for p in plans]
         if len(shapes) == 1:
-            return shapes[0]
-        # the ranks step together: the step takes as long as the largest batch
-        return BatchShape(max(s.sequences for s in shapes), max(s.tokens for s in shapes),
-                          tuple((w, max(dict(s.kv_tokens)[w] for s in shapes)) for w, _ in shapes[0].kv_tokens),
-                          tuple((w, max(dict(s.pairs)[w] for s in shapes)) for w, _ in shapes[0].pairs))
+            shape = shapes[0]
+        else:
+            # the ranks step together: the step takes as long as the largest batch
+            shape = BatchShape(max(s.sequences for s in shapes), max(s.tokens for s in shapes),
+                               tuple((w, max(dict(s.kv_tokens)[w] for s in shapes)) for w, _ in shapes[0].kv_tokens),
+                               tuple((w, max(dict(s.pairs)[w] for s in shapes)) for w, _ in shapes[0].pairs))
+        if self.graph_sizes is not None and not any(p.chunks for p in plans):
+            shape = _padded(shape, self.graph_sizes)     # every rank replays the one graph size
+        return shape
+
+
+def _padded(shape: BatchShape, sizes: tuple[int, ...]) -> BatchShape:
+    """A step of decodes only, padded up to the next captured CUDA-graph batch size: each dummy
+    request decodes one token over one cached token (its own)."""
+    i = bisect_left(sizes, shape.sequences)
+    if i == len(sizes) or sizes[i] == shape.sequences:
+        return shape
+    p = sizes[i] - shape.sequences
+    return BatchShape(shape.sequences + p, shape.tokens + p, tuple((w, k + p) for w, k in shape.kv_tokens),
+                      tuple((w, q + p) for w, q in shape.pairs))
 
 
 @dataclass
@@ -89,6 +109,10 @@ class Trace:
     prefix_hit_tokens: int = 0        # prompt tokens served from prefix caches, of
     prefix_queried_tokens: int = 0    # the prompt tokens admitted (recomputations included)
     prefix_evicted_blocks: int = 0
+    offload_stored_blocks: int = 0    # KV offload: blocks the GPU caches evicted into host memory,
+    offload_loaded_blocks: int = 0    # copied back instead of prefilled,
+    offload_hit_tokens: int = 0       # the prompt tokens of admitted requests those held,
+    offload_load_s: float = 0.0       # and the steps' time spent waiting for the copies
 
 
 class Cluster:
@@ -139,6 +163,7 @@ class Cluster:
         step_times, step_decodes = trace.step_time_s.append, trace.step_decodes.append
         kv_times, kv_useds = trace.kv_time.append, trace.kv_used.append
         step_overhead = cfg.step_overhead_s
+        offload = any(r.host is not None for i in instances for r in i.ranks)
 
         def start(inst: Instance, now: float) -> None:
             nonlocal seq
@@ -148,6 +173,12 @@ class Cluster:
             if shape is None:
                 return
             dt = inst.kind.timer(shape) + step_overhead
+            if offload:
+                # blocks loaded back from host memory this step: the step's attention reads
+                # them, so it waits for the copy (the slowest rank's, ranks stepping together)
+                load = inst.single.load_s if inst.single is not None else max(r.load_s for r in inst.ranks)
+                dt += load
+                trace.offload_load_s += load
             inst.busy = True
             inst.steps += 1
             inst.busy_s += dt
@@ -256,6 +287,10 @@ class Cluster:
                     trace.prefix_hit_tokens += rank.prefix.hit_tokens
                     trace.prefix_queried_tokens += rank.prefix.queried_tokens
                     trace.prefix_evicted_blocks += rank.prefix.evicted
+                if rank.host is not None:
+                    trace.offload_stored_blocks += rank.host.stored
+                    trace.offload_loaded_blocks += rank.host.loaded
+                    trace.offload_hit_tokens += rank.host.hit_tokens
         if progress is not None:
             progress(n, n)
         return log, trace

@@ -21,6 +21,7 @@ from stage_cosim.inference.config import BatchShape, InferenceConfig
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel.config import ParallelConfig
 from stage_cosim.serving.config import ServingConfig
+from stage_cosim.serving.offload import host_to_device_GBps
 from stage_cosim.serving.steptime import StepTimer
 
 GiB = 1 << 30
@@ -42,6 +43,10 @@ class KVLayout:
     # A hybrid model's fixed state per sequence (its SSM layers' scan state and convolution
     # window), held from the sequence's first token whatever its length
     state_bytes: float = 0.0
+    # KV offload: host memory per GPU for the prefix cache's second tier, and the rate each GPU
+    # loads its shard of a block back at (10^9 B/s); 0 bytes: no offload
+    host_bytes: float = 0.0
+    host_to_device_GBps: float = 0.0
 
     def usage(self, tokens):  # noqa: ANN001, ANN201 (int or int array -> bytes)
         blocks = (np.asarray(tokens) + self.block_size - 1) // self.block_size
@@ -105,7 +110,9 @@ class InstanceKind:
                 "kv_capacity_tokens_per_rank": self.kv.tokens,
                 "kv_bytes_per_token_per_gpu": sum(b for _, b in self.kv.bytes_per_token),
                 "state_bytes_per_sequence_per_gpu": self.kv.state_bytes,
-                "state_capacity_sequences_per_rank": self.kv.sequences}
+                "state_capacity_sequences_per_rank": self.kv.sequences,
+                "kv_offload_bytes_per_gpu": self.kv.host_bytes,
+                "host_to_device_GBps": self.kv.host_to_device_GBps}
 
 
 def attention_dp(inference: InferenceConfig) -> bool:
@@ -152,8 +159,14 @@ def instance_kind(model: ModelConfig, parallel: ParallelConfig, inference: Infer
                                    f"weights ({weights / GiB:.1f} GiB) and the largest step's working set "
                                    f"({workspace / GiB:.1f} GiB) per GPU leave no KV cache in "
                                    f"{serving.hbm_utilization:g} of {cluster.gpu.memory_bytes / GiB:.0f} GiB")
+    host, h2d = 0.0, 0.0
+    if serving.kv_offloading_size:
+        # vLLM's size is the instance's, summed over its GPUs: each GPU of an attention rank
+        # keeps its own shard of every offloaded block
+        host = serving.kv_offloading_size * GiB / (gpus // ranks)
+        h2d = host_to_device_GBps(cluster.gpu.name)
     kv = KVLayout(serving.kv_block_size, tuple(sorted(per_window.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0))),
-                  capacity, max(w.state_bytes_per_sequence(s) for s in stages))
+                  capacity, max(w.state_bytes_per_sequence(s) for s in stages), host, h2d)
     ranks_per_stage = par.world_size // par.pp
     per_token_all = sum(sum(w.kv_cache_bytes_per_token_by_window(s).values()) for s in stages) * ranks_per_stage
     return InstanceKind(par, gpus, ranks, timer, kv, weights, workspace, per_token_all / ranks)

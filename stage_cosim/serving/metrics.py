@@ -9,7 +9,8 @@ occupancy over time, and Little's law as a check of the run's own bookkeeping.
   the rate that counts), with the attainment (the share of requests that met them); a request
   dropped at its client timeout never counts;
 * prefix caching: the share of admitted prompt tokens served from cached blocks (vLLM's hit
-  rate), and the blocks evicted;
+  rate), and the blocks evicted; with KV offload, the tokens of those hits loaded back from host
+  memory, the blocks stored there and loaded back, and the step time spent on the loads;
 * Little's law: the time-averaged number of requests in the engines (read off their queues
   and batches) equals the arrival rate times the mean time in the system over a window where
   the system starts and ends empty; the report gives both sides.
@@ -128,6 +129,9 @@ def summarize(log: RequestLog, trace: Trace, slo: SLO, gpus: int) -> dict[str, A
                          if trace.prefix_queried_tokens else 0.0,
                          "hit_tokens": trace.prefix_hit_tokens, "queried_tokens": trace.prefix_queried_tokens,
                          "evicted_blocks": trace.prefix_evicted_blocks},
+        # the prefix cache's host tier: its hits are part of the prefix cache's
+        "kv_offload": {"hit_tokens": trace.offload_hit_tokens, "stored_blocks": trace.offload_stored_blocks,
+                       "loaded_blocks": trace.offload_loaded_blocks, "load_time_s": trace.offload_load_s},
         "steps": {"count": trace.steps, "time_s": _stats(steps),
                   "decodes_per_step": _stats(np.asarray(trace.step_decodes, dtype=np.float64))},
         "kv_cache": {"peak_occupancy": float(np.max(kv_u)) / trace.kv_capacity if len(kv_u) else 0.0,

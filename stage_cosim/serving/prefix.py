@@ -10,6 +10,12 @@ to its end, as vLLM's chained block hashes do. Only full blocks are cached.
 A rank's cache keeps, per block identity, the number of running requests referencing it; a
 block no request references stays cached (a later prompt may hit it) but is free memory: it is
 evicted, least recently released first, when an allocation needs its room.
+
+With KV offload (vLLM's ``--kv-offloading-size``, LMCache's CPU buffer) a second tier in host
+memory, :class:`HostTier`, takes the blocks the GPU cache evicts, least recently used out first
+when it is full; a prompt whose next blocks miss on the GPU but sit in host memory has them
+copied back (host to device) instead of prefilled again. The tier is exclusive: a block loaded
+back leaves it, and returns when the GPU evicts it again.
 """
 
 from __future__ import annotations
@@ -86,13 +92,55 @@ class PrefixCache:
         self.refs[key] = 1
         return True
 
-    def evict(self, nbytes: float) -> float:
-        """Evict least recently released blocks until ``nbytes`` are freed or none is left;
-        returns the bytes freed."""
+    def evict(self, nbytes: float, host: "HostTier | None" = None) -> float:
+        """Evict least recently released blocks until ``nbytes`` are freed or none is left
+        (into ``host``, the offload tier, where there is one); returns the bytes freed."""
         freed = 0.0
         while freed < nbytes and self.free:
             k, _ = self.free.popitem(last=False)
             del self.refs[k]
             freed += self.block_bytes
             self.evicted += 1
+            if host is not None:
+                host.put(k)
         return freed
+
+
+class HostTier:
+    """One rank's offloaded blocks in host memory: at most ``capacity`` of them, least recently
+    used out first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()   # least recently used first
+        self.stored = 0          # blocks copied in (device to host)
+        self.loaded = 0          # blocks copied back (host to device)
+        self.dropped = 0         # blocks pushed out of host memory too
+        self.hit_tokens = 0      # prompt tokens of admitted requests served from here
+
+    def put(self, key: int) -> None:
+        """A block the GPU cache evicts, copied here (the oldest dropped if full)."""
+        blocks = self.blocks
+        if key in blocks:
+            blocks.move_to_end(key)
+            return
+        if len(blocks) >= self.capacity:
+            blocks.popitem(last=False)
+            self.dropped += 1
+        blocks[key] = None
+        self.stored += 1
+
+    def match(self, keys: list[int], start: int, limit: int, on_gpu: dict[int, int]) -> int:
+        """Blocks ``keys[start:]`` (up to index ``limit``) held here, in a row, and not on the
+        GPU as well (a block prefilled again while its old copy sat here)."""
+        n = start
+        blocks = self.blocks
+        while n < limit and keys[n] in blocks and keys[n] not in on_gpu:
+            n += 1
+        return n - start
+
+    def take(self, keys: list[int]) -> None:
+        """``keys`` (all held) go back to the GPU: they leave this tier."""
+        for k in keys:
+            del self.blocks[k]
+        self.loaded += len(keys)

@@ -79,7 +79,9 @@ def simulate_serving(dep: Deployment, requests: Requests, slo: SLO,
                          "max_num_seqs": dep.serving.max_num_seqs, "chunk_tokens": dep.serving.chunk_tokens,
                          "step_overhead_s": dep.serving.step_overhead_s,
                          "request_overhead_s": dep.serving.request_overhead_s,
-                         "request_timeout_s": dep.serving.request_timeout_s}
+                         "request_timeout_s": dep.serving.request_timeout_s,
+                         "kv_offloading_size": dep.serving.kv_offloading_size,
+                         "cuda_graph_sizes": list(dep.serving.cuda_graph_sizes or []) or None}
     stats = dep.kind.timer.stats
     report["step_times"] = {"resolution": dep.serving.step_resolution, "steps": trace.steps,
                             "simulations": stats.simulations - sims_before, "cached_shapes": stats.simulations,

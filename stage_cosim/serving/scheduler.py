@@ -41,7 +41,7 @@ from stage_cosim.model.architecture import ChunkSpan
 from stage_cosim.serving.chunked import ChunkReads
 from stage_cosim.serving.config import ServingConfig
 from stage_cosim.serving.instance import KVLayout
-from stage_cosim.serving.prefix import PrefixCache, block_keys
+from stage_cosim.serving.prefix import HostTier, PrefixCache, block_keys
 from stage_cosim.serving.requests import Requests
 
 MIXED, PREFILL, DECODE = "mixed", "prefill", "decode"
@@ -168,6 +168,12 @@ class Rank:
         self.prefix = (PrefixCache(kv.usage_of(kv.block_size))
                        if cfg.enable_prefix_caching and windows == (None,) and not kv.state_bytes
                        and role != DECODE else None)
+        # KV offload: the prefix cache's second tier, in host memory; blocks loaded back in a
+        # step lengthen it by their copy time (load_s), the whole batch waiting for them
+        blocks = int(kv.host_bytes // self.prefix.block_bytes) if self.prefix is not None and kv.host_bytes else 0
+        self.host = HostTier(blocks) if blocks else None
+        self.load_s = 0.0                          # host-to-device copies of the step being planned
+        self._loaded = 0                           # tokens the last prefix lookup loaded
         self.waiting: deque[int] = deque()         # to prefill: new, or preempted (in front)
         self.arrived: deque[int] = deque()         # handed over with their cache (a decode instance)
         self.prefilling: list[int] = []
@@ -197,7 +203,7 @@ class Rank:
             return True
         if self.prefix is None or self.used + extra > cap:
             return False
-        self.prefix.evict(self.used + self.prefix.free_bytes + extra - cap)
+        self.prefix.evict(self.used + self.prefix.free_bytes + extra - cap, self.host)
         return True
 
     def _free(self, r: int, cached: int, log: RequestLog) -> None:
@@ -219,11 +225,35 @@ class Rank:
         keys = log.keys_of(r, self.kv.block_size)
         if not keys:
             return 0
-        h = pc.match(keys, min(len(keys), (log.prompt[r] - 1) // self.kv.block_size))
+        limit = min(len(keys), (log.prompt[r] - 1) // self.kv.block_size)
+        h = pc.match(keys, limit)
         if h:
             self.used += pc.acquire(keys[:h]) * pc.block_bytes
             log.owned[r] = h
+        if self.host is not None:
+            h += self._load(keys, h, limit, log, r)
         return h * self.kv.block_size
+
+    def _load(self, keys: list[int], h: int, limit: int, log: RequestLog, r: int) -> int:
+        """Copy the blocks after ``r``'s first ``h`` hits that sit in host memory back to the
+        GPU (as many as its free room holds), referenced by ``r``; returns how many."""
+        pc, host = self.prefix, self.host
+        bb = pc.block_bytes
+        m = host.match(keys, h, limit, pc.refs)
+        if m:
+            m = min(m, int((self.kv.capacity_bytes - self.used) // bb))
+        if m <= 0:
+            return 0
+        self._loaded = m * self.kv.block_size
+        loaded = keys[h:h + m]
+        host.take(loaded)
+        self._room(m * bb)                 # fits: free cached blocks are evicted (into the host tier)
+        for k in loaded:
+            pc.refs[k] = 1
+        self.used += m * bb
+        log.owned[r] = h + m
+        self.load_s += m * bb / (self.kv.host_to_device_GBps * 1e9)
+        return m
 
     def _register(self, r: int, log: RequestLog) -> None:
         """Blocks of ``r``'s prompt computed in full join the cache, in order."""
@@ -314,6 +344,7 @@ class Rank:
 
     def schedule(self, log: RequestLog, now: float) -> _Plan | None:
         cfg, kv = self.cfg, self.kv
+        self.load_s = 0.0
         usage = kv.usage_of
         room = self._room
         # 0. requests handed over with their cache join the decoding ones
@@ -376,6 +407,7 @@ class Rank:
                 log.finish[r] = now
                 continue
             if pc is not None and log.computed[r] == 0:
+                self._loaded = 0
                 hit = self._hit(r, log)
                 log.computed[r] = hit
             done = log.computed[r]
@@ -396,6 +428,8 @@ class Rank:
                 pc.hit_tokens += done
                 if not log.preemptions[r]:
                     log.cached_tokens[r] = done
+                if self.host is not None:
+                    self.host.hit_tokens += self._loaded
             self.waiting.popleft()
             self.used += extra
             self.prefilling.append(r)
