@@ -2,11 +2,13 @@
 profiles' per-step overheads with its errors held out by source.
 
     python benchmarks/validate_serving.py [--rows N] [--max-requests N] [--skip-throughput]
+                                          [--azure-profile-defaults]
 
 * TensorRT-LLM's offline throughput benchmark (trtllm-bench: every request queued at once,
   fixed input and output lengths, FP8 checkpoints, FP8 KV cache, max batch 2048, 8192 tokens per
   step, KV cache at 95 % of memory, a step of decodes only padded up to the next CUDA-graph batch
-  size its ``llm_options.yml`` captures) on H100-SXM: ``serve-sim`` with the same settings
+  size its ``llm_options.yml`` captures, admission reserving each request's whole output: its
+  GUARANTEED_NO_EVICT policy, the trtllm profile's) on H100-SXM: ``serve-sim`` with the same settings
   (``--cuda-graph-sizes``), output tokens per second against the published figure. NVIDIA ModelOpt's FP8 checkpoints carry
   static activation scales (``--fp8-activation-scale static``, the default).
 * DeepSeek's online service on H800 (decode units of EP144/DP144, prefill units of EP32/DP32):
@@ -20,7 +22,11 @@ profiles' per-step overheads with its errors held out by source.
 * The Azure guide's offline throughput runs (``inference_throughput.csv``: trtllm-bench on
   H100, H200 and GB200; vLLM's benchmark_throughput on MI300X; 1000 requests of fixed lengths,
   FP8 weights and KV cache): ``serve-sim`` with the engine's profile (``trtllm``, ``vllm-0.6``)
-  and the run's own settings where its note gives them (``--max-num-seqs``).
+  and the settings the guide's scripts ran with: TensorRT-LLM's batch limits from trtllm-bench's
+  heuristic for the engine each model was built with (from its 2048/2048 dataset), KV cache at
+  0.83 of the memory the weights leave; vLLM's 131,072 tokens per step with whole prompts,
+  3,000 sequences, 90 % of memory and its V0 CUDA graphs (``--azure-profile-defaults``: the
+  profiles' limits instead).
 
 Every throughput row is simulated once without host overhead; all its requests are queued at
 once, so the schedule does not depend on time and a per-step overhead ``o`` adds ``steps · o``
@@ -54,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stage_cosim import api  # noqa: E402
 
+AZURE_AS_RUN = True          # False (--azure-profile-defaults): the engine profiles' limits, as before
 CLUSTERS = {"H100-SXM": "dgx-h100", "H800-SXM": "dgx-h800", "H100-SXM5-80GB": "dgx-h100",
             "H200-SXM-141GB": "dgx-h200", "MI300X": "mi300x-8", "GB200-NVL72": "gb200-nvl72"}
 AZURE_MODELS = {"LLAMA 3.1 (8B)": "llama3-8b", "LLAMA 3.1 (70B)": "llama3-70b", "LLAMA 3 (70B)": "llama3-70b",
@@ -74,6 +81,23 @@ DEEPSEEK_RUN = dict(two_batch_overlap=True, weight_dtype="fp8", fp8_activation_s
 # `llm_options.yml` its "Reproducing Benchmarked Results" section gives for dense and MoE models):
 # a step of decodes only runs at the next of these sizes. Azure's runs do not publish theirs.
 TRTLLM_PERF_OVERVIEW_GRAPHS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 1024, 2048, 4096, 8192)
+# How the Azure guide ran (its Benchmarks/NVIDIA and Benchmarks/AMD LLMBenchmark.py). TensorRT-LLM:
+# one engine per model, built by `trtllm-bench build --tp_size N --quantization FP8 --dataset D`
+# with D the model's run of the largest ISL + OSL (2048/2048), so trtllm-bench's heuristic sets
+# every run's batch limits from that dataset; then `trtllm-bench throughput
+# --kv_cache_free_gpu_mem_fraction 0.83` with every other option at its default (scheduler policy
+# GUARANTEED_NO_EVICT: the trtllm profile's; no CUDA-graph options: the engine backend captures
+# graphs per batch size, no padding). The fraction is of the memory free once the engine is loaded.
+AZURE_TRTLLM_KV_FRACTION = 0.83
+# vLLM (rocm/vllm-dev:20241121-tuned): benchmark_throughput.py --quantization fp8 --kv-cache-dtype fp8
+# --dtype half --gpu-memory-utilization 0.90 --num-scheduler-steps 10 --enable-chunked-prefill false
+# --max-seq-len-to-capture 131072 --max-num-batched-tokens 131072 --max-model-len 8192
+# --max-num-seqs N (3000: the row's note). Multi-step scheduling (10 decode steps per scheduler
+# call) is not modelled: host overheads are zero here, and fixed lengths finish together.
+AZURE_VLLM = dict(hbm_utilization=0.90, chunk_tokens=131072, enable_chunked_prefill=False)
+# vLLM's V0 engine captures CUDA graphs for decode batches of 1, 2, 4 and multiples of 8 up to
+# 256 (its _BATCH_SIZES_TO_CAPTURE), padding a batch up to the next; a larger batch runs eagerly
+VLLM_V0_GRAPHS = (1, 2, 4) + tuple(range(8, 257, 8))
 
 
 def _csv(name: str) -> list[dict[str, str]]:
@@ -99,7 +123,30 @@ def azure_rows() -> list[dict[str, str]]:
                         attention_dp="false", weight_dtype="fp8", kv_cache_dtype="fp8", input_len=r["input_len"],
                         output_len=r["output_len"], num_requests=r["num_requests"], metric="output_tokens_per_s",
                         value=r["output_tokens_per_s"], max_num_seqs=seqs.group(1) if seqs else ""))
+    # the engine each TensorRT-LLM run used: built from the model's longest dataset in that source
+    for row in out:
+        longest = max((o for o in out if o["source"] == row["source"] and o["model"] == row["model"]
+                       and o["tp"] == row["tp"]), key=lambda o: int(o["input_len"]) + int(o["output_len"]))
+        row.update(build_input_len=longest["input_len"], build_output_len=longest["output_len"])
     return out
+
+
+def azure_settings(row: dict[str, str]) -> dict[str, object]:
+    """serve-sim settings of an Azure row as its guide's scripts ran it (see AZURE_TRTLLM_KV_FRACTION
+    and AZURE_VLLM)."""
+    from stage_cosim.hardware import resolve_cluster
+    from stage_cosim.model import resolve_model
+
+    gpu = resolve_cluster(CLUSTERS[row["gpu"]], 1).gpu
+    if row["engine"] != "trtllm":
+        seqs = int(row["max_num_seqs"] or 256)
+        return dict(AZURE_VLLM, max_num_seqs=seqs, cuda_graph_sizes=tuple(g for g in VLLM_V0_GRAPHS if g <= seqs))
+    built = dict(row, input_len=row["build_input_len"], output_len=row["build_output_len"])
+    bs, tokens = trtllm_bench_settings(built, gpu.hbm_GiB)
+    # KV cache = fraction x (HBM - weights); serve-sim's is hbm_utilization x HBM - weights
+    weights = resolve_model(row["model"]).param_count() * (1.0 if row["weight_dtype"] == "fp8" else 2.0) / int(row["tp"])
+    f = AZURE_TRTLLM_KV_FRACTION
+    return dict(max_num_seqs=bs, chunk_tokens=tokens, hbm_utilization=f + (1 - f) * weights / gpu.memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -161,6 +208,8 @@ def offline_run(row: dict[str, str], max_requests: int, engine: str = "trtllm") 
         req.update(hbm_utilization=0.95)
     if row.get("max_num_seqs"):
         req.update(max_num_seqs=int(row["max_num_seqs"]))
+    if row["source"].startswith("Azure") and AZURE_AS_RUN:
+        req.update(azure_settings(row))
     if row["source"] == "trtllm_perf_overview":
         # NVIDIA's runs give trtllm-bench no batch limits (its heuristic sets them) and pad
         # decode steps to the CUDA graphs their options capture
@@ -239,7 +288,11 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=3000,
                     help="Requests per benchmark row at most (the published runs used up to 30,000).")
     ap.add_argument("--skip-throughput", action="store_true", help="Leave out inference_throughput.csv.")
+    ap.add_argument("--azure-profile-defaults", action="store_true",
+                    help="Run the Azure rows with the engine profiles' limits instead of the guide's own settings.")
     args = ap.parse_args()
+    global AZURE_AS_RUN
+    AZURE_AS_RUN = not args.azure_profile_defaults
     table = [dict(r, engine="trtllm") for r in rows()[:args.rows]]
     if not args.skip_throughput:
         table += azure_rows()[:args.rows]

@@ -186,7 +186,8 @@ SERVE_KEYS = {"rate", "num_requests", "output_len", "lengths", "length_spread", 
               "max_num_seqs", "chunk_tokens", "kv_block_size", "hbm_utilization", "step_overhead",
               "step_resolution", "prefill_gpus", "decode_gpus", "routing", "slo_ttft", "slo_tpot", "rates",
               "enable_prefix_caching", "request_timeout", "request_overhead", "prefix_len", "prefix_groups",
-              "requests_out", "engine", "enable_chunked_prefill", "kv_offloading_size", "cuda_graph_sizes"}
+              "requests_out", "engine", "enable_chunked_prefill", "kv_offloading_size", "cuda_graph_sizes",
+              "guaranteed_no_evict"}
 # a serving run's client timeout unless the request says otherwise (0: none): the measuring
 # harnesses' (vLLM's benchmark_serving and its kin give up after 300 s)
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
@@ -205,7 +206,7 @@ def serving_of(req: Mapping[str, Any], timeout: float | None = None):  # noqa: A
              "hbm_utilization": "hbm_utilization", "step_overhead": "step_overhead_s",
              "step_resolution": "step_resolution", "prefill_gpus": "prefill_gpus", "decode_gpus": "decode_gpus",
              "routing": "routing", "enable_prefix_caching": "enable_prefix_caching",
-             "enable_chunked_prefill": "enable_chunked_prefill",
+             "enable_chunked_prefill": "enable_chunked_prefill", "guaranteed_no_evict": "guaranteed_no_evict",
              "request_timeout": "request_timeout_s", "request_overhead": "request_overhead_s",
              "kv_offloading_size": "kv_offloading_size", "cuda_graph_sizes": "cuda_graph_sizes"}
     given = {field: req[key] for key, field in names.items() if req.get(key) is not None}

@@ -250,7 +250,8 @@ def test_the_serve_sim_flags_help_is_the_serving_config_docstrings() -> None:
     # flag (its parameter name) -> the field it sets, written out by hand: the request keys
     # stage_cosim.api maps them through (step_overhead -> step_overhead_s, slo_ttft -> ttft_s ...)
     serving = {"max_num_seqs": "max_num_seqs", "chunk_tokens": "chunk_tokens",
-               "enable_chunked_prefill": "enable_chunked_prefill", "kv_block_size": "kv_block_size",
+               "enable_chunked_prefill": "enable_chunked_prefill", "guaranteed_no_evict": "guaranteed_no_evict",
+               "kv_block_size": "kv_block_size",
                "hbm_utilization": "hbm_utilization", "step_overhead": "step_overhead_s",
                "step_resolution": "step_resolution", "prefill_gpus": "prefill_gpus", "decode_gpus": "decode_gpus",
                "routing": "routing", "enable_prefix_caching": "enable_prefix_caching",

@@ -216,6 +216,8 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path) -> None:
               help=_serving("kv_offloading_size", default=True))
 @click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", "enable_chunked_prefill", default=None,
               help=_engine_set("enable_chunked_prefill"))
+@click.option("--guaranteed-no-evict/--no-guaranteed-no-evict", "guaranteed_no_evict", default=None,
+              help=_engine_set("guaranteed_no_evict"))
 @click.option("--request-timeout", "request_timeout", type=float, default=None,
               help=_serving("request_timeout_s") + f" Default {DEFAULT_REQUEST_TIMEOUT_S:g}; 0: no timeout.")
 @click.option("--request-overhead", "request_overhead", type=float, default=None,

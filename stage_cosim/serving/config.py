@@ -77,6 +77,11 @@ class ServingConfig:
     next one (dummy requests: every token-sized kernel runs for them too; TensorRT-LLM's
     cuda_graph_config batch_sizes with enable_padding, vLLM's --cuda-graph-sizes); a batch past
     the largest runs as it is. None: no padding."""
+    guaranteed_no_evict: bool = False
+    """A request is admitted only while the cache can hold every admitted request's prompt and
+    whole output at once, so nothing is ever preempted (TensorRT-LLM's GUARANTEED_NO_EVICT
+    capacity scheduler policy); off: admitted while its prompt fits, preempting when decodes
+    outgrow the cache (vLLM's scheduler)."""
     kv_offloading_size: float = 0.0
     """GiB of host memory per engine — an instance, or each attention-DP rank of one — summed
     over its GPUs as vLLM's --kv-offloading-size counts it, for a second tier of the prefix cache: blocks evicted from HBM are kept there and a
@@ -111,6 +116,8 @@ class ServingConfig:
                 f"must be true or false, got {self.enable_chunked_prefill!r}")
         require(isinstance(self.enable_prefix_caching, bool), "enable-prefix-caching",
                 f"must be true or false, got {self.enable_prefix_caching!r}")
+        require(isinstance(self.guaranteed_no_evict, bool), "guaranteed-no-evict",
+                f"must be true or false, got {self.guaranteed_no_evict!r}")
         if self.cuda_graph_sizes is not None:
             object.__setattr__(self, "cuda_graph_sizes", _graph_sizes(self.cuda_graph_sizes))
         require(not isinstance(self.kv_offloading_size, bool) and isinstance(self.kv_offloading_size, (int, float))

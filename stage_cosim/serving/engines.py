@@ -3,7 +3,8 @@ side costs, as data (``data/<engine>.yaml``, one file per engine release).
 
 A profile gives the release's scheduler defaults (``max_num_seqs``,
 ``chunk_tokens`` — the token budget of a step, vLLM's ``max_num_batched_tokens`` — whether
-prompts are chunked, the preemption mode, whether automatic prefix caching is on) and its host
+prompts are chunked, the preemption mode, whether automatic prefix caching is on, whether
+admission reserves a request's whole output — TensorRT-LLM's ``GUARANTEED_NO_EVICT``) and its host
 overheads: per step (scheduling, sampling bookkeeping, the tensor-parallel workers' RPC, which
 grows with tp where the engine broadcasts each step's inputs to its workers) and per request
 (API server). A profile's overheads come from the published measurements its ``source`` names,
@@ -38,6 +39,7 @@ class EngineProfile:
     enable_chunked_prefill: bool
     preemption_mode: str
     enable_prefix_caching: bool
+    guaranteed_no_evict: bool           # admission reserves the prompt and whole output
     step_overhead_s: float              # per step at tp1
     step_overhead_per_tp_s: float       # and per tensor-parallel worker beyond the first
     request_overhead_s: float
@@ -50,6 +52,7 @@ class EngineProfile:
         """ServingConfig fields of this engine for instances of ``tp`` GPUs."""
         return {"max_num_seqs": self.max_num_seqs, "chunk_tokens": self.chunk_tokens,
                 "enable_chunked_prefill": self.enable_chunked_prefill, "enable_prefix_caching": self.enable_prefix_caching,
+                "guaranteed_no_evict": self.guaranteed_no_evict,
                 "step_overhead_s": self.step_overhead(tp), "request_overhead_s": self.request_overhead_s}
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,6 +80,7 @@ def engine_profile(name: str) -> EngineProfile:
                             enable_chunked_prefill=bool(sched["enable_chunked_prefill"]),
                             preemption_mode=str(sched["preemption_mode"]),
                             enable_prefix_caching=bool(sched["enable_prefix_caching"]),
+                            guaranteed_no_evict=bool(sched.get("guaranteed_no_evict", False)),
                             step_overhead_s=float(over.get("step_s", 0.0)),
                             step_overhead_per_tp_s=float(over.get("step_per_tp_worker_s", 0.0)),
                             request_overhead_s=float(over.get("request_s", 0.0)),

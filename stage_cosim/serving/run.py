@@ -76,6 +76,7 @@ def simulate_serving(dep: Deployment, requests: Requests, slo: SLO,
     report["deployment"] = dep.to_dict()
     report["serving"] = {"enable_prefix_caching": dep.serving.enable_prefix_caching,
                          "enable_chunked_prefill": dep.serving.enable_chunked_prefill,
+                         "guaranteed_no_evict": dep.serving.guaranteed_no_evict,
                          "max_num_seqs": dep.serving.max_num_seqs, "chunk_tokens": dep.serving.chunk_tokens,
                          "step_overhead_s": dep.serving.step_overhead_s,
                          "request_overhead_s": dep.serving.request_overhead_s,

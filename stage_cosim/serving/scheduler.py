@@ -10,7 +10,9 @@ scheduler does:
 2. prompts being prefilled continue, a chunk each, while the step's token budget
    (``chunk_tokens``) and the cache allow;
 3. waiting requests are admitted in arrival order while the budget, ``max_num_seqs`` and the
-   cache allow (a request that could never fit the cache alone is rejected). With prefix
+   cache allow (a request that could never fit the cache alone is rejected; with
+   ``guaranteed_no_evict``, while the cache could hold every admitted request's prompt and
+   whole output at once, TensorRT-LLM's default, so step 1 never preempts). With prefix
    caching, a prompt's leading blocks already in the cache are referenced, not prefilled: only
    its uncached tokens take budget and compute, and its full blocks join the cache as they are
    computed (:mod:`stage_cosim.serving.prefix`); unreferenced cached blocks are evicted, least
@@ -186,6 +188,8 @@ class Rank:
         self.fresh: list[int] = []                 # handed over, decoding their first token this step
         self.last_decode = 0.0                     # when the decoding requests' last tokens came out
         self.used = 0.0                            # KV-cache bytes per GPU
+        self.reserved = 0.0                        # guaranteed_no_evict: bytes the admitted requests will hold
+        self._held: dict[int, float] = {}          # and each one's share of them
         self.plan: _Plan | None = None
         self._stamp = 0
         self.pending_drops: list[int] = []         # dropped while in the running step
@@ -211,6 +215,7 @@ class Rank:
         references to shared ones (a block nobody references stays cached, as free room)."""
         owned = log.owned[r]
         self.used -= self.kv.usage_of(cached)
+        self.reserved -= self._held.pop(r, 0.0)
         if owned:
             bb = self.prefix.block_bytes
             self.used += owned * bb
@@ -264,6 +269,18 @@ class Rank:
         full = min(len(keys), log.computed[r] // self.kv.block_size)
         while log.owned[r] < full and pc.insert(keys[log.owned[r]]):
             log.owned[r] += 1
+
+    def _reserve(self, r: int, log: RequestLog) -> bool:
+        """guaranteed_no_evict: hold room for ``r``'s prompt and whole output (a prefill
+        instance's prompt only: it hands the request over), if the cache has it; True otherwise."""
+        if not self.cfg.guaranteed_no_evict:
+            return True
+        full = self.kv.usage_of(log.input_len[r] + (log.output_len[r] if self.role != PREFILL else 0))
+        if self.reserved + full > self.kv.capacity_bytes:
+            return False
+        self.reserved += full
+        self._held[r] = full
+        return True
 
     def abort(self, r: int, log: RequestLog) -> bool:
         """Take dropped ``r`` out of this rank and free its cache; False if it is in the step
@@ -351,7 +368,7 @@ class Rank:
         while self.arrived and len(self.prefilling) + self.n < cfg.max_num_seqs:
             r = self.arrived[0]
             extra = usage(log.computed[r])
-            if not room(extra):
+            if not room(extra) or not self._reserve(r, log):
                 break
             self.arrived.popleft()
             self.used += extra
@@ -418,7 +435,7 @@ class Rank:
                     log.computed[r] = 0
                 break
             extra = usage(done + c) - usage(done)
-            if not room(extra):
+            if not room(extra) or not self._reserve(r, log):
                 if pc is not None and log.owned[r]:     # not admitted: let its hits go again
                     self._free(r, done, log)
                     log.computed[r] = 0
