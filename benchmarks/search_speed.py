@@ -22,7 +22,8 @@ scipy-driven search.
 
 For each training case: how long the structural rules take over the space, how many configurations a
 second the lower bounds (search/bound.py) cover, first with every sharding policy still to
-compile and then with them compiled, and the branch and bound (what ``optimize`` runs without a
+compile and then with them compiled, how many a second the memory check from the bounds' blocks
+settles (search/memory.py), and the branch and bound (what ``optimize`` runs without a
 budget on a space over ``exhaustive_limit``; here on mixtral's smaller space too): its wall time,
 simulations against feasible configurations, and what it ruled out by memory and by bound. ``--exhaustive`` also simulates
 every feasible configuration (the ground truth; hours for llama3-70b), ``--seeds N`` runs the
@@ -37,6 +38,7 @@ import time
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.model import get_preset
 from stage_cosim.search.bound import StepBound
+from stage_cosim.search.memory import fits
 from stage_cosim.search.optimize import OptimizeSettings, _feasible, _Search, optimize
 from stage_cosim.search.runner import SerialRunner
 from stage_cosim.search.space import default_space
@@ -76,17 +78,28 @@ def run_case(name: str, args: argparse.Namespace) -> None:
             dt = time.perf_counter() - t
             print(f"bounds ({label}): {len(configs):,} configurations in {dt:.1f} s, "
                   f"{len(configs) / dt:,.0f} bounded per second", flush=True)
+        # the memory check from the bounds' blocks (no synthesis), on an even sample
+        sample = configs[::max(1, len(configs) // 2000)]
+        t = time.perf_counter()
+        over = sum(not fits(model, cluster, par, *bound.blocks(par)) for par in sample)
+        dt = time.perf_counter() - t
+        print(f"memory checks (from the bounds' blocks): {len(sample):,} configurations in {dt:.1f} s, "
+              f"{len(sample) / dt:,.0f} a second ({over:,} over the memory)", flush=True)
         t = time.perf_counter()
         # (branch and bound even where the space is small enough to enumerate: mixtral's is)
         r = optimize(space, cluster, OptimizeSettings(workers=args.workers, exhaustive_limit=0))
         dt = time.perf_counter() - t
         bb = r.bounds or {}
         best = r.best
+        sims = bb.get("simulated", 0)
         print(f"{r.method}: {dt:.1f} s (policies compiled), {'proven optimal' if r.proven_optimal else 'NOT proven'}; "
               f"{bb.get('simulated', len(r.evaluated)):,} simulations of {r.feasible:,} feasible configurations, "
               f"{bb.get('pruned_by_memory', 0):,} over the memory, {bb.get('pruned_by_bound', 0):,} ruled out by "
               f"their bound (lowest bound {bb.get('lowest_bound') or 0:.4f} s, stopped at {bb.get('stopped_at_bound') or 0:.4f} s)")
         print(f"optimum {describe(best.point)} at {best.score:.4f} s/step", flush=True)
+        if sims:
+            print(f"event simulator: {sims:,} simulations, at most {sims / dt:.2f} configurations a second "
+                  f"(the branch and bound's whole time over its simulations)", flush=True)
 
     if args.exhaustive:
         t = time.perf_counter()

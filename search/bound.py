@@ -36,6 +36,12 @@ GEMM that a single-block template cannot tell is split (a reduce-scatter reading
 before) counts whole, never longer than its chunks together (a GEMM of F FLOPs runs (F + g*h)/P,
 linear in F, plus a launch); readers outside the block (the amax reduction) are not counted.
 
+Communication (the calibrated network model; :mod:`stage_cosim.search.comm_bound`): each
+communication stream runs its collectives one at a time, so a stage lasts at least each
+stream's collectives over its passes (ZeRO-3's gathers and reduce-scatters); and each pass
+lasts from its start to its sinks at least its longest dependency path, collectives included,
+so a stage's passes count each for the longer of that path and their kernels.
+
 Sums of up to a million kernels in another order than the simulator's differ from its by
 rounding (some 1e-10 relative at most); the bound is lowered by :data:`SLACK` to stay below.
 """
@@ -52,13 +58,12 @@ from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.parallel.axes import DENSE, MESHES
 from stage_cosim.parallel.mesh import DeviceMesh
-from stage_cosim.schedule.nodes import COLL, COMP, ENTRY, BlockInstance
+from stage_cosim.search.comm_bound import StreamBound, block_rows
+from stage_cosim.schedule.nodes import COMP, ENTRY, BlockInstance
 from stage_cosim.schedule.pipeline import Layout
 from stage_cosim.search.evaluate import OBJECTIVES
-from stage_cosim.sharding.placement import Collective
 
 SLACK = 1e-9          # relative: a bound is lowered this much (float rounding of long sums)
-FP8_LABEL = "fp8"     # the label of delayed scaling's per-pass rows (amax all-reduce, scale update)
 
 
 class _Block(NamedTuple):
@@ -94,6 +99,9 @@ class _Stage(NamedTuple):
     optimizer: float
     first: _Pass           # its first pass (micro-batch 0's forward of its first chunk)
     last: _Pass            # its last pass (the last micro-batch's backward of its first chunk)
+    comm: float = 0.0      # its busiest communication stream's collectives (search.comm_bound)
+    paths: float = 0.0     # ``rooted``, each pass's no less than its longest dependency path
+    chain: float = 0.0     # the passes' longest dependency paths alone
 
 
 class StepBound:
@@ -102,9 +110,11 @@ class StepBound:
     Work is shared between configurations: a block bound to the same numbers (the same
     compiled block, micro-batch and degrees) is timed once, and each kernel shape once."""
 
-    def __init__(self, model: ModelConfig, cluster: Cluster) -> None:
+    def __init__(self, model: ModelConfig, cluster: Cluster, network_model: str | None = "calibrated") -> None:
         self.model, self.cluster = model, cluster
         self.compute = ComputeModel(cluster.gpu)
+        # the communication each stream serializes (the calibrated network model's streams)
+        self.streams = StreamBound(model, cluster, network_model)
         self._durations: dict[tuple, float] = {}
         # (block id, its numbers) -> (block, costs): the costs objects are shared, so the
         # timings below may be keyed by their ids (the block is held: ids are not reused)
@@ -128,6 +138,9 @@ class StepBound:
             d = self._durations[key] = self.compute.duration_s(flops, mem, matmul, attention, groups, keys)
         return d
 
+    def _row_duration(self, r: tuple) -> float:
+        return self._duration(r[3], r[5], r[6], r[10], r[13], r[16])
+
     def _rows_time(self, rows: Iterable[tuple]) -> float:
         return sum(self._duration(r[3], r[5], r[6], r[10], r[13], r[16]) for r in rows if r[1] == COMP)
 
@@ -148,8 +161,6 @@ class StepBound:
         Which rows a block has depends on its compiled program, the phase, and which mesh axes
         have more than one rank (the collectives over one rank are left out); their numbers on
         the compute steps' costs; so blocks alike in those are timed once."""
-        from stage_cosim.schedule.templates import _pipeline_tp, pass_template
-
         split = degrees.get("tp", 1) if overlap and degrees.get("tp", 1) > 1 else 0
         sc = inst.costs.fwd if phase == "fwd" else inst.costs.bwd
         key = (id(inst.compiled), phase, first, split, tuple(sorted((a, d > 1) for a, d in degrees.items())),
@@ -157,18 +168,7 @@ class StepBound:
         hit = self._blocks.get(key)
         if hit is not None:
             return hit[1]
-        template = pass_template([inst], phase, degrees, False, first=first)
-        rows = [r for r in template.rows if r[12] != FP8_LABEL]
-        exits = list(template.exits)
-        if split:
-            chunked, first_row, last_row = _pipeline_tp(rows, split)
-            # A reduce-scatter is split with the one GEMM feeding it: one that reads the block
-            # before (ENTRY here) may have a second GEMM feeding it in a pass of several blocks,
-            # and stay whole there. Then the block counts every GEMM whole (never longer).
-            unsure = any(r[1] == COLL and r[7] == Collective.REDUCE_SCATTER and last_row[j] > first_row[j]
-                         and any(d < 0 for d in r[2]) for j, r in enumerate(rows))
-            if not unsure:
-                rows, exits = chunked, [last_row[e] for e in exits]
+        rows, exits, _ = block_rows(inst, phase, first, degrees, overlap)
         n = len(rows)
         # rows after the block's entry (its rows that read the block before, and what reads
         # them: rows only read earlier ones, ids are in dependency order)
@@ -298,15 +298,10 @@ class StepBound:
 
     # -- configurations ------------------------------------------------------------------------
 
-    def stages(self, par: ParallelConfig) -> list[_Stage]:
-        """What each pipeline stage's kernels add up to over the step (:class:`_Stage`): every
-        micro-batch's forward and backward (recomputation included) of every model chunk it
-        holds, and the optimizer.
-
-        The chunks are laid out as the role graphs lay them out
-        (:func:`~stage_cosim.schedule.program._stage_layout`, where each chunk lies:
-        :class:`~stage_cosim.schedule.pipeline.Layout`): each virtual stage holds its run of
-        layers, the first also the embedding, the last the head."""
+    def blocks(self, par: ParallelConfig) -> tuple[Any, Any]:
+        """``par``'s training blocks bound to its numbers (``training_blocks``) and its precision:
+        what :func:`~stage_cosim.workload.synthesize` builds the stages from, kept for every
+        configuration that shares them."""
         from stage_cosim.workload import precision_for, training_blocks
 
         precision = precision_for(par, self.cluster.gpu)
@@ -318,6 +313,18 @@ class StepBound:
         blocks = self._training.get(key)
         if blocks is None:
             blocks = self._training[key] = training_blocks(self.model, par, precision, evaluate=self._evaluate)
+        return blocks, precision
+
+    def stages(self, par: ParallelConfig) -> list[_Stage]:
+        """What each pipeline stage's kernels add up to over the step (:class:`_Stage`): every
+        micro-batch's forward and backward (recomputation included) of every model chunk it
+        holds, and the optimizer.
+
+        The chunks are laid out as the role graphs lay them out
+        (:func:`~stage_cosim.schedule.program._stage_layout`, where each chunk lies:
+        :class:`~stage_cosim.schedule.pipeline.Layout`): each virtual stage holds its run of
+        layers, the first also the embedding, the last the head."""
+        blocks, precision = self.blocks(par)
         degrees = par.degrees()
         mesh = DeviceMesh.build({a: degrees[a] for a in MESHES[DENSE]}, par.mesh_orders()[DENSE], par.mesh_splits())
         degrees = degrees | dict(mesh.size)        # what the role graphs resolve groups with
@@ -356,6 +363,7 @@ class StepBound:
             starts[i] = starts[i - 1] + per_vstage[i - 1]
         passes: dict[tuple, _Pass] = {}       # (chunk, phase, first) -> its kernels, this configuration
         stages: dict[tuple, _Stage] = {}      # a stage's chunks -> its kernels
+        timed: dict[tuple, tuple[float, float, float]] = {}     # ... and its communication's signature -> figures
 
         def one(runs: tuple, phase: str, first: bool) -> _Pass:
             key = (runs, phase, first)
@@ -364,6 +372,12 @@ class StepBound:
                 t = passes[key] = self._pass(runs, reps, phase, first, degrees, overlap)
             return t
 
+        def workload() -> Any:
+            from stage_cosim.search.memory import workload_from_blocks
+
+            return workload_from_blocks(self.model, par, blocks, precision)
+
+        mesh_key = self.streams.mesh_key(par) if self.streams.active else None
         out = []
         for s in range(pp):
             comps = tuple(chunk(layout.place(s, c)[1], starts[layout.place(s, c)[1]]) for c in range(layout.chunks))
@@ -387,8 +401,48 @@ class StepBound:
                         kinds.setdefault(k, [reps[k], 0])[1] += n
                 opt = self._optimizer_time(kinds, par, s, degrees)
                 st = stages[comps] = _Stage(every + opt, live + opt, rooted, opt, ends_of[0][0], ends_of[0][1])
+            if self.streams.active:
+                chunks = [(runs, per_chunk[c], any(self._casts(reps[k].compiled) for k, _ in runs))
+                          for c, runs in enumerate(comps)]
+                where = self.streams.where(mesh_key, workload, s)
+                # stages alike in their blocks and in what their communication takes (the
+                # middle stages of a pipeline, mostly) have the same figures
+                tkey = (comps, self.streams.signature(par, where, chunks, reps, degrees))
+                figures = timed.get(tkey)
+                if figures is None:
+                    paths, chain = self._paths(par, where, chunks, reps, degrees, one)
+                    figures = timed[tkey] = (self.streams.stage_seconds(par, where, chunks, reps, degrees), paths, chain)
+                st = st._replace(comm=figures[0], paths=figures[1], chain=figures[2])
+            else:
+                st = st._replace(paths=st.rooted)
             out.append(st)
         return out
+
+    def _paths(self, par: ParallelConfig, where: tuple, chunks: list[tuple[tuple, int, bool]],
+               reps: dict, degrees: dict[str, int], one: Any) -> tuple[float, float]:
+        """The stage's passes after they start, each for the longer of its kernels that come
+        after its start and a sink waits for, and its longest dependency path from its start
+        (collectives included): a pass runs from its start to its sinks, and the next one
+        starts after them (:meth:`StreamBound.pass_path`). A split backward's two passes and
+        DualPipe's F&B pairs (a forward and a backward in one pass, each one's communication
+        under the other's kernels) count their kernels alone. Returns it and the paths alone."""
+        paired = par.schedule in ("dualpipe", "dualpipev")
+        split = par.schedule in ("zb-h1", "zb-v")
+
+        def path(runs: tuple, phase: str, first: bool) -> float:
+            if paired or (split and phase == "bwd"):
+                return 0.0
+            return self.streams.pass_path(par, where, runs, reps, phase, first, degrees, self._row_duration)
+
+        total = chain = 0.0
+        for runs, m, casts in chunks:
+            fwd, bwd = one(runs, "fwd", False), one(runs, "bwd", False)
+            first = one(runs, "fwd", True) if casts else fwd
+            pf, pb = path(runs, "fwd", False), path(runs, "bwd", False)
+            p1 = path(runs, "fwd", True) if casts else pf
+            total += max(first.rooted_live, p1) + (m - 1) * max(fwd.rooted_live, pf) + m * max(bwd.rooted_live, pb)
+            chain += p1 + (m - 1) * pf + m * pb
+        return total, chain
 
     def stage_times(self, par: ParallelConfig) -> list[float]:
         """Each pipeline stage's kernels that a later pass or the step end waits for, summed
@@ -411,14 +465,17 @@ class StepBound:
           on, then each earlier stage's last pass up to what it sends on, and the first stage's
           last pass and optimizer.
 
-        Only kernels that start after their pass does count in the pipeline's terms."""
+        Only kernels that start after their pass does count in the pipeline's terms; there
+        each pass counts for the longer of those and its longest dependency path from its
+        start, collectives included (``paths``). And each stage's busiest communication stream:
+        its collectives over the passes (``comm``)."""
         from stage_cosim.schedule.pipeline import schedule_order
 
         stages = self.stages(par)
-        best = max(st.every if exact_replay(par) else st.live for st in stages)
+        best = max(max(st.every if exact_replay(par) else st.live, st.comm) for st in stages)
         pp = par.pp
         if pp == 1:
-            return max(best, stages[0].rooted + stages[0].optimizer)
+            return max(best, stages[0].paths + stages[0].optimizer)
         key = (par.schedule, pp, par.num_microbatches, par.vp)
         ends = self._schedules.get(key)
         if ends is None:
@@ -436,7 +493,7 @@ class StepBound:
         arrival = drained = 0.0           # the first micro-batch's arrival; the last one's drain (stages 1 … s-1)
         for s, st in enumerate(stages):
             after = arrival if fill_ok else 0.0
-            best = max(best, after + st.rooted + st.optimizer)
+            best = max(best, after + st.paths + st.optimizer)
             if drain_ok and s > 0:
                 best = max(best, after + st.rooted - st.last.rooted_live + st.last.exit_time + drained
                            + stages[0].last.rooted_live + stages[0].optimizer)
@@ -470,9 +527,10 @@ def score_bound(objective: Any, step_bound: float, tokens: int, gpus: int) -> fl
                             "tokens_per_s_per_gpu": per_s / max(1, gpus), "config": {"num_gpus": gpus}})
 
 
-def bound_many(model: ModelConfig, cluster: Cluster, configs: list[ParallelConfig]) -> list[float]:
+def bound_many(model: ModelConfig, cluster: Cluster, configs: list[ParallelConfig],
+               network_model: str | None = "calibrated") -> list[float]:
     """Lower bounds of many configurations (a runner job: one per worker's share)."""
-    bound = StepBound(model, cluster)
+    bound = StepBound(model, cluster, network_model)
     return [bound(par) for par in configs]
 
 

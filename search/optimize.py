@@ -201,6 +201,7 @@ class _Search:
         self.budget: int | None = None       # most evaluations; the rest of a batch is skipped
         self.structural: dict[tuple, tuple[Any, str | None]] = {}
         self.reasons: Counter[str] = Counter()
+        self.step_bound: Any = None          # the lower bounds' StepBound (its blocks serve the memory check)
 
     def canonical(self, point: dict[str, Any]) -> dict[str, Any]:
         return self.problem.canonical(point)
@@ -393,9 +394,10 @@ def _bounded(search: _Search, points: list[dict[str, Any]], stats: dict[str, Any
             if search.should_stop is not None and search.should_stop():
                 raise KeyboardInterrupt
 
-        search.runner.map([(bound_many, space.model, cluster, [configs[j] for j in c]) for c in chunks], got)
+        search.runner.map([(bound_many, space.model, cluster, [configs[j] for j in c], settings.network_model)
+                           for c in chunks], got)
     else:
-        bound = StepBound(space.model, cluster)
+        bound = search.step_bound = search.step_bound or StepBound(space.model, cluster, search.settings.network_model)
         for j, par in enumerate(configs):
             if search.should_stop is not None and j % 256 == 0 and search.should_stop():
                 raise KeyboardInterrupt
@@ -430,7 +432,7 @@ def _branch_and_bound(search: _Search, feasible: list[dict[str, Any]], stats: di
             while i < len(order) and len(take) < batch and not ruled_out(order[i][0]):
                 take.append(order[i][2])
                 i += 1
-            for e in search.evaluate_many(take):
+            for e in search.evaluate_many(_memory_checked(search, take)):
                 if e is None:
                     continue
                 if e.feasible:
@@ -441,6 +443,26 @@ def _branch_and_bound(search: _Search, feasible: list[dict[str, Any]], stats: di
     finally:
         stats["pruned_by_bound"] = len(order) - i
         stats["stopped_at_bound"] = order[i][0] if i < len(order) else None
+
+
+def _memory_checked(search: _Search, points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``points`` (canonical), each one over the memory recorded as ``evaluate`` records it,
+    without synthesizing it: its peak from the blocks its bound was computed from
+    (:mod:`stage_cosim.search.memory`, the same figure to the byte). All are returned, so
+    the caller counts them as it counts any evaluation."""
+    from stage_cosim.search.bound import StepBound
+    from stage_cosim.search.memory import fits
+
+    space, cluster = search.space, search.cluster
+    bound = search.step_bound = search.step_bound or StepBound(space.model, cluster, search.settings.network_model)
+    for p in points:
+        k = _key(p)
+        par = search._structure(k, p)[0]
+        if par is None or k in search.cache:
+            continue
+        if not fits(space.model, cluster, par, *bound.blocks(par), headroom=search.settings.headroom):
+            search._record(k, Evaluation(p, par.to_dict(), False, MEMORY_REASON, None, None))
+    return points
 
 
 def _warm_start(search: _Search, feasible: list[dict[str, Any]]) -> list[dict[str, Any]]:
