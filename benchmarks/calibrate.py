@@ -6,6 +6,9 @@
     python benchmarks/calibrate.py --loo           # also leave-one-out per end-to-end row (slow)
     python benchmarks/calibrate.py --training-factor gemm|tensor-core
         # an experiment, never written: one factor on the tensor cores' microbenchmark rates
+    python benchmarks/calibrate.py --family H100 --sm-sharing
+        # an experiment, never written: the end-to-end fit with SM sharing between
+        # collectives and compute on (adapters/roofline/comm_sms.py)
 
 1. **Components first.** Every parameter a microbenchmark pins is fitted to the microbenchmark
    rows of the family's own GPUs (stage_cosim/validation/components.py), and fixed:
@@ -41,8 +44,11 @@ from typing import Callable, NamedTuple
 import numpy as np
 from scipy.optimize import least_squares
 
+from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.fast import simulate_fast
 from stage_cosim.adapters.roofline.network import CalibratedNetwork
-from stage_cosim.adapters.roofline.simulate import simulate
+from stage_cosim.adapters.roofline.routing import TokenRouting
+from stage_cosim.adapters.roofline.simulate import make_network, simulate
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.hardware.gpu import family_efficiencies, get_gpu, parse_record, record_header, render_record
 from stage_cosim.validation import components as comp
@@ -87,10 +93,20 @@ def _workload(run: TrainingRun):
     return w
 
 
+# The --sm-sharing experiment: every end-to-end row simulated with SM sharing between
+# collectives and compute (ComputeModel.comm_sm_sharing), which the shipped simulator leaves off.
+SM_SHARING = {"on": False}
+
+
 def predict(run: TrainingRun, params: dict[str, float] | None = None) -> float:
     cluster = resolve_cluster(cluster_of(run), run.gpus)
     if params:
         cluster = replace(cluster, gpu=cluster.gpu.with_overrides(**params))
+    if SM_SHARING["on"]:
+        w = _workload(run)
+        network = make_network("calibrated", cluster, TokenRouting.of(w.model, w.parallel))
+        finishes, _ = simulate_fast(w, network, ComputeModel(cluster.gpu, comm_sm_sharing=True))
+        return max(finishes)
     result, _, _ = simulate(_workload(run), cluster)
     return result.step_time_s
 
@@ -459,6 +475,22 @@ def training_factor_experiment(family: str, scope: str) -> None:
     print(f"  on a bound: {', '.join(box.on_bound(v)) or 'none'}")
 
 
+def sharing_slowdown(family: str) -> None:
+    """What SM sharing alone does to the family's end-to-end rows: each row's step with it over
+    without, at the shipped efficiencies, per source."""
+    runs = runs_for(_cluster(family))
+    slower: dict[str, list[float]] = {}
+    for r in runs:
+        SM_SHARING["on"] = False
+        off = predict(r)
+        SM_SHARING["on"] = True
+        slower.setdefault(r.source, []).append(predict(r) / off - 1)
+    print(f"\n== {family}: SM sharing at the shipped efficiencies (each row with it over without) ==")
+    for source, xs in slower.items():
+        print(f"  {source}: {100 * np.mean(xs):.1f} % slower on average ({100 * min(xs):.1f} to "
+              f"{100 * max(xs):.1f} %, {len(xs)} rows)")
+
+
 def write_records(fitted: dict[str, tuple[dict[str, float], dict[str, str]]],
                   directory: Path = RECORDS) -> list[Path]:
     """Store each family's fitted values (family -> (values, sources)) in every GPU record of the
@@ -498,7 +530,15 @@ def main() -> None:
     ap.add_argument("--training-factor", choices=("gemm", "tensor-core"), default=None,
                     help="an experiment, never written: fit the H100 rows with one factor on the tensor cores' "
                          "microbenchmark efficiencies (GEMMs, or GEMMs and attention)")
+    ap.add_argument("--sm-sharing", action="store_true",
+                    help="an experiment, never written: simulate the end-to-end rows with SM sharing between "
+                         "collectives and compute")
     args = ap.parse_args()
+    if args.sm_sharing:
+        if args.write:
+            ap.error("--sm-sharing is an experiment; it writes nothing (leave out --write)")
+        sharing_slowdown(args.family or "H100")
+        SM_SHARING["on"] = True
     if args.training_factor:
         if args.write:
             ap.error("--training-factor is an experiment; it writes nothing (leave out --write)")

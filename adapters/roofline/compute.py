@@ -47,6 +47,10 @@ def matmul_format(matmul: bool | str) -> str:
 @dataclass(frozen=True)
 class ComputeModel:
     gpu: GPU
+    # SM sharing: a compute kernel runs at the share of the SMs the collectives running beside
+    # it on its rank leave free (comm_sms.py). Off by default: the shipped calibration was fitted
+    # without it.
+    comm_sm_sharing: bool = False
 
     def matmul_rate(self, flops: float, fmt: str) -> float:
         """Achievable FLOP/s of one GEMM of ``flops`` in number format ``fmt``."""

@@ -12,6 +12,12 @@ Rules (ASTRA-sim's workload layer, generalized to several streams):
   turns the members' issue times into their finish times;
 * a send occupies its stream for as long as the network model says; a receive finishes at
   the later of its issue and the data's arrival. Sends and receives pair by (src, dst, tag).
+
+With SM sharing (``sm_share``, :mod:`.comm_sms`) a collective holds a share of its agent's SMs
+from its issue to its finish, and the compute kernel running meanwhile progresses at the rate
+the other SMs give (processor sharing): its remaining work is rescaled whenever a collective
+starts or ends on its agent, so its finish moves mid-kernel. Without it every kernel takes
+exactly its duration.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from stage_cosim.adapters.roofline.network import NetworkModel
+
+
+WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own
 
 
 class DeadlockError(Exception):
@@ -59,9 +68,11 @@ class Replay:
 
 
 def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants: dict[Hashable, int],
-           agent_of_rank) -> Replay:  # noqa: ANN001 (callable rank -> agent index)
+           agent_of_rank, sm_share=None) -> Replay:  # noqa: ANN001 (callable rank -> agent index; CommSMs)
     """Run all agents to completion. ``participants[group]`` is how many simulated agents take
-    part in each rendezvous instance; ``agent_of_rank(r)`` maps a member rank to its agent."""
+    part in each rendezvous instance; ``agent_of_rank(r)`` maps a member rank to its agent;
+    ``sm_share``: SM sharing between collectives and compute (:class:`.comm_sms.CommSMs`; None:
+    none)."""
     n_agents = len(programs)
     start = [[-1.0] * len(p.types) for p in programs]
     end = [[-1.0] * len(p.types) for p in programs]
@@ -88,18 +99,47 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
     mailbox: dict[tuple[int, int, int], list[float]] = {}
     waiting_recv: dict[tuple[int, int, int], list[tuple[int, int, float]]] = {}
 
-    def push(t: float, a: int, i: int) -> None:
+    def push(t: float, a: int, i: int) -> int:
         nonlocal seq
         heapq.heappush(events, (t, seq, a, i))
         seq += 1
+        return seq - 1
+
+    # SM sharing: per agent, the share of its SMs its running collectives hold, what each holds,
+    # and its running compute kernels: node -> [work left (seconds at the full rate), when that
+    # was counted, rate, the seq of its valid finish event]
+    held = [0.0] * n_agents
+    count = [0] * n_agents
+    holding: dict[tuple[int, int], float] = {}
+    running: list[dict[int, list]] = [dict() for _ in range(n_agents)]
+
+    def rate(a: int) -> float:
+        return 1.0 - min(held[a], sm_share.ceiling)
+
+    def reshare(a: int, delta: float, now: float) -> None:
+        """A collective took (``delta`` > 0) or gave back SMs: rescale the running kernel."""
+        count[a] += 1 if delta > 0 else -1
+        held[a] = held[a] + delta if count[a] else 0.0     # (no rounding left once none runs)
+        for i, run in running[a].items():
+            run[0] -= (now - run[1]) * run[2]
+            run[1], run[2] = now, rate(a)
+            run[3] = push(now + max(run[0], 0.0) / run[2], a, i)
 
     def issue(a: int, i: int, now: float) -> None:
         p = programs[a]
         start[a][i] = now
         t = p.types[i]
-        if t == "COMP" or t == "WAIT":     # WAIT: a placeholder that only lets time pass
+        if sm_share is not None and t == "COMP":
+            r = rate(a)
+            running[a][i] = [p.duration[i], now, r, push(now + p.duration[i] / r, a, i)]
+        elif t == "COMP" or t == WAIT:
             push(now + p.duration[i], a, i)
         elif t == "COLL":
+            if sm_share is not None:
+                f = sm_share.fraction(p.coll[i], p.nbytes[i], p.members[i] or (p.rank,), p.kind[i])
+                if f > 0:
+                    holding[(a, i)] = f
+                    reshare(a, f, now)
             g = p.group[i]
             k = issued_on[a].get(g, 0)
             issued_on[a][g] = k + 1
@@ -169,7 +209,15 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
             pump(a, s, 0.0)
 
     while events:
-        now, _, a, i = heapq.heappop(events)
+        now, sq, a, i = heapq.heappop(events)
+        if sm_share is not None:
+            if programs[a].types[i] == "COMP":
+                run = running[a].get(i)
+                if run is None or sq != run[3]:
+                    continue                # superseded by a rescaled finish
+                del running[a][i]
+            elif (a, i) in holding:
+                reshare(a, -holding.pop((a, i)), now)
         end[a][i] = now
         p = programs[a]
         touched = set()

@@ -13,7 +13,8 @@ last compute and for the pipeline receive). So:
 
 The first forward of each chunk, which waits on overlapped parameter gathers, is simulated
 individually. The result equals the full node-level replay up to cross-pass overlaps the
-templates cannot see (tests check the agreement).
+templates cannot see (tests check the agreement). With SM sharing between collectives and
+compute the step's tail is replayed node by node instead of step 3 (:mod:`.fast_tail`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 from typing import Hashable
 
 from stage_cosim.adapters.roofline.breakdown import charge, intervals
+from stage_cosim.adapters.roofline.comm_sms import CommSMs, comm_sms
 from stage_cosim.adapters.roofline.compute import ComputeModel
-from stage_cosim.adapters.roofline.engine import AgentProgram, DeadlockError, Replay, replay
+from stage_cosim.adapters.roofline.engine import WAIT, AgentProgram, DeadlockError, Replay, replay
+from stage_cosim.adapters.roofline.fast_tail import NotAlone, TailState, exact, tail_replay
 from stage_cosim.adapters.roofline.network import NetworkModel
 from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.parallel.axes import spans_stages
@@ -32,7 +35,6 @@ from stage_cosim.result import BREAKDOWN_KEYS
 from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND, RoleGraph
 from stage_cosim.workload import Workload
 
-WAIT = "WAIT"   # a placeholder node that only lets time pass, on a stream of its own
 
 
 @dataclass
@@ -121,16 +123,33 @@ def _window_breakdown(prog: AgentProgram, rep: Replay, lo: float, hi: float, wai
 def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                   ) -> tuple[list[float], list[dict[str, float]]]:
     """(finish time, breakdown) of each pipeline stage's representative rank."""
+    roles = [w.role(s) for s in range(w.parallel.pp)]
+    # SM sharing: every pass before the step's tail timed alone, as without it, the tail node
+    # by node with the step end, whose gradient reductions take SMs from the last backward
+    # passes (:mod:`.fast_tail`); the node-level replay where that would not be exact
+    share = comm_sms(network, compute.gpu) if compute.comm_sm_sharing else None
+    tail = TailState(roles) if share is not None else None
+    if tail is not None:
+        try:
+            return _simulate_fast(w, network, compute, share, tail)
+        except NotAlone:
+            return exact(w, network, compute, share, _program)
+    return _simulate_fast(w, network, compute, None, None)
+
+
+def _simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel, share: CommSMs | None,
+                   tail: TailState | None) -> tuple[list[float], list[dict[str, float]]]:
     pp = w.parallel.pp
     roles = [w.role(s) for s in range(pp)]
     reps = [w.mesh.rank(pp=s) for s in range(pp)]
     waiting = "pipeline_bubble" if pp > 1 else "idle"
     durations: dict = {}
     single = lambda r: 0  # noqa: E731 (every member rank maps to the one simulated agent)
+    tails = tail.tails if tail is not None else [len(r.passes) for r in roles]
 
     def run_one(prog: AgentProgram) -> Replay:
         parts: dict[Hashable, int] = {g: 1 for g in prog.group if g is not None}
-        return replay([prog], network, parts, single)
+        return replay([prog], network, parts, single, share)
 
     stage_members = [_members(w, r) for r in reps]
     # Where each stage's groups lie, as far as the network's costs tell: stages placed alike
@@ -196,29 +215,50 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                     key = ((s + rv.peer) % pp, s, rv.tag)
                     if key not in arrivals:
                         break
-                    ready = max(ready, arrivals.pop(key))
+                    arrival = arrivals.pop(key)
+                    ready = max(ready, arrival)
+                    if tail is not None:
+                        tail.received(s, k, key, arrival, pl.recv)
+                if tail is not None and k == tails[s]:
+                    tail.begin_tail(s, sinks_done[s], send_free[s], free)
                 t = role.templates[pl.template]
                 if pl.param_deps and prologue[s]:
                     if s not in gather_runs:
                         gather_runs[s] = _gathers_alone(w, role, s, reps[s], prologue[s], compute, network,
                                                         durations, run_one, stage_members[s])
-                    run = _first_forward_composed(role, pl, t, ready, gather_runs[s], segment_runs[s], waiting,
-                                                  since=sinks_done[s])
+                        if tail is not None:
+                            tail.gathers_end[s] = gather_runs[s][0]
+                    # (with SM sharing the gathers slow the blocks they overlap: replayed together)
+                    run = None if share is not None else _first_forward_composed(
+                        role, pl, t, ready, gather_runs[s], segment_runs[s], waiting, since=sinks_done[s])
                     if run is None:
                         run = _first_forward(w, role, s, reps[s], pl, t, ready, prologue[s], compute, network,
                                              durations, run_one, waiting, since=sinks_done[s])
                     t0 = 0.0     # this run's times are absolute
+                    if tail is not None and k < tails[s]:
+                        tail.check_start(s, k, ready, free, with_gathers=True)
                 else:
                     run = template_runs[(s, pl.template)]
                     t0 = ready
                     for st, (first, _) in (run.streams or {}).items():
                         t0 = max(t0, free.get(st, 0.0) - first)
-                    total[waiting] += t0 - sinks_done[s]
-                entries = charged.get(id(run))
-                if entries is None:          # (adding the zeros would change nothing)
-                    entries = charged[id(run)] = tuple((c, v) for c, v in run.breakdown.items() if v)
-                for c, v in entries:
-                    total[c] += v
+                    if tail is not None and k < tails[s] and tail.gathering(s, t0):
+                        # the step-start gathers still run (and take SMs): replayed with them
+                        tail.check_start(s, k, t0, free, with_gathers=True)
+                        run = _first_forward(w, role, s, reps[s], pl, t, t0, prologue[s], compute, network,
+                                             durations, run_one, waiting, since=sinks_done[s])
+                        t0 = 0.0
+                    else:
+                        if k < tails[s]:
+                            total[waiting] += t0 - sinks_done[s]
+                        if tail is not None and k < tails[s]:
+                            tail.check_start(s, k, t0, free, with_gathers=False)
+                if k < tails[s]:             # (a tail pass is charged by the tail's replay)
+                    entries = charged.get(id(run))
+                    if entries is None:          # (adding the zeros would change nothing)
+                        entries = charged[id(run)] = tuple((c, v) for c, v in run.breakdown.items() if v)
+                    for c, v in entries:
+                        total[c] += v
                 t0s[s][k] = t0
                 runs[s][k] = run
                 for st, (_, last) in (run.streams or {}).items():
@@ -232,11 +272,20 @@ def simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel
                     start = max(exit_t, send_free[s])
                     send_free[s] = start + busy
                     arrivals[(s, dst, sd.tag)] = start + delay
+                    if tail is not None:
+                        tail.sent[(s, dst, sd.tag)] = (start + delay, k)
+                        tail.node_end[s][pl.send] = start + busy
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise DeadlockError("pipeline passes wait on receives that never arrive")
+    if tail is not None:
+        for s, role in enumerate(roles):
+            if tails[s] == len(role.passes):         # (the step end waits on no pass node)
+                tail.begin_tail(s, sinks_done[s], send_free[s], stream_free[s])
+        return tail_replay(w, network, compute, share, tail, reps, stage_members, durations, t0s, runs, totals,
+                           waiting, _program)
 
     # 3. the step end, every stage together (tied embeddings couple the first and last stage)
     programs = []
