@@ -180,19 +180,16 @@ def trtllm_bench_settings(row: dict[str, str], gpu_GiB: float) -> tuple[int, int
     requests = 0.95 * available / (per_token * (isl + osl))
     raw_bs = min(requests, 4096)
     raw_token = min(raw_bs * (1 + isl / osl), 32768)
-    if raw_bs < 256:
-        bs = max(64, 32 * math.ceil(raw_bs / 32))
-    elif raw_bs < 1024:
-        bs = 128 * math.ceil(raw_bs / 128)
-    else:
-        bs = 256 * math.ceil(raw_bs / 256)
-    if raw_token < 4096:
-        tokens = max(2048, 256 * math.ceil(raw_token / 256))
-    elif raw_token < 8192:
-        tokens = 512 * math.ceil(raw_token / 512)
-    else:
-        tokens = 1024 * math.ceil(raw_token / 1024)
+    bs = _round_up(raw_bs, ((256, 32), (1024, 128), (math.inf, 256)), floor=64)
+    tokens = _round_up(raw_token, ((4096, 256), (8192, 512), (math.inf, 1024)), floor=2048)
     return bs, max(tokens, bs)
+
+
+def _round_up(x: float, rungs: tuple[tuple[float, int], ...], floor: int) -> int:
+    """``x`` rounded up to the step of the first rung whose limit it is under, at least
+    ``floor`` (trtllm-bench's rounding of its batch and token limits)."""
+    step = next(step for limit, step in rungs if x < limit)
+    return max(floor, step * math.ceil(x / step))
 
 
 def offline_run(row: dict[str, str], max_requests: int, engine: str = "trtllm") -> Offline:

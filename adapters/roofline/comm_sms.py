@@ -66,7 +66,7 @@ class CommSMs:
         """The most the running collectives can take together: all SMs but one."""
         return 1.0 - 1.0 / self.gpu.sm_count
 
-    def fraction(self, coll: str, nbytes: int, members: Sequence[int], kind: str = "") -> float:
+    def fraction(self, coll: str, nbytes: int, members: Sequence[int]) -> float:
         sms = self.gpu.sm_count
         if not sms or len(members) <= 1:
             return 0.0

@@ -136,7 +136,7 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
             push(now + p.duration[i], a, i)
         elif t == "COLL":
             if sm_share is not None:
-                f = sm_share.fraction(p.coll[i], p.nbytes[i], p.members[i] or (p.rank,), p.kind[i])
+                f = sm_share.fraction(p.coll[i], p.nbytes[i], p.members[i] or (p.rank,))
                 if f > 0:
                     holding[(a, i)] = f
                     reshare(a, f, now)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import math
@@ -49,43 +50,46 @@ MAX_PAGE_BYTES = 2 << 20          # a listing page stays well inside the 4 MiB d
 
 # -- a method's exceptions as status codes --------------------------------------------------------
 
+def _refuse_undecodable(request: Any) -> None:
+    """A message the interceptor could not decode is refused here, inside the guard."""
+    if isinstance(request, Undecodable):
+        raise request.refuse()
+
+
 async def _decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async for request in requests:
-        if isinstance(request, Undecodable):
-            raise request.refuse()
+        _refuse_undecodable(request)
         yield request
 
 
 def _guard(method: Callable) -> Callable:
     """Turn the bridge's exceptions into status codes with details (unary and client-streaming)."""
 
+    @functools.wraps(method)
     async def wrapper(self: "BridgeServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            if isinstance(request, Undecodable):
-                raise request.refuse()
+            _refuse_undecodable(request)
             if hasattr(request, "__aiter__"):
                 request = _decoded(request)
             return await method(self, request, context)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
 
-    wrapper.__name__ = method.__name__
-    wrapper.__doc__ = method.__doc__
     return wrapper
 
 
 def _guard_stream(method: Callable) -> Callable:
+    """:func:`_guard` for server-streaming methods (an async generator needs its own wrapper)."""
+
+    @functools.wraps(method)
     async def wrapper(self: "BridgeServicer", request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
         try:
-            if isinstance(request, Undecodable):
-                raise request.refuse()
+            _refuse_undecodable(request)
             async for item in method(self, request, context):
                 yield item
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
 
-    wrapper.__name__ = method.__name__
-    wrapper.__doc__ = method.__doc__
     return wrapper
 
 

@@ -35,6 +35,3 @@ def host_to_device_GBps(gpu_name: str) -> float:
                                               f"{', '.join(sorted(HOST_TO_DEVICE_GBPS))}): offload is not modelled there")
     return HOST_TO_DEVICE_GBPS[gpu_name][0]
 
-
-def host_to_device_source(gpu_name: str) -> str:
-    return HOST_TO_DEVICE_GBPS[gpu_name][1]
