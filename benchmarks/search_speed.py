@@ -2,7 +2,7 @@
 scipy-driven search.
 
     python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|serve-llama3-70b|all] [--workers N]
-                                      [--skip-bound] [--exhaustive] [--seeds N] [--budget N]
+                                      [--skip-bound] [--skip-old] [--exhaustive] [--seeds N] [--budget N]
                                       [--serve-unpruned]
 
 * llama3-70b on 1,024 dgx-h100 GPUs, global batch 1,024, sequence 8,192: the default space
@@ -17,12 +17,14 @@ scipy-driven search.
   for 90 % of requests (what ``stage-cosim optimize --phase serve --model llama3-70b --cluster
   dgx-h100:8 --slo-ttft 2 --slo-tpot 0.05`` searches): its wall and CPU time, layouts simulated
   and ruled out, the proof and the best. ``--serve-unpruned`` also searches every layout to its
-  edge (keeping every layout in the top list rules none out: about 25 minutes) and checks the
+  edge (keeping every layout in the top list rules none out: about 22 minutes of CPU) and checks the
   answer is the same.
 
 For each training case: how long the structural rules take over the space, how many configurations a
-second the lower bounds (search/bound.py) cover, first with every sharding policy still to
-compile and then with them compiled, how many a second the memory check from the bounds' blocks
+second the lower bounds cover when all are bounded at once (search/compiled.py), first with
+every sharding policy still to compile and then with them compiled, and one configuration at a
+time (search/bound.py's StepBound, what the search ran before; ``--skip-old`` leaves it out)
+with the largest difference between the two, how many a second the memory check from the bounds' blocks
 settles (search/memory.py), and the branch and bound (what ``optimize`` runs without a
 budget on a space over ``exhaustive_limit``; here on mixtral's smaller space too): its wall time,
 simulations against feasible configurations, and what it ruled out by memory and by bound. ``--exhaustive`` also simulates
@@ -35,9 +37,12 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
+
 from stage_cosim.hardware import resolve_cluster
 from stage_cosim.model import get_preset
 from stage_cosim.search.bound import StepBound
+from stage_cosim.search.compiled import CompiledBound
 from stage_cosim.search.memory import fits
 from stage_cosim.search.optimize import OptimizeSettings, _feasible, _Search, optimize
 from stage_cosim.search.runner import SerialRunner
@@ -71,13 +76,22 @@ def run_case(name: str, args: argparse.Namespace) -> None:
         configs = [search.structure(p)[0] for p in feasible]
         print(f"structural rules: {len(feasible):,} distinct feasible configurations in {time.perf_counter() - t:.1f} s")
         for label in ("policies to compile", "policies compiled"):
-            bound = StepBound(model, cluster)
-            t = time.perf_counter()
-            for par in configs:
-                bound(par)
-            dt = time.perf_counter() - t
-            print(f"bounds ({label}): {len(configs):,} configurations in {dt:.1f} s, "
+            compiled = CompiledBound(model, cluster)
+            t, cpu = time.perf_counter(), time.process_time()
+            fast = compiled(configs)
+            dt, cpu = time.perf_counter() - t, time.process_time() - cpu
+            print(f"compiled bounds ({label}): {len(configs):,} configurations in {dt:.1f} s ({cpu:.1f} s of CPU), "
                   f"{len(configs) / dt:,.0f} bounded per second", flush=True)
+        bound = compiled.bound
+        if not args.skip_old:
+            # the bounds one configuration at a time (what the search ran before), policies compiled
+            old = StepBound(model, cluster)
+            t, cpu = time.perf_counter(), time.process_time()
+            slow = np.array([old(par) for par in configs])
+            dt, cpu = time.perf_counter() - t, time.process_time() - cpu
+            print(f"bounds one at a time (StepBound, policies compiled): {len(configs):,} configurations in "
+                  f"{dt:.1f} s ({cpu:.1f} s of CPU), {len(configs) / dt:,.0f} bounded per second; the compiled "
+                  f"bounds differ by at most {np.max(np.abs(fast - slow) / slow):.1e} relative", flush=True)
         # the memory check from the bounds' blocks (no synthesis), on an even sample
         sample = configs[::max(1, len(configs) // 2000)]
         t = time.perf_counter()
@@ -160,10 +174,12 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=150)
     ap.add_argument("--seeds", type=int, default=0, help="budgeted scipy searches with seeds 0 .. N-1")
     ap.add_argument("--skip-bound", action="store_true", help="no bounds, no branch and bound")
+    ap.add_argument("--skip-old", action="store_true",
+                    help="no bounds one configuration at a time (StepBound) beside the compiled ones")
     ap.add_argument("--exhaustive", action="store_true",
                     help="also simulate every feasible configuration (hours for llama3-70b)")
     ap.add_argument("--serve-unpruned", action="store_true",
-                    help="serving case: also search every layout to its edge (about 25 minutes)")
+                    help="serving case: also search every layout to its edge (about 22 minutes of CPU)")
     args = ap.parse_args()
     for name in CASES if args.case == "all" else [args.case] if args.case in CASES else []:
         run_case(name, args)

@@ -7,6 +7,17 @@ to the configuration's numbers) and simulate (the stages' graphs, the replay, th
 first synthesis of an architecture in a process also compiles its blocks ("cold"); the warm
 figures repeat it with the blocks compiled, ``--repeats`` times (fastest and median: the
 machine may be shared).
+
+    python benchmarks/simulate_speed.py --candidates 30 [--seed 0]
+
+times the search's evaluations instead: about that many candidates of ``optimize --model
+llama3-70b --cluster dgx-h100:1024 --global-batch 1024 --seq-len 8192`` (random layouts near its
+optimum, each with its variants of schedule, ZeRO stage and recomputation that fit in memory,
+one after the other, as branch and bound meets them). Their blocks are compiled first, as the search's
+bounds compile them. It prints evaluations per second
+of CPU as the search runs them (``evaluate``: pass templates, their runs and step timings kept
+from one candidate to the next) and with nothing kept (a fresh synthesis and simulation each),
+and checks that both give the same results.
 """
 
 from __future__ import annotations
@@ -62,7 +73,13 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="only this model's cases")
     ap.add_argument("--cases", type=int, default=None, help="only the first N cases")
     ap.add_argument("--repeats", type=int, default=5, help="warm model-to-result runs per case")
+    ap.add_argument("--candidates", type=int, default=0,
+                    help="time about this many search candidates instead of the cases")
+    ap.add_argument("--seed", type=int, default=0, help="which candidates (--candidates)")
     args = ap.parse_args()
+    if args.candidates:
+        search_candidates(args.candidates, args.seed)
+        return
     print("cold: the first model-to-result of the architecture in this process (synthesis compiles its blocks); "
           "warm: again with the blocks compiled (fastest / median of the repeats)")
     print(f"{'model':<14} {'cluster':<18} {'dtype':<13} {'GPUs':>7} {'dp':>5} {'tp':>3} {'cp (exchange)':>15} {'pp':>3} {'ep':>3} {'seq':>7} "
@@ -89,6 +106,69 @@ def main() -> None:
               f"{fastest[0]:>10.3f} {fastest[1]:>8.3f} {sum(fastest):>10.3f} "
               f"{statistics.median(sum(x) for x in warm):>11.3f} {rate:>21.1f} {result.step_time_s:>8.3f} "
               f"{100 * result.mfu:>5.1f}%", flush=True)
+
+
+def candidates(n: int, seed: int) -> tuple:
+    """(model, cluster, about ``n`` configurations): random layouts near the optimum (tp 4 or 8,
+    pp up to 4, cp up to 2, micro-batch up to 4, the rest of the default space's dimensions but
+    the schedule, ZeRO and recomputation drawn at random), each followed by its variants
+    (every schedule, ZeRO 1-3, recomputation off or selective) that fit in memory: branch and
+    bound meets a layout's variants together, their bounds being close or equal."""
+    import itertools
+    import random
+
+    from stage_cosim.search.memory import fits
+    from stage_cosim.search.space import canonical, check, default_space
+    from stage_cosim.workload import precision_for, training_blocks
+
+    model, cluster = get_preset("llama3-70b"), resolve_cluster("dgx-h100", 1024)
+    space = default_space(model, cluster, 1024, 8192)
+    near = {"tp": (4, 8), "pp": (1, 2, 4), "cp": (1, 2), "micro_batch": (1, 2, 4)}
+    dims = {d.name: near.get(d.name, d.choices) for d in space.dimensions}
+    variants = [dict(zip(("schedule", "zero", "recompute"), v))
+                for v in itertools.product(dims["schedule"], (1, 2, 3), ("none", "selective"))]
+    rng = random.Random(seed)
+    out, seen = [], set()
+    while len(out) < n:
+        layout = {name: rng.choice(choices) for name, choices in dims.items()}
+        for v in variants:
+            par, _ = check(space, canonical(space, {**layout, **v}), cluster)
+            if par is None or par in seen:
+                continue
+            seen.add(par)
+            precision = precision_for(par, cluster.gpu)
+            blocks = training_blocks(model, par, precision)        # (compiled here, as the bounds do)
+            if fits(model, cluster, par, blocks, precision):
+                out.append(par)
+    return model, cluster, out
+
+
+def search_candidates(n: int, seed: int) -> None:
+    from stage_cosim.search import evaluate as evaluate_mod
+    from stage_cosim.search.evaluate import Objective, evaluate
+    from stage_cosim.workload import precision_for
+
+    model, cluster, pars = candidates(n, seed)
+    node_level = sum(p.zero >= 3 and p.pp > 1 for p in pars)
+    print(f"{len(pars)} evaluations of llama3-70b on 1,024 H100 (gbs 1024, seq 8192): {node_level} replayed node by "
+          f"node (ZeRO-3 with a pipeline), {len(pars) - node_level} on the pass-level fast path")
+
+    def fresh(par):  # noqa: ANN001, ANN202
+        w = synthesize(model, par, precision=precision_for(par, cluster.gpu))
+        return simulate(w, cluster)[0].to_dict()
+
+    results = {}
+    for label, run in (("as the search runs them (kept from candidate to candidate)",
+                        lambda p: evaluate(model, cluster, p, {}, Objective()).result),
+                       ("with nothing kept (a fresh synthesis and simulation each)", fresh)):
+        evaluate_mod._workload.cache_clear()
+        t = time.process_time()
+        results[label] = [run(p) for p in pars]
+        cpu = time.process_time() - t
+        print(f"  {label}: {cpu:.1f} s of CPU, {len(pars) / cpu:.2f} evaluations/s", flush=True)
+    a, b = results.values()
+    same = sum(x == y for x, y in zip(a, b))
+    print(f"  results equal: {same} of {len(pars)}")
 
 
 if __name__ == "__main__":

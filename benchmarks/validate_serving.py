@@ -9,7 +9,9 @@ profiles' per-step overheads with its errors held out by source.
   step, KV cache at 95 % of memory, a step of decodes only padded up to the next CUDA-graph batch
   size its ``llm_options.yml`` captures, admission reserving each request's whole output: its
   GUARANTEED_NO_EVICT policy, the trtllm profile's) on H100-SXM: ``serve-sim`` with the same settings
-  (``--cuda-graph-sizes``), output tokens per second against the published figure. NVIDIA ModelOpt's FP8 checkpoints carry
+  (``--cuda-graph-sizes``; with attention DP, its MoE's exchange: the ranks' tokens all-gathered
+  and the experts' output reduce-scattered, ``--moe-token-dispatcher allgather``), output tokens
+  per second against the published figure. NVIDIA ModelOpt's FP8 checkpoints carry
   static activation scales (``--fp8-activation-scale static``, the default).
 * DeepSeek's online service on H800 (decode units of EP144/DP144, prefill units of EP32/DP32):
   the decode step of a rank at the service's average KV length and the batch its published
@@ -18,7 +20,9 @@ profiles' per-step overheads with its errors held out by source.
   split each batch into two micro-batches that overlap one's all-to-alls with the other's
   compute (``two_batch_overlap``), and DeepSeek-V3's FP8 checkpoint scales activations
   dynamically (its ``activation_scheme``). Both steps are priced as ``serve-sim`` prices them
-  (its step timer: GEMMs by the measured microbenchmarks).
+  (its step timer: GEMMs by the measured microbenchmarks, the absorbed latent attention at
+  FlashMLA's measured rates; every row's tensor-parallel all-reduces no faster than its GPU's
+  measured nccl-tests sweep, its reduce-scatters and all-gathers than half of it).
 * The Azure guide's offline throughput runs (``inference_throughput.csv``: trtllm-bench on
   H100, H200 and GB200; vLLM's benchmark_throughput on MI300X; 1000 requests of fixed lengths,
   FP8 weights and KV cache): ``serve-sim`` with the engine's profile (``trtllm``, ``vllm-0.6``)
@@ -77,6 +81,13 @@ DEEPSEEK_PREFILL_TOKENS = 16384    # assumed new tokens per rank per prefill ste
 # How DeepSeek's units run (the published overview): dual-batch overlap; FP8 GEMMs whose
 # activations are scaled as they come (DeepSeek-V3's checkpoint: activation_scheme dynamic).
 DEEPSEEK_RUN = dict(two_batch_overlap=True, weight_dtype="fp8", fp8_activation_scale="dynamic")
+# TensorRT-LLM's MoE with attention DP on Hopper (its CUTLASS fused MoE, which FP8 per-tensor
+# checkpoints run; no all-to-all there without multi-node NVLink or DeepEP): every rank's FP8
+# tokens and routing are all-gathered to every rank, each runs its experts over all of them, and
+# the BF16 output is reduce-scattered back (tensorrt_llm/_torch/modules/fused_moe/
+# fused_moe_cutlass.py: allgather before the fused op, reducescatter after): Megatron's
+# allgather dispatcher
+TRTLLM_ATTENTION_DP_DISPATCHER = "allgather"
 # The CUDA-graph batch sizes NVIDIA's perf-overview runs captured, with padding on (the
 # `llm_options.yml` its "Reproducing Benchmarked Results" section gives for dense and MoE models):
 # a step of decodes only runs at the next of these sizes. Azure's runs do not publish theirs.
@@ -218,6 +229,8 @@ def offline_run(row: dict[str, str], max_requests: int, engine: str = "trtllm") 
         req.update(dp=int(row["gpus"]) // int(row["tp"]) if int(row["tp"]) < int(row["gpus"]) else int(row["gpus"]),
                    tp=1 if int(row["tp"]) == int(row["gpus"]) else int(row["tp"]), attention_dp=True,
                    ep=int(row["ep"]), expert_tp=1)
+        if engine == "trtllm":
+            req.update(moe_token_dispatcher=TRTLLM_ATTENTION_DP_DISPATCHER)
     r = api.serve_sim(req)
     return Offline(r["requests"]["output_tokens"], r["duration_s"], r["steps"]["count"], int(req["tp"]))
 

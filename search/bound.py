@@ -49,6 +49,7 @@ rounding (some 1e-10 relative at most); the bound is lowered by :data:`SLACK` to
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any, Iterable, NamedTuple
 
 from stage_cosim.adapters.roofline.compute import ComputeModel
@@ -58,7 +59,7 @@ from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.parallel.axes import DENSE, MESHES
 from stage_cosim.parallel.mesh import DeviceMesh
-from stage_cosim.search.comm_bound import StreamBound, block_rows
+from stage_cosim.search.comm_bound import StreamBound
 from stage_cosim.schedule.nodes import COMP, ENTRY, BlockInstance
 from stage_cosim.schedule.pipeline import Layout
 from stage_cosim.search.evaluate import OBJECTIVES
@@ -124,7 +125,6 @@ class StepBound:
         self._amax: dict[tuple, tuple[Any, float]] = {}
         self._optimizer: dict[tuple, tuple[list, list[float]]] = {}
         self._first: dict[int, tuple[Any, bool]] = {}
-        self._schedules: dict[tuple, tuple[bool, bool]] = {}
         self._training: dict[tuple, Any] = {}      # the model's blocks bound to a configuration's numbers
 
     # -- kernels ---------------------------------------------------------------------------
@@ -168,7 +168,9 @@ class StepBound:
         hit = self._blocks.get(key)
         if hit is not None:
             return hit[1]
-        rows, exits, _ = block_rows(inst, phase, first, degrees, overlap)
+        # (the rows the communication terms read too: generated once per bound block)
+        read = self.streams._read(inst, phase, first, degrees, overlap)[1]
+        rows, exits = read.rows, read.exits
         n = len(rows)
         # rows after the block's entry (its rows that read the block before, and what reads
         # them: rows only read earlier ones, ids are in dependency order)
@@ -204,6 +206,29 @@ class StepBound:
                        any(rooted[e] for e in exits), bool(exits))
         self._blocks[key] = (inst.compiled, block)
         return block
+
+    def stage_kernels(self, comps: tuple, per_chunk: Any, one: Any, reps: Any, degrees: dict[str, int],
+                      par: ParallelConfig, stage: int) -> _Stage:
+        """A stage's kernels over a step: each chunk's passes (``one(runs, phase, first)``) times
+        its micro-batches, FP8 amax reductions and the optimizer step."""
+        every = live = rooted = 0.0
+        kinds: dict[tuple, list] = {}
+        ends_of: dict[int, tuple[_Pass, _Pass]] = {}
+        for c, runs in enumerate(comps):
+            # a split backward's B and W passes are the whole backward's kernels (the split
+            # keeps every kernel that leads to a sink leading to one)
+            m = per_chunk[c]
+            fwd, bwd = one(runs, "fwd", False), one(runs, "bwd", False)
+            first = one(runs, "fwd", True) if any(self._casts(reps[k].compiled) for k, _ in runs) else fwd
+            amax = self._amax_time(runs, reps, "fwd", degrees) * m + self._amax_time(runs, reps, "bwd", degrees) * m
+            every += first.every + (m - 1) * fwd.every + m * bwd.every + amax
+            live += first.live + (m - 1) * fwd.live + m * bwd.live + amax
+            rooted += first.rooted_live + (m - 1) * fwd.rooted_live + m * bwd.rooted_live
+            ends_of[c] = (first, bwd)
+            for k, n in runs:
+                kinds.setdefault(k, [reps[k], 0])[1] += n
+        opt = self._optimizer_time(kinds, par, stage, degrees)
+        return _Stage(every + opt, live + opt, rooted, opt, ends_of[0][0], ends_of[0][1])
 
     def _pass(self, runs: tuple, reps: dict, phase: str, first: bool, degrees: dict[str, int],
               overlap: bool) -> _Pass:
@@ -305,15 +330,19 @@ class StepBound:
         from stage_cosim.workload import precision_for, training_blocks
 
         precision = precision_for(par, self.cluster.gpu)
-        # what training_blocks reads of the configuration: configurations that differ only in
-        # the schedule or the virtual stages (a third of the space each) share their blocks
-        key = (precision, par.sp, par.zero, par.recompute, par.grad_reduce_dtype, par.moe_token_dispatcher,
-               par.cp_ring, par.cp_a2a, par.cp_load_balance, tuple(sorted(par.degrees().items())),
-               par.micro_batch, par.seq_len, par.moe_load, par.padded_vocab(self.model.vocab))
+        key = self.blocks_key(par, precision)
         blocks = self._training.get(key)
         if blocks is None:
             blocks = self._training[key] = training_blocks(self.model, par, precision, evaluate=self._evaluate)
         return blocks, precision
+
+    def blocks_key(self, par: ParallelConfig, precision: Any) -> tuple:
+        """What ``training_blocks`` reads of ``par`` (run at ``precision``): configurations that
+        differ only in the schedule or the virtual stages (a third of the space each) share
+        their blocks."""
+        return (precision, par.sp, par.zero, par.recompute, par.grad_reduce_dtype, par.moe_token_dispatcher,
+                par.cp_ring, par.cp_a2a, par.cp_load_balance, tuple(sorted(par.degrees().items())),
+                par.micro_batch, par.seq_len, par.moe_load, par.padded_vocab(self.model.vocab))
 
     def stages(self, par: ParallelConfig) -> list[_Stage]:
         """What each pipeline stage's kernels add up to over the step (:class:`_Stage`): every
@@ -383,24 +412,7 @@ class StepBound:
             comps = tuple(chunk(layout.place(s, c)[1], starts[layout.place(s, c)[1]]) for c in range(layout.chunks))
             st = stages.get(comps)
             if st is None:
-                every = live = rooted = 0.0
-                kinds: dict[tuple, list] = {}
-                ends_of: dict[int, tuple[_Pass, _Pass]] = {}
-                for c, runs in enumerate(comps):
-                    # a split backward's B and W passes are the whole backward's kernels (the
-                    # split keeps every kernel that leads to a sink leading to one)
-                    m = per_chunk[c]
-                    fwd, bwd = one(runs, "fwd", False), one(runs, "bwd", False)
-                    first = one(runs, "fwd", True) if any(self._casts(reps[k].compiled) for k, _ in runs) else fwd
-                    amax = self._amax_time(runs, reps, "fwd", degrees) * m + self._amax_time(runs, reps, "bwd", degrees) * m
-                    every += first.every + (m - 1) * fwd.every + m * bwd.every + amax
-                    live += first.live + (m - 1) * fwd.live + m * bwd.live + amax
-                    rooted += first.rooted_live + (m - 1) * fwd.rooted_live + m * bwd.rooted_live
-                    ends_of[c] = (first, bwd)
-                    for k, n in runs:
-                        kinds.setdefault(k, [reps[k], 0])[1] += n
-                opt = self._optimizer_time(kinds, par, s, degrees)
-                st = stages[comps] = _Stage(every + opt, live + opt, rooted, opt, ends_of[0][0], ends_of[0][1])
+                st = stages[comps] = self.stage_kernels(comps, per_chunk, one, reps, degrees, par, s)
             if self.streams.active:
                 chunks = [(runs, per_chunk[c], any(self._casts(reps[k].compiled) for k, _ in runs))
                           for c, runs in enumerate(comps)]
@@ -469,27 +481,22 @@ class StepBound:
         each pass counts for the longer of those and its longest dependency path from its
         start, collectives included (``paths``). And each stage's busiest communication stream:
         its collectives over the passes (``comm``)."""
-        from stage_cosim.schedule.pipeline import schedule_order
+        return self.compose(par, self.stages(par))
 
-        stages = self.stages(par)
+    def ends(self, par: ParallelConfig) -> tuple[bool, bool]:
+        """Whether ``par``'s schedule fills the pipeline with micro-batch 0's forward of chunk 0
+        on every stage, and drains it with one micro-batch's backward of chunk 0 on every stage
+        (DualPipe's F&B passes are two micro-batches' rows interleaved: only the stage's kernels
+        in all are claimed for them)."""
+        return _schedule_ends(par.schedule, par.pp, par.num_microbatches, par.vp)
+
+    def compose(self, par: ParallelConfig, stages: list[_Stage]) -> float:
+        """:meth:`step` from ``par``'s stages (:meth:`stages`)."""
         best = max(max(st.every if exact_replay(par) else st.live, st.comm) for st in stages)
         pp = par.pp
         if pp == 1:
             return max(best, stages[0].paths + stages[0].optimizer)
-        key = (par.schedule, pp, par.num_microbatches, par.vp)
-        ends = self._schedules.get(key)
-        if ends is None:
-            orders = [schedule_order(par.schedule, pp, s, par.num_microbatches, par.vp) for s in range(pp)]
-            # the chain holds where every stage starts with micro-batch 0's forward of chunk 0
-            # and ends with one micro-batch's backward of chunk 0, the same on every stage
-            # (DualPipe's F&B passes are two micro-batches' rows interleaved: only the stage's
-            # kernels in all are claimed for them)
-            paired = any(p.paired for o in orders for p in o)
-            ends = self._schedules[key] = (
-                not paired and all(o[0].phase == "fwd" and o[0].micro_batch == 0 and o[0].chunk == 0 for o in orders),
-                all(o[-1].phase == "bwd" and o[-1].chunk == 0 and o[-1].micro_batch == orders[0][-1].micro_batch
-                    for o in orders))
-        fill_ok, drain_ok = ends
+        fill_ok, drain_ok = self.ends(par)
         arrival = drained = 0.0           # the first micro-batch's arrival; the last one's drain (stages 1 … s-1)
         for s, st in enumerate(stages):
             after = arrival if fill_ok else 0.0
@@ -505,6 +512,19 @@ class StepBound:
         """A lower bound on ``par``'s simulated step time, seconds (:meth:`step`, lowered by
         :data:`SLACK`)."""
         return self.step(par) * (1 - SLACK)
+
+
+@lru_cache(maxsize=4096)
+def _schedule_ends(schedule: str, pp: int, m: int, vp: int) -> tuple[bool, bool]:
+    """:meth:`StepBound.ends` of a schedule (a function of these alone: kept for every search
+    of the process, as the compiled sharding policies are)."""
+    from stage_cosim.schedule.pipeline import schedule_order
+
+    orders = [schedule_order(schedule, pp, s, m, vp) for s in range(pp)]
+    paired = any(p.paired for o in orders for p in o)
+    return (not paired and all(o[0].phase == "fwd" and o[0].micro_batch == 0 and o[0].chunk == 0 for o in orders),
+            all(o[-1].phase == "bwd" and o[-1].chunk == 0 and o[-1].micro_batch == orders[0][-1].micro_batch
+                for o in orders))
 
 
 def exact_replay(par: ParallelConfig) -> bool:
@@ -525,13 +545,6 @@ def score_bound(objective: Any, step_bound: float, tokens: int, gpus: int) -> fl
     per_s = tokens / step_bound
     return objective.score({"step_time_s": step_bound, "tokens_per_s": per_s,
                             "tokens_per_s_per_gpu": per_s / max(1, gpus), "config": {"num_gpus": gpus}})
-
-
-def bound_many(model: ModelConfig, cluster: Cluster, configs: list[ParallelConfig],
-               network_model: str | None = "calibrated") -> list[float]:
-    """Lower bounds of many configurations (a runner job: one per worker's share)."""
-    bound = StepBound(model, cluster, network_model)
-    return [bound(par) for par in configs]
 
 
 def policy_key(par: ParallelConfig) -> tuple:

@@ -115,8 +115,10 @@ class StreamBound:
 
         self.model, self.cluster = model, cluster
         self.network = CalibratedNetwork(cluster) if network_model == "calibrated" else None
-        # (block, its numbers, phase, first, split) -> (held objects, its rows read)
-        self._rows: dict[tuple, tuple[Any, Any, _Rows]] = {}
+        # what a block's rows are made of -> (the compiled block, held: its id is in the key; the rows read)
+        self._rows: dict[tuple, tuple[Any, _Rows]] = {}
+        # (block, its numbers, phase, first, split) -> (held objects, the key above, the rows read)
+        self._bound: dict[tuple, tuple[Any, Any, tuple, _Rows]] = {}
         self._members: dict[tuple, tuple] = {}
         self._paths: dict[tuple, tuple] = {}
         self._seconds: dict[tuple, float] = {}
@@ -131,7 +133,18 @@ class StreamBound:
         """(its key, the block's rows read). Collective bytes depend on the block's numbers
         (ZeRO's shards on the data-parallel degree), so the rows are kept per bound block."""
         split = degrees.get("tp", 1) > 1 and overlap
-        key = (id(inst.compiled), id(inst.costs), phase, first, split)
+        fast = (id(inst.compiled), id(inst.costs), phase, first, split)
+        hit = self._bound.get(fast)
+        if hit is not None:
+            return hit[2], hit[3]
+        # What the rows are made of (pass_template, block_rows): the compiled block, the pass's
+        # step costs and keys, which mesh axes have more than one rank, the overlap's chunks and
+        # the block's label. Blocks bound to other numbers that agree in these (configurations
+        # apart in the data-parallel degree, mostly) share their rows and every figure keyed
+        # by them.
+        sc = inst.costs.fwd if phase == "fwd" else inst.costs.bwd
+        key = (id(inst.compiled), phase, first, degrees.get("tp", 1) if split else 0,
+               tuple(sorted((a, d > 1) for a, d in degrees.items())), sc, inst.costs.keys, inst.label)
         hit = self._rows.get(key)
         if hit is None:
             rows, exits, unsure = block_rows(inst, phase, first, degrees, overlap)
@@ -140,8 +153,9 @@ class StreamBound:
             read_rows = _Rows(rows, tuple(exits),
                               tuple(j for j, r in enumerate(rows) if r[1] == COMP and j not in read and j not in exits),
                               comm, tuple(j for j in comm if not (split and rows[j][9] == "tp")), unsure)
-            hit = self._rows[key] = (inst.compiled, inst.costs, read_rows)
-        return key, hit[2]
+            hit = self._rows[key] = (inst.compiled, read_rows)
+        self._bound[fast] = (inst.compiled, inst.costs, key, hit[1])
+        return key, hit[1]
 
     @staticmethod
     def mesh_key(par: ParallelConfig) -> tuple:

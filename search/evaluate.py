@@ -86,15 +86,19 @@ def evaluate(model: ModelConfig, cluster: Cluster, par: ParallelConfig, point: d
              ) -> Evaluation:
     """Simulate ``par`` unless it does not fit in memory (checked first: it needs no graph): its
     peak, the process's runtime memory on this cluster included, within HBM less ``headroom``."""
+    from stage_cosim.adapters.roofline.run_cache import reuse_runs
     from stage_cosim.adapters.simulate import simulate
     from stage_cosim.gc_pause import gc_paused
+    from stage_cosim.schedule.template_cache import reuse_templates
 
     w = workload_of(model, par, cluster.gpu)
     capacity = cluster.gpu.memory_bytes * (1 - headroom)
     peak = max(w.memory(s, cluster).total for s in range(par.pp))
     if peak > capacity:
         return Evaluation(point, par.to_dict(), False, MEMORY_REASON, None, None)
-    with gc_paused():    # the cached graphs are large: full collections would rescan them all
+    # the cached graphs are large: full collections would rescan them all; candidates share
+    # most pass templates and their runs (reused exactly: the same result as a fresh simulate)
+    with gc_paused(), reuse_templates(), reuse_runs():
         result, _, _ = simulate(w, cluster, network_model)
     d = result.to_dict()
     return Evaluation(point, par.to_dict(), True, None, objective.score(d), d)

@@ -202,6 +202,7 @@ class _Search:
         self.structural: dict[tuple, tuple[Any, str | None]] = {}
         self.reasons: Counter[str] = Counter()
         self.step_bound: Any = None          # the lower bounds' StepBound (its blocks serve the memory check)
+        self.compiled_bound: Any = None      # ... and the CompiledBound around it (many configurations at once)
 
     def canonical(self, point: dict[str, Any]) -> dict[str, Any]:
         return self.problem.canonical(point)
@@ -365,11 +366,28 @@ def _optimize(space: SearchSpace, cluster: Cluster, settings: OptimizeSettings,
 WARM_SAMPLE = 2000
 
 
+# Configurations bounded at once between progress reports (and checks for a stop).
+BOUND_SHARE = 512
+
+
+def _compiled_bound(search: _Search) -> Any:
+    """The search's :class:`~stage_cosim.search.compiled.CompiledBound` (made once; its
+    StepBound's blocks serve the memory check)."""
+    from stage_cosim.search.compiled import CompiledBound
+
+    if search.compiled_bound is None:
+        search.compiled_bound = CompiledBound(search.space.model, search.cluster, search.settings.network_model,
+                                              bound=search.step_bound)
+        search.step_bound = search.compiled_bound.bound
+    return search.compiled_bound
+
+
 def _bounded(search: _Search, points: list[dict[str, Any]], stats: dict[str, Any] | None = None
              ) -> list[tuple[float, tuple, dict[str, Any]]]:
     """(lower bound on the score, key, point) of each point, lowest first. With workers, the
     points go out in shares of configurations compiled alike."""
-    from stage_cosim.search.bound import StepBound, bound_many, policy_key, score_bound
+    from stage_cosim.search.bound import policy_key, score_bound
+    from stage_cosim.search.compiled import bound_many
 
     space, cluster, settings = search.space, search.cluster, search.settings
     tokens, gpus = space.global_batch * space.seq_len, cluster.num_gpus
@@ -397,13 +415,13 @@ def _bounded(search: _Search, points: list[dict[str, Any]], stats: dict[str, Any
         search.runner.map([(bound_many, space.model, cluster, [configs[j] for j in c], settings.network_model)
                            for c in chunks], got)
     else:
-        bound = search.step_bound = search.step_bound or StepBound(space.model, cluster, search.settings.network_model)
-        for j, par in enumerate(configs):
-            if search.should_stop is not None and j % 256 == 0 and search.should_stop():
+        compiled = _compiled_bound(search)
+        for j in range(0, len(configs), BOUND_SHARE):
+            if search.should_stop is not None and search.should_stop():
                 raise KeyboardInterrupt
-            steps[j] = bound(par)
+            steps[j:j + BOUND_SHARE] = compiled(configs[j:j + BOUND_SHARE]).tolist()
             if stats is not None:
-                stats["bounded"] = j + 1
+                stats["bounded"] = min(len(configs), j + BOUND_SHARE)
     out = [(score_bound(settings.objective, t, tokens, gpus), _key(p), p) for t, p in zip(steps, points)]
     out.sort(key=lambda x: (x[0], x[1]))
     return out

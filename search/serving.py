@@ -17,7 +17,9 @@ highest rate a run of that many requests sustains.
 Where the feasible layouts are few enough to settle them all, the answer is proven optimal
 without simulating each to its edge: a layout whose rate search has failed at a rate below the
 goodput of the layouts already in the top list cannot join it (see
-:meth:`ServingProblem.exhaust`).
+:meth:`ServingProblem.exhaust`), and such a layout's search begins with the one probe whose
+failure proves it (:func:`upward_run`), a rate far enough above its capacity that the probe ends
+within its first requests.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 SPLITS = ("none", "1:1", "1:2", "1:3", "2:1")      # prefill:decode instances of a disaggregated unit
 MAX_NUM_SEQS = (32, 64, 128, 256, 512)
 BISECTIONS = 5                                       # the rate to within 2^-5 of its bracket
+PROBES = 24                                          # most probes before the bisection
+GROWTH = 1.5                                         # the rate's step up while the SLOs hold
 
 
 @dataclass(frozen=True)
@@ -203,8 +207,10 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
 
     ``floor``: a goodput per GPU the layout is only of interest above. Once a probe has failed
     at a rate whose share per GPU is below it, the layout is ruled out (see :func:`ruled_out`)
-    and its search ends there; every rate it probed until then is the one it probes without a
-    floor, so a layout that is not ruled out has the goodput it has without one."""
+    and its search ends there. Its first probe is then the highest rate of its upward run under
+    the floor (:func:`upward_run`): if that holds, the search goes on from it, every rate it
+    probes the one it probes without a floor, and checks the rates under it last. A layout that
+    is not ruled out has the goodput it has without one."""
     from stage_cosim.serving.run import simulate_serving
 
     try:
@@ -214,18 +220,18 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
     unit = dep.cluster
     stream = replace(target.stream, num_requests=num_requests)
 
-    def run(rate: float, decided: bool = True) -> dict[str, Any] | None:
-        # a probe whose report is only needed if it holds ends as soon as it cannot hold
+    def run(rate: float) -> dict[str, Any] | None:
+        # a probe's report is only needed if it holds: it ends as soon as it cannot hold
         return simulate_serving(dep, replace(stream, rate=rate).generate(), target.slo,
-                                stop=failed(target, dep.serving.request_overhead_s) if decided else None)
+                                stop=failed(target, dep.serving.request_overhead_s))
 
     def ok(report: dict[str, Any] | None) -> bool:
         return report is not None and report["slo"]["attainment"] >= target.attainment
 
-    # Start from the unit's throughput with every request queued at once (its drain makes it
-    # an underestimate of the capacity), then grow or shrink the rate by half until the SLOs
-    # fail or hold, and bisect between the last rate that held and the first that failed.
-    rate = max(1e-3, run(1e6, decided=False)["throughput"]["requests_per_s"])
+    # Start from the unit's capacity with every step full (see first_rate), then grow or shrink
+    # the rate by half until the SLOs fail or hold, and bisect between the last rate that held
+    # and the first that failed.
+    rate = first_rate(dep, target)
     lo, lo_report, hi = 0.0, None, math.inf
     # Once a rate has failed, every rate the search goes on to accept is below it (it halves
     # below a failure, or bisects between a success and the failure above it): the goodput it
@@ -233,13 +239,29 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
     def below_floor() -> bool:
         return floor is not None and hi / unit.num_gpus < floor
 
-    for _ in range(24):
+    # Below a floor, the search first probes the highest rate of its upward run (the start
+    # times 1.5, 2.25, …) still below the floor (see upward_run): if that fails, the layout is
+    # ruled out whatever the rates under it do, and a rate far above the unit's capacity fails
+    # within the first few requests, where each rate under it that holds is a whole run. If it
+    # holds, the search goes on from there as if the rates under it had held, and checks them
+    # last, only if nothing rules the layout out before.
+    under: list[float] = []
+    probes = PROBES
+    chain = upward_run(rate, floor, unit.num_gpus) if floor is not None else []
+    if chain:
+        report = run(chain[-1])
+        if not ok(report):
+            return ruled_out(point, config, chain[-1] / unit.num_gpus)
+        under, lo, lo_report, rate = chain[:-1], chain[-1], report, chain[-1] * GROWTH
+        probes -= len(chain)
+
+    for _ in range(probes):
         report = run(rate)
         if ok(report):
             lo, lo_report = rate, report
             if hi < math.inf:
                 break
-            rate *= 1.5
+            rate *= GROWTH
         else:
             hi = rate
             if below_floor():
@@ -258,6 +280,9 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
             hi = mid
             if below_floor():
                 return ruled_out(point, config, hi / unit.num_gpus)
+    for r in under:
+        if not ok(run(r)):
+            return ruled_out(point, config, r / unit.num_gpus)
     if lo_report is None:
         return Evaluation(point, config, False, "misses the SLOs at any rate", None, None)
     per_gpu = lo / unit.num_gpus
@@ -267,6 +292,60 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
               "tokens_per_s_per_gpu": lo_report["throughput"]["output_tokens_per_s_per_gpu"],
               "cluster_goodput_requests_per_s": per_gpu * cluster.num_gpus}
     return Evaluation(point, config, True, None, 1 / per_gpu, result)
+
+
+def first_rate(dep, target: ServeTarget) -> float:  # noqa: ANN001 (Deployment)
+    """The rate a layout's search starts from (requests/s of its unit): its capacity were every
+    step full, from two step times of each instance: a chunk of ``chunk_tokens`` prompt tokens,
+    and a decode step of as many requests as the batch limit and the KV cache allow, at the
+    context of a request halfway through its output. A colocated instance shares its time
+    between the two; pools of a disaggregated unit each do one, the slower pool sets the rate.
+
+    An estimate, not a bound: it only decides where the rate search begins (the search grows
+    or halves the rate from it until the SLOs fail or hold). It replaces a run of every request
+    queued at once, which simulated every step of a whole probe to find a start."""
+    from stage_cosim.inference.config import BatchShape
+    from stage_cosim.serving.engine import DECODE, PREFILL
+
+    stream = target.stream
+    prompt, output = stream.input_len + stream.prefix_len, stream.output_len
+    serving = dep.serving
+    windows = frozenset(dep.model.layer_windows())
+    pools = {}
+    for role, kind, count in dep.pools:
+        timer, overhead = kind.timer, serving.step_overhead_s
+        chunk = serving.chunk_tokens
+        prefill = chunk / (prompt * (timer(BatchShape.uniform(1, chunk, 0, windows)) + overhead))
+        held = kind.kv.tokens
+        batch = serving.max_num_seqs if held is None else max(1, min(serving.max_num_seqs, held // (prompt + output)))
+        step = timer(BatchShape.uniform(batch, 1, prompt + output // 2, windows)) + overhead
+        decode = batch / (output * step)
+        per_rank = prefill if role == PREFILL else decode if role == DECODE else 1 / (1 / prefill + 1 / decode)
+        pools[role] = per_rank * kind.ranks * count
+    return max(1e-3, min(pools.values()))
+
+
+def upward_run(start: float, floor: float, gpus: int) -> list[float]:
+    """The rates the search probes going up from ``start`` (``start`` times ``GROWTH`` again
+    and again, the same products in the same order, within its ``PROBES``) while their share of
+    ``gpus`` is below ``floor``; empty where only ``start`` is (the search then runs as it
+    does without a floor).
+
+    Why probing the last of them first loses nothing (:func:`goodput`). Without a floor the
+    search probes ``start`` and, while the SLOs hold, each next rate of this run, and its
+    goodput is below its first failure (every rate it accepts after a failure is below that
+    one). If the last rate fails, the first failure comes at or before it, below the floor: the
+    layout is ruled out. If it holds, either a rate under it fails (a failure below the floor:
+    ruled out), or they all hold and the search without a floor reaches the last rate and goes
+    on from it exactly as this one does. So a failure below the floor that this search finds
+    from there rules the layout out either way; otherwise it probes the rates under the last
+    before it answers, and if they all hold, its goodput is that of the search without a
+    floor."""
+    run, rate = [start], start
+    while len(run) < PROBES and rate * GROWTH / gpus < floor:
+        rate *= GROWTH
+        run.append(rate)
+    return run if len(run) > 1 else []
 
 
 def ruled_out(point: dict[str, Any], config: dict[str, Any], below: float) -> Evaluation:

@@ -24,10 +24,18 @@ NOT_CHARGED = ("RECV", "WAIT")   # a receive waits; a WAIT node only lets time p
 def intervals(types: Sequence[str], kinds: Sequence[str], start: Sequence[float], end: Sequence[float]
               ) -> Iterable[tuple[float, float, str]]:
     """(start, end, category) of every node that occupies something."""
+    of_kind: dict[str, str] = {}           # (a handful of kinds: each looked up once)
     for i, t in enumerate(types):
         if t in NOT_CHARGED:
             continue
-        yield start[i], end[i], _category("compute" if t == "COMP" else category_of(kinds[i]))
+        if t == "COMP":
+            yield start[i], end[i], "compute"
+            continue
+        k = kinds[i]
+        cat = of_kind.get(k)
+        if cat is None:
+            cat = of_kind[k] = _category(category_of(k))
+        yield start[i], end[i], cat
 
 
 def _category(cat: str) -> str:
@@ -47,32 +55,47 @@ _CHARGE_ORDER = ("compute",) + EXPOSED_PRIORITY + ("other",)
 _CHARGED_TO = {"compute": "compute", **{k: f"exposed_{k}" for k in EXPOSED_PRIORITY + ("other",)}}
 
 
+# (categories by their position in _CHARGE_ORDER, to count them in a list)
+_POSITION = {c: j for j, c in enumerate(_CHARGE_ORDER)}
+_CHARGED_AT = [_CHARGED_TO[c] for c in _CHARGE_ORDER]
+
+
 def charge(spans: Iterable[tuple[float, float, str]], lo: float, hi: float, waiting: str) -> dict[str, float]:
-    """Seconds by category over [lo, hi] (they add up to hi - lo)."""
-    events: list[tuple[float, int, str]] = []
+    """Seconds by category over [lo, hi] (they add up to hi - lo): each stretch between two
+    consecutive span ends goes to the first category active over it, in time order. (Which of
+    the events at one instant comes first does not matter: none of them adds time.)"""
+    events: list[tuple[float, int, int]] = []
     add = events.append
+    position = _POSITION
     for s, e, cat in spans:
         if s < lo:
             s = lo
         if e > hi:
             e = hi
         if e > s:
-            add((s, 1, cat))
-            add((e, -1, cat))
+            j = position[cat]
+            add((s, 1, j))
+            add((e, -1, j))
     events.sort()
-    out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
-    active = dict.fromkeys(_CHARGE_ORDER, 0)
+    events.append((hi, 0, position["other"]))
+    totals = [0.0] * len(_CHARGE_ORDER)
+    idle = 0.0
+    active = [0] * len(_CHARGE_ORDER)
     prev = lo
-    for t, delta, cat in events + [(hi, 0, "other")]:
+    for t, delta, j in events:
         if t > prev:
-            for kind in _CHARGE_ORDER:
-                if active[kind]:
-                    out[_CHARGED_TO[kind]] += t - prev
+            for k, n in enumerate(active):
+                if n:
+                    totals[k] += t - prev
                     break
             else:
-                out[waiting] += t - prev
+                idle += t - prev
             prev = t
-        active[cat] += delta
+        active[j] += delta
+    out = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    for k, v in enumerate(totals):
+        out[_CHARGED_AT[k]] += v
+    out[waiting] += idle
     return out
 
 

@@ -36,9 +36,17 @@ from dataclasses import dataclass
 from stage_cosim.hardware.gpu import GPU
 
 
+#: Attention kernels with a rate of their own, named by the op in place of its number format,
+#: with the format their tensor cores compute in: multi-latent attention's absorbed decode runs
+#: DeepSeek's FlashMLA (BF16 MMA over a cache of one shared 576-wide latent "head"), whose
+#: measured rates (attention_microbench.csv) are far from FlashAttention's on the same GPU.
+ATTENTION_FLAVOURS = {"flashmla": "bf16"}
+
+
 def matmul_format(matmul: bool | str) -> str:
     """The number format of a compute node's tensor-core work ('' for none). Nodes carry it as a
-    format name; ``True`` (a matmul of unknown format, e.g. from a foreign trace) means BF16."""
+    format name; ``True`` (a matmul of unknown format, e.g. from a foreign trace) means BF16. An
+    attention flavour (``ATTENTION_FLAVOURS``) comes back as itself: the kernel rates resolve it."""
     if matmul is True:
         return "bf16"
     return matmul or ""
@@ -68,7 +76,9 @@ class ComputeModel:
         """Achievable FLOP/s of a fused attention kernel whose thread blocks loop over ``keys``
         and which splits ``rows`` rows of work over them (0: not known)."""
         g = self.gpu
-        rate = g.peak_tflops(fmt or "bf16") * 1e12 * g.attention_efficiency
+        # a flavour runs here as the generic kernel in its format: the training model has no
+        # kernel of its own (the inference model's rates do: kernels.py)
+        rate = g.peak_tflops(ATTENTION_FLAVOURS.get(fmt, fmt) or "bf16") * 1e12 * g.attention_efficiency
         if keys > 0:
             rate *= keys / (keys + g.attention_half_keys)
         if rows > 1 and g.sm_count:
@@ -80,6 +90,10 @@ class ComputeModel:
         """B/s a memory-bound kernel reaches: peak HBM bandwidth * memory_efficiency."""
         g = self.gpu
         return g.hbm_GBps * 1e9 * g.memory_efficiency
+
+    def attention_bandwidth(self, fmt: str) -> float:
+        """B/s a fused attention kernel of format (or flavour) ``fmt`` streams its inputs at."""
+        return self.memory_bandwidth
 
     def duration_s(self, flops: float, nbytes: float, matmul: bool | str, attention: bool = False,
                    groups: int = 1, keys: float = 0.0) -> float:
@@ -95,7 +109,7 @@ class ComputeModel:
         else:
             rate = g.vector_peak_tflops * 1e12
         t_flops = flops / rate if flops > 0 else 0.0
-        t_mem = nbytes / self.memory_bandwidth
+        t_mem = nbytes / (self.attention_bandwidth(fmt) if attention else self.memory_bandwidth)
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
 
     def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1, keys: float = 0.0) -> float:

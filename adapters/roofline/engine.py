@@ -73,6 +73,8 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
     part in each rendezvous instance; ``agent_of_rank(r)`` maps a member rank to its agent;
     ``sm_share``: SM sharing between collectives and compute (:class:`.comm_sms.CommSMs`; None:
     none)."""
+    if len(programs) == 1 and sm_share is None and _alone(programs[0], network, participants):
+        return _replay_alone(programs[0], network)
     n_agents = len(programs)
     start = [[-1.0] * len(p.types) for p in programs]
     end = [[-1.0] * len(p.types) for p in programs]
@@ -98,6 +100,9 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
     issued_on: list[dict[Hashable, int]] = [dict() for _ in range(n_agents)]
     mailbox: dict[tuple[int, int, int], list[float]] = {}
     waiting_recv: dict[tuple[int, int, int], list[tuple[int, int, float]]] = {}
+
+    span = getattr(network, "span", None)     # (see _replay_alone)
+    spans: dict[tuple, float] = {}
 
     def push(t: float, a: int, i: int) -> int:
         nonlocal seq
@@ -141,6 +146,16 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
                     holding[(a, i)] = f
                     reshare(a, f, now)
             g = p.group[i]
+            if span is not None and participants.get(g, 1) == 1 and i not in p.involved:
+                # one agent stands for every member: the network's collective of equal starts
+                # ends a span after them (looked up once per distinct collective)
+                members = p.members[i] or (p.rank,)
+                key = (p.coll[i], p.nbytes[i], id(members), p.kind[i])
+                d = spans.get(key)
+                if d is None:
+                    d = spans[key] = span(p.coll[i], p.nbytes[i], members, p.kind[i])
+                push(now + d, a, i)
+                return
             k = issued_on[a].get(g, 0)
             issued_on[a][g] = k + 1
             key = (g, k)
@@ -241,3 +256,124 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
         raise DeadlockError(f"{len(stuck)} node(s) never finished, e.g. {stuck[:3]}")
     finish = [max(e, default=0.0) for e in end]
     return Replay(start, end, finish)
+
+
+# -- one agent on its own ----------------------------------------------------------------------
+
+def _alone(p: AgentProgram, network: NetworkModel, participants: dict[Hashable, int]) -> bool:
+    """Whether :func:`_replay_alone` replays ``p`` as :func:`replay` does: one agent whose every
+    collective has no other participant, messages only to itself, no dimensions named per
+    collective, on a network that says what a collective issued by every member at once takes
+    (``span``)."""
+    if p.involved or getattr(network, "span", None) is None:
+        return False
+    if any(participants.get(g, 1) != 1 for g in p.group if g is not None):
+        return False
+    return all(d == 0 for d, t in zip(p.peer, p.types) if t == "SEND" or t == "RECV")
+
+
+def _replay_alone(p: AgentProgram, network: NetworkModel) -> Replay:
+    """:func:`replay` of one agent standing for every member of its groups (the fast path's
+    pass templates and blocks, timed on their own), event for event: nodes issued in the same
+    order, ties broken the same way, every time the same sum. A collective then starts when its
+    one agent issues it, so it ends ``span`` later (the network's ``collective`` of equal
+    starts: their max plus that span); it is looked up once per distinct collective."""
+    types, streams, duration = p.types, p.streams, p.duration
+    if not streams:
+        streams = p.streams = [("compute" if t == "COMP" else network.stream(t, k)) for t, k in zip(types, p.kind)]
+    n = len(types)
+    start = [-1.0] * n
+    end = [-1.0] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for i, ds in enumerate(p.deps):
+        for d in ds:
+            children[d].append(i)
+        indeg[i] = len(ds)
+    span = network.span                               # type: ignore[attr-defined]
+    spans: dict[tuple, float] = {}
+    events: list[tuple[float, int, int]] = []
+    seq = 0
+    busy: dict[str, bool] = {}
+    ready: dict[str, list[int]] = {}
+    mailbox: dict[int, list[float]] = {}
+    waiting_recv: dict[int, list[tuple[int, float]]] = {}
+    push, pop = heapq.heappush, heapq.heappop
+
+    def issue(i: int, now: float) -> None:
+        nonlocal seq
+        start[i] = now
+        t = types[i]
+        if t == "COMP" or t == WAIT:
+            push(events, (now + duration[i], seq, i))
+            seq += 1
+        elif t == "COLL":
+            members = p.members[i] or (p.rank,)
+            key = (p.coll[i], p.nbytes[i], id(members), p.kind[i])
+            d = spans.get(key)
+            if d is None:
+                d = spans[key] = span(p.coll[i], p.nbytes[i], members, p.kind[i])
+            push(events, (now + d, seq, i))
+            seq += 1
+        elif t == "SEND":
+            busy_for, delay = network.p2p(p.rank, p.peer_rank.get(i, p.rank), p.nbytes[i])
+            push(events, (now + busy_for, seq, i))
+            seq += 1
+            tag = p.tag[i]
+            arrival = now + delay
+            waiters = waiting_recv.get(tag)
+            if waiters:
+                ri, posted = waiters.pop(0)
+                push(events, (max(posted, arrival), seq, ri))
+                seq += 1
+            else:
+                mailbox.setdefault(tag, []).append(arrival)
+        elif t == "RECV":
+            tag = p.tag[i]
+            box = mailbox.get(tag)
+            if box:
+                push(events, (max(now, box.pop(0)), seq, i))
+                seq += 1
+            else:
+                waiting_recv.setdefault(tag, []).append((i, now))
+
+    def pump(s: str, now: float) -> None:
+        q = ready.get(s)
+        if q and not busy.get(s):
+            busy[s] = True
+            issue(pop(q), now)
+
+    for i in range(n):
+        if indeg[i] == 0:
+            s = streams[i]
+            if s is None:
+                issue(i, 0.0)
+            else:
+                push(ready.setdefault(s, []), i)
+    for s in list(ready):
+        pump(s, 0.0)
+
+    while events:
+        now, _, i = pop(events)
+        end[i] = now
+        touched = set()
+        s = streams[i]
+        if s is not None:
+            busy[s] = False
+            touched.add(s)
+        for c in children[i]:
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                cs = streams[c]
+                if cs is None:
+                    issue(c, now)
+                else:
+                    push(ready.setdefault(cs, []), c)
+                    touched.add(cs)
+        for s in touched:
+            pump(s, now)
+
+    stuck = [(p.name, p.ids[i]) for i in range(n) if end[i] < 0]
+    if stuck:
+        raise DeadlockError(f"{len(stuck)} node(s) never finished, e.g. {stuck[:3]}")
+    return Replay([start], [end], [max(end, default=0.0)])

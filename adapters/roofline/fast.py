@@ -29,6 +29,9 @@ from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import WAIT, AgentProgram, DeadlockError, Replay, replay
 from stage_cosim.adapters.roofline.fast_tail import NotAlone, TailState, exact, tail_replay
 from stage_cosim.adapters.roofline.network import NetworkModel
+from stage_cosim.adapters.roofline.run_cache import (
+    RunCache, active, environment, nodes_content, rows_content, run_key,
+)
 from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.result import BREAKDOWN_KEYS
@@ -152,6 +155,11 @@ def _simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel, sh
         return replay([prog], network, parts, single, share)
 
     stage_members = [_members(w, r) for r in reps]
+    # runs kept from earlier simulations (a search's; exact reuse, :mod:`.run_cache`)
+    kept = active() if share is None else None
+    env = environment(network, compute) if kept is not None else None
+    if env is None:
+        kept = None
     # Where each stage's groups lie, as far as the network's costs tell: stages placed alike
     # (every stage, when pp is the outermost axis) time a block of the same kind alike, so
     # it is simulated once for all of them (bitwise the same run). A network that cannot
@@ -169,14 +177,24 @@ def _simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel, sh
     for s, role in enumerate(roles):
 
         def standalone(rows: list[tuple], exits: list[int], sinks: list[int], _s=s, _role=role) -> _PassRun:
+            key = None
+            if kept is not None:
+                key = run_key(env, rows_content(rows), network, w.peer, reps[_s], stage_members[_s], waiting,
+                              tuple(exits), tuple(sinks))
+                run = kept.get(key)
+                if run is not None:
+                    return run
             prog = _program(f"stage{_s}", reps[_s], rows, [[d for d in r[2] if d >= 0] for r in rows], w, _role,
                             compute, network, durations, members=stage_members[_s])
             rep = run_one(prog)
             end = rep.end[0]
             done = max((end[i] for i in sinks), default=max(end, default=0.0))
             spans = list(intervals(prog.types, prog.kind, rep.start[0], end))
-            return _PassRun(rep.start[0], end, max((end[e] for e in exits), default=0.0), done,
-                            charge(spans, 0.0, done, waiting), _stream_use(prog, rep), spans)
+            run = _PassRun(rep.start[0], end, max((end[e] for e in exits), default=0.0), done,
+                           charge(spans, 0.0, done, waiting), _stream_use(prog, rep), spans)
+            if key is not None:
+                kept.put(key, run)
+            return run
 
         def segment_run(t, k: int, _standalone=standalone, _s=s) -> _PassRun:  # noqa: ANN001
             return _segment_run(t, k, _standalone, block_runs, placed_as[_s], _s)
@@ -233,7 +251,7 @@ def _simulate_fast(w: Workload, network: NetworkModel, compute: ComputeModel, sh
                         role, pl, t, ready, gather_runs[s], segment_runs[s], waiting, since=sinks_done[s])
                     if run is None:
                         run = _first_forward(w, role, s, reps[s], pl, t, ready, prologue[s], compute, network,
-                                             durations, run_one, waiting, since=sinks_done[s])
+                                             durations, run_one, waiting, since=sinks_done[s], kept=kept, env=env)
                     t0 = 0.0     # this run's times are absolute
                     if tail is not None and k < tails[s]:
                         tail.check_start(s, k, ready, free, with_gathers=True)
@@ -477,9 +495,10 @@ def _first_forward_composed(role: RoleGraph, pl, t, ready: float, gathers, segme
 
 def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready: float, prologue: list[int],  # noqa: ANN001
                    compute: ComputeModel, network: NetworkModel, durations: dict, run_one,  # noqa: ANN001
-                   waiting: str, since: float) -> _PassRun:
+                   waiting: str, since: float, kept: RunCache | None = None, env: Hashable = None) -> _PassRun:
     """The first forward of a chunk with the step-start parameter gathers running alongside:
-    absolute times from 0 (WAIT node 0 holds the pass back until ``ready``)."""
+    absolute times from 0 (WAIT node 0 holds the pass back until ``ready``); ``kept``: runs
+    kept from earlier simulations (``env``: their environment, :mod:`.run_cache`)."""
     gathers = [role.node(i) for i in prologue]
     npro = len(gathers)
     rows = t.rows
@@ -498,6 +517,14 @@ def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready
                 ds.append(0)  # the receive or the previous pass: both done by ``ready``
         deps.append(sorted(set(ds)))
     items = gathers + [role.node(i) for i in node_ids]
+    key = None
+    if kept is not None:
+        members = _members(w, rank)
+        key = run_key(env, nodes_content(items), network, w.peer, rank, members, waiting, "first", ready, since,
+                      tuple(map(tuple, deps)), tuple(t.exits), tuple(t.sinks))
+        run = kept.get(key)
+        if run is not None:
+            return run
     # dependencies are numbered in the whole program: the WAIT node 0, the gathers, the pass
     prog = _program(f"stage{s}", rank, items, deps, w, role, compute, network, durations, waits=[ready])
     rep = run_one(prog)
@@ -506,4 +533,7 @@ def _first_forward(w: Workload, role: RoleGraph, s: int, rank: int, pl, t, ready
     exit_t = max((end[e] for e in t.exits), default=ready)
     sinks = max((end[i] for i in t.sinks), default=max(end, default=ready))
     bd = _window_breakdown(prog, rep, since, sinks, waiting)
-    return _PassRun(start, end, exit_t, sinks, bd, _stream_use(prog, rep, skip=1 + npro))
+    run = _PassRun(start, end, exit_t, sinks, bd, _stream_use(prog, rep, skip=1 + npro))
+    if key is not None:
+        kept.put(key, run)
+    return run

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 
-from stage_cosim.adapters.roofline.compute import ComputeModel
+from stage_cosim.adapters.roofline.compute import ATTENTION_FLAVOURS, ComputeModel
 from stage_cosim.hardware.gpu import GPU, MATMUL_PEAKS, gpu_records
 
 
@@ -77,6 +77,32 @@ def hbm_Bps(part: str) -> float | None:
     rates = [float(r["bandwidth_tbps"]) * 1e12 for r in _table("hbm_bandwidth.csv")
              if r["gpu"] == part and r["kernel"] == "triad"]
     return max(rates) if rates else None
+
+
+#: The attention_microbench.csv rows each attention flavour's rates come from (implementation).
+FLAVOUR_ROWS = {"flashmla": "FlashMLA dense MLA decode"}
+
+
+@lru_cache(maxsize=None)
+def flavour_rates(flavour: str, arch: str) -> tuple[float | None, float | None]:
+    """(share of the BF16 tensor-core peak, share of the HBM peak) that attention ``flavour``'s
+    kernel measures on a GPU of ``arch`` (its best row of each: a compute-bound FLOP rate, a
+    memory-bound bandwidth), or None where no such GPU measured it. Shares, not rates: the
+    kernel is written for its architecture (FlashMLA: SM90), so an H100 or H200 runs it as the
+    H800 that measured it does, at their own peaks."""
+    by_part = {r.get("part"): r for r in gpu_records().values()}
+    compute = memory = None
+    for r in _table("attention_microbench.csv"):
+        rec = by_part.get(r["gpu"])
+        if r["implementation"] != FLAVOUR_ROWS[flavour] or rec is None or rec["arch"] != arch:
+            continue
+        if r["tflops"]:
+            share = float(r["tflops"]) / rec["bf16_tflops"]
+            compute = max(compute or 0.0, share)
+        if r["achieved_mem_gbps"]:
+            share = float(r["achieved_mem_gbps"]) / rec["hbm_GBps"]
+            memory = max(memory or 0.0, share)
+    return compute, memory
 
 
 def measured_rate(points: tuple[tuple[float, float], ...], flops: float) -> float:
@@ -132,6 +158,25 @@ class InferenceComputeModel(ComputeModel):
         """The measured STREAM triad rate, scaled to this GPU's HBM peak: every kernel of an
         inference step moves its bytes at it (the decode attention's KV cache above all:
         FlashMLA's memory-bound decode reaches 3,000 GB/s on an H800, about the triad)."""
+        return self._hbm
+
+    def attention_rate(self, fmt: str, keys: float = 0.0, rows: float = 0.0) -> float:
+        """A flavour's measured rate where its kernel was measured on this architecture (no shape
+        terms: FlashMLA splits the keys over the SMs itself, and its rows are the headline of a
+        long-context decode, the shape it serves); else the training model's fused attention."""
+        if fmt in ATTENTION_FLAVOURS:
+            share = flavour_rates(fmt, self.gpu.arch)[0]
+            if share is not None:
+                return share * self.gpu.peak_tflops(ATTENTION_FLAVOURS[fmt]) * 1e12
+        return super().attention_rate(fmt, keys, rows)
+
+    def attention_bandwidth(self, fmt: str) -> float:
+        """A flavour's measured bandwidth where its kernel was measured on this architecture (as
+        a share of the HBM peak); else the step's one measured rate."""
+        if fmt in ATTENTION_FLAVOURS:
+            share = flavour_rates(fmt, self.gpu.arch)[1]
+            if share is not None:
+                return share * self.gpu.hbm_GBps * 1e9
         return self._hbm
 
     def matmul_rate(self, flops: float, fmt: str) -> float:

@@ -175,6 +175,20 @@ class CalibratedNetwork:
         for all pipeline stages whose groups are placed alike)."""
         return len(members), self._shape(members)[0]
 
+    def cost_key(self, members: Sequence[int]) -> tuple:
+        """Everything the cost of any collective over ``members`` depends on besides its kind,
+        size and this network: the group's size, the domains it spans and, on a tiered
+        scale-out network, where its flows lie (what :meth:`timed` and :meth:`routed_all_to_all`
+        key their caches by). Equal keys: equal times, to the bit."""
+        k, _ = self._shape(members)
+        return len(members), k, self.contention.key(members) if self.contention is not None and k > 1 else None
+
+    @property
+    def identity(self) -> tuple:
+        """What this network's costs depend on besides each call's arguments (equal identities,
+        equal costs)."""
+        return type(self).__name__, self.cluster, self.algorithm, self.routing, self.concurrent
+
     def nvls_unavailable(self, members: Sequence[int]) -> str | None:
         """Why NVLS cannot run an all-reduce over ``members`` (None: it can)."""
         g, up = self.cluster.gpu, self.cluster.scale_up
@@ -283,12 +297,16 @@ class CalibratedNetwork:
             self._cache[key] = (max(inter, intra), "p2p")
         return self._cache[key][0]
 
+    def span(self, coll: str, nbytes: int, members: Sequence[int], kind: str = "") -> float:
+        """How long ``coll`` takes from the last member's issue to every member's finish (its
+        communicator group's ``kind`` says whether it is the routed dispatch)."""
+        if coll == "ALL_TO_ALL" and kind == ROUTED_KIND and self.routing is not None:
+            return self.routed_all_to_all(nbytes, members)
+        return self.duration(coll, nbytes, members)
+
     def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float],
                    kind: str = "") -> list[float]:
-        if coll == "ALL_TO_ALL" and kind == ROUTED_KIND and self.routing is not None:
-            end = max(starts) + self.routed_all_to_all(nbytes, members)
-        else:
-            end = max(starts) + self.duration(coll, nbytes, members)
+        end = max(starts) + self.span(coll, nbytes, members, kind)
         return [end] * len(members)
 
     def p2p(self, src: int, dst: int, nbytes: int) -> tuple[float, float]:

@@ -14,8 +14,10 @@ from stage_cosim.adapters.roofline.breakdown import step_breakdown
 from stage_cosim.adapters.roofline.compute import ComputeModel
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay, replay
 from stage_cosim.adapters.roofline.kernels import step_compute_model
+from stage_cosim.adapters.roofline.measured_allreduce import step_network
 from stage_cosim.adapters.roofline.network import ALGORITHMS, NETWORK_MODELS, CalibratedNetwork, NetworkModel
 from stage_cosim.adapters.roofline.routing import TokenRouting
+from stage_cosim.adapters.roofline.run_cache import active, environment, step_key
 from stage_cosim.errors import UserError
 from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.model.params import parameter_counts
@@ -74,19 +76,10 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
             return a
 
     durations: dict[tuple[int, int, bool, bool, int], float] = {}
-
-    def duration(n) -> float:  # noqa: ANN001
-        attention = n.category in ATTENTION_KINDS
-        key = (n.flops, n.mem_bytes, n.matmul, attention, n.groups, n.keys)
-        d = durations.get(key)
-        if d is None:
-            d = durations[key] = compute.duration_s(n.flops, n.mem_bytes, n.matmul, attention, n.groups, n.keys)
-        return d
-
     participants: dict[Hashable, int] = {}
     programs = []
     # what every rank of a stage runs alike (shared by its ranks' programs: a replay of every
-    # rank holds one copy per stage, not per rank)
+    # rank holds one copy per stage, not per rank), and its communication nodes
     columns: dict[int, tuple] = {}
     for a, rank in enumerate(reps):
         role = w.role(w.role_of(rank))
@@ -99,34 +92,43 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
             else:
                 groups[kind] = (kind, w.group_id(rank, kind))
                 participants[groups[kind]] = len({agent_of_rank(r) for r in members})
-        n = len(role.nodes)
+        n = role.num_nodes
         shared = columns.get(role.stage)
         if shared is None:
             types, deps, dur, kind_of, coll = [], [], [0.0] * n, [""] * n, [None] * n
             nbytes, tag = [0] * n, [0] * n
-            for i, node in enumerate(role.nodes):
-                types.append(node.type)
-                deps.append(node.deps + node.ctrl if node.ctrl else node.deps)
-                if node.type == COMP:
-                    dur[i] = duration(node)
+            comm: list[tuple[int, str, str, int]] = []
+            # (the nodes' columns, without creating the nodes of the passes)
+            for i, (typ, ds, flops, mem, matmul, cat, ngroups, keys, c, cbytes, group, peer, tg) in enumerate(
+                    role.replay_rows()):
+                types.append(typ)
+                deps.append(ds)
+                if typ == COMP:
+                    attention = cat in ATTENTION_KINDS
+                    key = (flops, mem, matmul, attention, ngroups, keys)
+                    d = durations.get(key)
+                    if d is None:
+                        d = durations[key] = compute.duration_s(flops, mem, matmul, attention, ngroups, keys)
+                    dur[i] = d
                     continue
-                nbytes[i] = node.comm_bytes
-                kind_of[i] = node.group
-                if node.type == COLL:
-                    coll[i] = node.coll.value
+                nbytes[i] = cbytes
+                kind_of[i] = group
+                comm.append((i, typ, group, peer))
+                if typ == COLL:
+                    coll[i] = c.value
                 else:
-                    tag[i] = node.tag
-            shared = columns[role.stage] = (types, deps, dur, kind_of, coll, nbytes, tag)
-        types, deps, dur, kind_of, coll, nbytes, tag = shared
+                    tag[i] = tg
+            shared = columns[role.stage] = (types, deps, dur, kind_of, coll, nbytes, tag, comm)
+        types, deps, dur, kind_of, coll, nbytes, tag, comm = shared
         prog = AgentProgram(name=f"stage{role.stage}" if symmetric else f"rank{rank}", rank=rank,
                             ids=range(n), types=types, deps=deps, duration=dur, kind=kind_of,  # type: ignore[arg-type]
                             coll=coll, nbytes=nbytes, peer=[-1] * n, tag=tag, group=[None] * n, members=[None] * n)
-        for i, node in enumerate(role.nodes):
-            if node.type == COLL:
-                prog.group[i] = groups[node.group]
-                prog.members[i] = members_of[node.group]
-            elif node.type != COMP:
-                peer = w.peer(rank, node.peer, node.group)
+        for i, typ, group, peer_delta in comm:
+            if typ == COLL:
+                prog.group[i] = groups[group]
+                prog.members[i] = members_of[group]
+            else:
+                peer = w.peer(rank, peer_delta, group)
                 prog.peer[i] = agent_of_rank(peer)
                 prog.peer_rank[i] = peer
         programs.append(prog)
@@ -208,7 +210,7 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     with gc_paused():
-        network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo)
+        network = step_network(make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo), cluster, w.inference is not None)
         if progress is not None:
             progress("building the stages' graphs", 0, 1)
         proven = w.parallel.pp < w.world_size and stages_symmetric(
@@ -244,7 +246,7 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
                        nccl_algo: str = "auto") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     # inference steps: the serving kernel model (the measured GEMMs), as serve-sim prices them
     compute = step_compute_model(cluster.gpu, w.inference is not None)
-    network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo)
+    network = step_network(make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo), cluster, w.inference is not None)
     if exact is None:
         # The pass-level fast path times each pass as if it started on idle streams; ZeRO-3's
         # parameter gathers prefetch across passes, which a pipeline's interleaved passes turn
@@ -253,7 +255,15 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
         exact = not symmetric or (w.parallel.zero >= 3 and w.parallel.pp > 1)
     par = w.parallel
     rep = programs = None
-    if exact:
+    # a search's candidates whose graphs are the same but for names (recomputation that
+    # changes nothing on this model, ...) time alike: the timings are kept (:mod:`.run_cache`)
+    kept = active()
+    env = environment(network, compute) if kept is not None else None
+    key = step_key(w, env, symmetric, exact) if env is not None else None
+    found = kept.get(key) if key is not None else None
+    if found is not None:
+        finish_of, bd_of, step = found[0], {s: dict(bd) for s, bd in found[1].items()}, found[2]
+    elif exact:
         programs, participants, agent_of_rank = _programs(w, compute, symmetric)
         rep = replay(programs, network, participants, agent_of_rank)
         finish_of = {w.role_of(p.rank): rep.finish[a] for a, p in enumerate(programs)}
@@ -271,6 +281,9 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
         finish_of = dict(enumerate(finishes))
         bd_of = dict(enumerate(totals))
         step = max(finishes)
+    if key is not None and found is None:
+        kept.put(key, (dict(finish_of), {s: dict(bd) for s, bd in bd_of.items()}, step), size=sum(
+            role.num_nodes for role in w.roles) // 100 + 1)
     result = step_result(w, cluster, network_model, symmetric, exact, finish_of, bd_of, step)
     if nccl_algo != "auto":
         result.config["nccl_algo"] = nccl_algo      # what --nccl-algo forced

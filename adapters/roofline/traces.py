@@ -285,6 +285,7 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     loaded = load(directory, cluster, comm_groups)
     ts = loaded.ts
     from stage_cosim.adapters.roofline.kernels import step_compute_model
+    from stage_cosim.adapters.roofline.measured_allreduce import step_network
 
     # an inference step's traces (their manifest says so): the serving kernel model, as simulate prices them
     compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")))
@@ -293,7 +294,8 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, loaded.kinds, symmetric,
                                                            send_kinds(loaded.manifest))
     try:
-        network = CalibratedNetwork(cluster, routing=TokenRouting.of_manifest(loaded.manifest))
+        network = step_network(CalibratedNetwork(cluster, routing=TokenRouting.of_manifest(loaded.manifest)), cluster,
+                               bool((loaded.manifest or {}).get("inference")))
         rep = replay(programs, network, participants, agent_of_rank)
     except DeadlockError as exc:
         raise UserError("traces", f"the traces never finish: {exc}") from None

@@ -132,6 +132,8 @@ def _latent_attention(b: BlockBuilder, x: Tensor, a: ArchSwitches, absorb: bool 
         (q,) = b.view("join_q", [q_latent, q_rope], ["bsgy"], ["q_absorbed"])
         # the latent serves as the keys' non-rotary part and as the values
         ctx = b.attention("attention", q, k_rope, latent, causal=a.causal_flops)
+        # its kernel is FlashMLA's, with rates of its own (adapters/roofline/compute.py's flavours)
+        b.ops[-1].precision = "flashmla"
         ctx = b.einsum("v_absorb", "bsgm,mgd->bsgd", ctx, up_v)
     else:
         ctx = b.attention("attention", q, k, v, causal=a.causal_flops, rotary_key=k_rope)

@@ -12,7 +12,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator
 
 from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.schedule.pipeline import Pass
@@ -139,6 +139,41 @@ class RoleGraph:
         if self._deferred.pop(d.base, None) is not None:
             place_deferred(self._nodes, d)
 
+    def replay_rows(self) -> Iterator[tuple]:
+        """Every node in id order as (type, its dependencies then its schedule order, FLOPs,
+        memory bytes, matmul, category, groups, keys, collective, communication bytes, group,
+        peer, tag) — what a replay reads of it — without creating the nodes of passes not
+        created yet (:func:`deferred_rows`)."""
+        nodes, deferred = self._nodes, self._deferred
+        i, n = 0, len(nodes)
+        while i < n:
+            node = nodes[i]
+            if node is None:        # the first node of a pass not created yet
+                d = deferred[i]
+                yield from deferred_rows(d)
+                i += d.template.num_rows
+                continue
+            yield (node.type, node.deps + node.ctrl if node.ctrl else node.deps, node.flops, node.mem_bytes,
+                   node.matmul, node.category, node.groups, node.keys, node.coll, node.comm_bytes, node.group,
+                   node.peer, node.tag)
+            i += 1
+
+    def layout_key(self, template_key: Callable[["PassTemplate"], Hashable]) -> tuple:
+        """What the graph is, names aside: every created node's content and dependencies, where
+        each pass not created yet goes and what it places (``template_key(t)`` says what
+        template ``t`` holds), the placed passes, where the step end begins. Graphs with equal
+        keys differ at most in their nodes' names, phases, micro-batch and chunk numbers and
+        block labels (and model FLOPs): what a simulator times is the same."""
+        created = tuple((n.id, n.type, tuple(n.deps), tuple(n.ctrl), n.flops, n.mem_bytes, n.matmul, n.coll,
+                         n.comm_bytes, n.group, n.category, n.groups, n.peer, n.tag, n.keys)
+                        for n in self._nodes if n is not None)
+        deferred = tuple((d.base, template_key(d.template), tuple(d.entry), tuple(d.chain), tuple(d.ctrl),
+                          tuple(sorted((j, tuple(v)) for j, v in d.params.items())), d.tag_base)
+                         for _, d in sorted(self._deferred.items()))
+        passes = tuple((template_key(self.templates[p.template]), p.base, p.recv, p.send, p.param_deps)
+                       for p in self.passes)
+        return len(self._nodes), self.step_end_start, created, deferred, passes
+
     def compute_totals(self) -> tuple[int, int, int]:
         """(executed FLOPs, model FLOPs, matmul FLOPs) of the compute nodes, without creating them."""
         executed = model = matmul = 0
@@ -203,6 +238,26 @@ class DeferredPass:
     tag_base: int = 0          # added to the template's send/recv tags
 
 
+def _marked_deps(rel: tuple, base: int, entry: list[int], chain: list[int], ctrl: list[int],
+                 params: dict) -> tuple[list[int], list[int]]:
+    """A template row's dependencies when it names markers (the pass's entry, its chain, its
+    control edges, a parameter's producers) besides rows of its own pass: (deps, control deps)."""
+    deps: list[int] = []
+    node_ctrl: list[int] = []
+    for r in rel:
+        if r >= 0:
+            deps.append(base + r)
+        elif r == ENTRY:
+            deps.extend(entry)
+        elif r == CHAIN:
+            deps.extend(chain)
+        elif r == CTRL:
+            node_ctrl = ctrl
+        else:
+            deps.extend(params.get(PARAMS - r, ()))
+    return deps, node_ctrl
+
+
 def place_deferred(nodes: list[Node | None], d: DeferredPass) -> None:
     """Create a pass's nodes in their reserved slots. (The hot loop of synthesis.)"""
     base, entry, chain, ctrl, params = d.base, d.entry, d.chain, d.ctrl, d.params
@@ -212,18 +267,7 @@ def place_deferred(nodes: list[Node | None], d: DeferredPass) -> None:
             keys) in enumerate(d.template.rows):
         node_ctrl: list[int] = []
         if rel and rel[0] < 0:   # markers sort first
-            deps = []
-            for r in rel:
-                if r >= 0:
-                    deps.append(base + r)
-                elif r == ENTRY:
-                    deps.extend(entry)
-                elif r == CHAIN:
-                    deps.extend(chain)
-                elif r == CTRL:
-                    node_ctrl = ctrl
-                else:
-                    deps.extend(params.get(PARAMS - r, ()))
+            deps, node_ctrl = _marked_deps(rel, base, entry, chain, ctrl, params)
         else:
             deps = [base + r for r in rel]
         n = new(Node)
@@ -233,3 +277,18 @@ def place_deferred(nodes: list[Node | None], d: DeferredPass) -> None:
         n.phase, n.micro_batch, n.chunk, n.block, n.category = phase, micro_batch, chunk, label, cat
         n.groups, n.keys = groups, keys
         nodes[base + i] = n
+
+
+def deferred_rows(d: DeferredPass) -> Iterator[tuple]:
+    """:meth:`RoleGraph.replay_rows` of a pass not created yet: what :func:`place_deferred`
+    would make of each row, without the node."""
+    base, entry, chain, ctrl, params, tag_base = d.base, d.entry, d.chain, d.ctrl, d.params, d.tag_base
+    for (_, typ, rel, flops, _, mem, matmul, coll, cbytes, group, cat, _, _, groups, peer, tag,
+         keys) in d.template.rows:
+        node_ctrl: list[int] = []
+        if rel and rel[0] < 0:   # markers sort first
+            deps, node_ctrl = _marked_deps(rel, base, entry, chain, ctrl, params)
+        else:
+            deps = [base + r for r in rel]
+        yield (typ, deps + node_ctrl if node_ctrl else deps, flops, mem, matmul, cat, groups, keys, coll, cbytes,
+               group, peer, tag + tag_base if peer else 0)

@@ -19,7 +19,10 @@ from stage_cosim.schedule.nodes import (
     DeferredPass, BlockInstance,
 )
 from stage_cosim.schedule.pipeline import BACKWARD, Layout, Pass, schedule_order
-from stage_cosim.schedule.templates import pass_template, PassTemplate, split_backward, two_batch
+from stage_cosim.schedule.template_cache import (
+    cached_pass_template as pass_template, cached_split_backward as split_backward, cached_two_batch as two_batch,
+)
+from stage_cosim.schedule.templates import PassTemplate
 from stage_cosim.sharding.placement import Collective
 
 if TYPE_CHECKING:          # the compiled blocks (sympy) are only handed through here

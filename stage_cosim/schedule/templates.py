@@ -118,31 +118,30 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
     chunk i of the reduce-scatter only for chunk i of the GEMM), so transfer and compute overlap.
 
     Returns the new rows and, per old row, the first and last new row standing for it."""
-    consumers: dict[int, list[int]] = {}
-    for j, r in enumerate(rows):
-        for d in r[2]:
-            if d >= 0:
-                consumers.setdefault(d, []).append(j)
+    gathers = {j for j, r in enumerate(rows) if r[1] == COLL and r[9] == "tp" and r[7] == Collective.ALL_GATHER}
+    consumers: dict[int, list[int]] = {}      # (of the all-gathers only: nothing else asks)
+    if gathers:
+        for j, r in enumerate(rows):
+            for d in r[2]:
+                if d in gathers:
+                    consumers.setdefault(d, []).append(j)
 
     def gemm(j: int) -> bool:
         return rows[j][1] == COMP and rows[j][6]
 
-    def tp_coll(j: int, kind: Collective) -> bool:
-        return rows[j][1] == COLL and rows[j][9] == "tp" and rows[j][7] == kind
-
     split: set[int] = set()
     feeds: dict[int, list[int]] = {}     # gemm -> split all-gathers it reads
     fed_by: dict[int, int] = {}          # split reduce-scatter -> the gemm it reads
-    for j in range(len(rows)):
-        if tp_coll(j, Collective.ALL_GATHER):
+    for j, r in enumerate(rows):
+        if j in gathers:
             gemms = [c for c in consumers.get(j, []) if gemm(c)]
             if gemms:
                 split.add(j)
                 split.update(gemms)
                 for g in gemms:
                     feeds.setdefault(g, []).append(j)
-        elif tp_coll(j, Collective.REDUCE_SCATTER):
-            producers = [d for d in rows[j][2] if d >= 0 and gemm(d)]
+        elif r[1] == COLL and r[9] == "tp" and r[7] == Collective.REDUCE_SCATTER:
+            producers = [d for d in r[2] if d >= 0 and gemm(d)]
             if len(producers) == 1:
                 split.update((j, producers[0]))
                 fed_by[j] = producers[0]
@@ -156,27 +155,39 @@ def _pipeline_tp(rows: list[tuple], k: int) -> tuple[list[tuple], list[int], lis
         pos += k if j in split else 1
         last.append(pos - 1)
 
-    def chunk(j: int, i: int) -> int:
-        return first[j] + i if j in split else last[j]
-
+    suffixes = [f"#{i + 1}/{k}" for i in range(k)]
     out: list[tuple] = []
+    append = out.append
     for j, r in enumerate(rows):
-        name, typ, deps, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups, peer, tag, keys = r
+        deps = r[2]
         if j not in split:
-            out.append((name, typ, tuple(sorted({d if d < 0 else last[d] for d in deps})), *r[3:]))
+            append((r[0], r[1], tuple(sorted({d if d < 0 else last[d] for d in deps})), *r[3:]))
             continue
+        name, typ, _, flops, mflops, mem, matmul, coll, cbytes, group, cat, phase, label, groups, peer, tag, keys = r
+        # every chunk's share (the same for each)
+        f, mf, me, cb = ceil_int(flops / k), ceil_int(mflops / k), ceil_int(mem / k), ceil_int(cbytes / k)
+        if typ == COMP:
+            fed = feeds.get(j, ())
+            rest = {d if d < 0 else last[d] for d in deps if d not in fed}
+        elif j in fed_by:
+            producer = fed_by[j]
+            rest = {d if d < 0 else last[d] for d in deps if d != producer}
+        else:
+            rest = {d if d < 0 else last[d] for d in deps}
         for i in range(k):
+            # chunk i waits for chunk i of what it is split with (all-gathers feeding a GEMM, the
+            # GEMM feeding a reduce-scatter), its own chunk before, and (the first, or every
+            # chunk of a GEMM) what the row waited for otherwise
             if typ == COMP:
-                ds = {chunk(d, i) if d in feeds.get(j, ()) else (d if d < 0 else last[d]) for d in deps}
+                ds = rest | {first[d] + i for d in fed}
             elif j in fed_by:
-                ds = {chunk(fed_by[j], i)} | ({d if d < 0 else last[d] for d in deps if d != fed_by[j]} if i == 0 else set())
+                ds = {first[producer] + i} | (rest if i == 0 else set())
             else:
-                ds = {d if d < 0 else last[d] for d in deps} if i == 0 else set()
+                ds = set(rest) if i == 0 else set()
             if i > 0:
                 ds.add(first[j] + i - 1)
-            out.append((f"{name}#{i + 1}/{k}", typ, tuple(sorted(ds)), ceil_int(flops / k), ceil_int(mflops / k),
-                        ceil_int(mem / k), matmul, coll, ceil_int(cbytes / k), group, cat, phase, label, groups, peer, tag,
-                        keys))
+            append((name + suffixes[i], typ, tuple(sorted(ds)), f, mf, me, matmul, coll, cb, group, cat, phase, label,
+                    groups, peer, tag, keys))
     return out, first, last
 
 

@@ -129,12 +129,14 @@ def _pricer(compute, matmul: str, attention: bool, key_share: float  # noqa: ANN
     A fused attention kernel (the one every step prices) is ComputeModel's attention roofline
     with its per-GPU constants taken out of the step's loop; the same operations in the same
     order, so the same bits (a test holds it to ``duration_s``)."""
-    from stage_cosim.adapters.roofline.compute import ComputeModel, matmul_format
+    from stage_cosim.adapters.roofline.compute import ATTENTION_FLAVOURS, ComputeModel, matmul_format
     from stage_cosim.adapters.roofline.kernels import InferenceComputeModel
 
     duration = compute.duration_s
-    # (the serving model prices fused attention as the training model does)
-    if not attention or type(compute) not in (ComputeModel, InferenceComputeModel):
+    # (the serving model prices fused attention as the training model does; a flavour with a
+    # kernel rate of its own, FlashMLA's, through the model itself)
+    if (not attention or type(compute) not in (ComputeModel, InferenceComputeModel)
+            or matmul_format(matmul) in ATTENTION_FLAVOURS):
         def price(flops: float, nbytes: float, groups: float, w: float) -> float:
             return duration(ceil_int(flops), ceil_int(nbytes), matmul, attention, max(1, round(groups)),
                             ceil_int(w * key_share))
@@ -173,6 +175,7 @@ class StepTimer:
         from stage_cosim.adapters.roofline.routing import TokenRouting
         from stage_cosim.adapters.roofline.simulate import make_network
         from stage_cosim.adapters.roofline.kernels import step_compute_model
+        from stage_cosim.adapters.roofline.measured_allreduce import step_network
 
         require(0 <= resolution < 1, "step-resolution", f"must be in [0, 1), got {resolution!r}")
         self.model = model
@@ -186,7 +189,10 @@ class StepTimer:
         # kernel model of every inference step (simulate --phase prices the same step the same)
         self._compute = step_compute_model(cluster.gpu, inference=True)
         # the routed tokens' deduplication as ``simulate --phase`` prices it (a flex dispatcher)
-        self._network = make_network(network_model, cluster, TokenRouting.of(model, parallel))
+        # with its one-domain all-reduces at the GPU's measured nccl-tests sweep (reduce-scatters and
+        # all-gathers at half of it), as simulate --phase
+        self._network = step_network(make_network(network_model, cluster, TokenRouting.of(model, parallel)),
+                                     cluster, True)
         self._simulated: dict[tuple, float] = {}
         self._pars: dict[int, ParallelConfig] = {}
         self._kernels: dict[bool, list[_AttentionKernel]] = {}    # by decode-only (latent attention absorbed)
