@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from stage_cosim.adapters.roofline.network import NetworkModel
 
@@ -148,13 +148,8 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
             g = p.group[i]
             if span is not None and participants.get(g, 1) == 1 and i not in p.involved:
                 # one agent stands for every member: the network's collective of equal starts
-                # ends a span after them (looked up once per distinct collective)
-                members = p.members[i] or (p.rank,)
-                key = (p.coll[i], p.nbytes[i], id(members), p.kind[i])
-                d = spans.get(key)
-                if d is None:
-                    d = spans[key] = span(p.coll[i], p.nbytes[i], members, p.kind[i])
-                push(now + d, a, i)
+                # ends a span after them
+                push(now + _span_of(p, i, span, spans), a, i)
                 return
             k = issued_on[a].get(g, 0)
             issued_on[a][g] = k + 1
@@ -260,6 +255,17 @@ def replay(programs: Sequence[AgentProgram], network: NetworkModel, participants
 
 # -- one agent on its own ----------------------------------------------------------------------
 
+def _span_of(p: AgentProgram, i: int, span: Callable[..., float], spans: dict[tuple, float]) -> float:
+    """The network's ``span`` of collective node ``i`` issued by every member at once, looked up
+    once per distinct collective of a replay (``spans``)."""
+    members = p.members[i] or (p.rank,)
+    key = (p.coll[i], p.nbytes[i], id(members), p.kind[i])
+    d = spans.get(key)
+    if d is None:
+        d = spans[key] = span(p.coll[i], p.nbytes[i], members, p.kind[i])
+    return d
+
+
 def _alone(p: AgentProgram, network: NetworkModel, participants: dict[Hashable, int]) -> bool:
     """Whether :func:`_replay_alone` replays ``p`` as :func:`replay` does: one agent whose every
     collective has no other participant, messages only to itself, no dimensions named per
@@ -308,12 +314,7 @@ def _replay_alone(p: AgentProgram, network: NetworkModel) -> Replay:
             push(events, (now + duration[i], seq, i))
             seq += 1
         elif t == "COLL":
-            members = p.members[i] or (p.rank,)
-            key = (p.coll[i], p.nbytes[i], id(members), p.kind[i])
-            d = spans.get(key)
-            if d is None:
-                d = spans[key] = span(p.coll[i], p.nbytes[i], members, p.kind[i])
-            push(events, (now + d, seq, i))
+            push(events, (now + _span_of(p, i, span, spans), seq, i))
             seq += 1
         elif t == "SEND":
             busy_for, delay = network.p2p(p.rank, p.peer_rank.get(i, p.rank), p.nbytes[i])

@@ -125,9 +125,6 @@ class MeasuredAllReduce:
 
     def collective(self, coll: str, nbytes: int, members: Sequence[int], starts: Sequence[float],
                    kind: str = "", **_: Any) -> list[float]:
-        if coll == "ALL_REDUCE":
-            end = max(starts) + self.duration(coll, nbytes, members)
-            return [end] * len(members)
         ends = self._net.collective(coll, nbytes, members, starts, kind=kind)
         floor = self.floor(coll, nbytes, members)
         if floor <= 0.0:

@@ -43,15 +43,18 @@ class Simulation(NamedTuple):
 
 
 def make_network(name: str, cluster: Cluster, routing: TokenRouting | None = None,
-                 nccl_algo: str = "auto") -> NetworkModel:
+                 nccl_algo: str = "auto", inference: bool = False) -> NetworkModel:
     """The network model the event-driven engine runs with (the ``astra`` model runs ASTRA-sim's
     own replay instead: :mod:`stage_cosim.adapters.astra_sim.simulate`); ``routing``: the
     workload's routed tokens where its dispatcher deduplicates them (:class:`TokenRouting`);
-    ``nccl_algo``: the all-reduce algorithm (NCCL_ALGO's role, ``ALGORITHMS``)."""
+    ``nccl_algo``: the all-reduce algorithm (NCCL_ALGO's role, ``ALGORITHMS``); ``inference``: an
+    inference step's network, its one-domain collectives no faster than the GPU's measured
+    nccl-tests sweep (:func:`.measured_allreduce.step_network`), as ``step_compute_model``
+    gives an inference step its measured kernels."""
     if name == "calibrated":
         if nccl_algo not in ALGORITHMS:
             raise UserError("nccl-algo", f"must be one of {', '.join(ALGORITHMS)}, got {nccl_algo!r}")
-        return CalibratedNetwork(cluster, algorithm=nccl_algo, routing=routing)
+        return step_network(CalibratedNetwork(cluster, algorithm=nccl_algo, routing=routing), cluster, inference)
     raise UserError("network-model", f"must be one of {', '.join(NETWORK_MODELS)}, got {name!r}")
 
 
@@ -210,7 +213,8 @@ def simulate_every_rank(w: Workload, cluster: Cluster, network_model: str = "cal
     check_fits(cluster, w.mesh, w.meshes.get("expert"))
     w.check_gpu(cluster.gpu)
     with gc_paused():
-        network = step_network(make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo), cluster, w.inference is not None)
+        network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo,
+                               inference=w.inference is not None)
         if progress is not None:
             progress("building the stages' graphs", 0, 1)
         proven = w.parallel.pp < w.world_size and stages_symmetric(
@@ -246,7 +250,8 @@ def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmet
                        nccl_algo: str = "auto") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     # inference steps: the serving kernel model (the measured GEMMs), as serve-sim prices them
     compute = step_compute_model(cluster.gpu, w.inference is not None)
-    network = step_network(make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo), cluster, w.inference is not None)
+    network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo,
+                               inference=w.inference is not None)
     if exact is None:
         # The pass-level fast path times each pass as if it started on idle streams; ZeRO-3's
         # parameter gathers prefetch across passes, which a pipeline's interleaved passes turn

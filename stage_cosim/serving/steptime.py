@@ -175,7 +175,6 @@ class StepTimer:
         from stage_cosim.adapters.roofline.routing import TokenRouting
         from stage_cosim.adapters.roofline.simulate import make_network
         from stage_cosim.adapters.roofline.kernels import step_compute_model
-        from stage_cosim.adapters.roofline.measured_allreduce import step_network
 
         require(0 <= resolution < 1, "step-resolution", f"must be in [0, 1), got {resolution!r}")
         self.model = model
@@ -191,8 +190,7 @@ class StepTimer:
         # the routed tokens' deduplication as ``simulate --phase`` prices it (a flex dispatcher)
         # with its one-domain all-reduces at the GPU's measured nccl-tests sweep (reduce-scatters and
         # all-gathers at half of it), as simulate --phase
-        self._network = step_network(make_network(network_model, cluster, TokenRouting.of(model, parallel)),
-                                     cluster, True)
+        self._network = make_network(network_model, cluster, TokenRouting.of(model, parallel), inference=True)
         self._simulated: dict[tuple, float] = {}
         self._pars: dict[int, ParallelConfig] = {}
         self._kernels: dict[bool, list[_AttentionKernel]] = {}    # by decode-only (latent attention absorbed)
