@@ -457,3 +457,21 @@ def test_optimize_emits_the_winner_as_nemo_overrides(run_cli) -> None:
     text = out.split("# NeMo 2 overrides", 1)[1]
     assert "trainer.strategy.tensor_model_parallel_size=" in text
     assert all(shlex.split(line.rstrip("\\"))[0].count("=") >= 1 for line in text.splitlines()[1:] if line)
+
+
+def test_optimize_for_a_launch_searches_only_the_schedules_its_framework_runs(run_cli) -> None:
+    # Megatron-Core runs 1F1B and interleaved 1F1B only: a search for its launch must not answer
+    # with a DualPipe or zero-bubble winner it then refuses to write
+    args = ("optimize", "--model", "llama3-8b", "--layers", "8", "--cluster", "dgx-h100:8", "--global-batch", "32",
+            "--seq-len", "1024", "--quiet", "--json", "--top", "200")
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    free = json.loads(out)
+    assert {t["config"]["parallel"]["schedule"] for t in free["top"]} - {"1f1b", "interleaved"}, \
+        "the unrestricted search should rank some other schedule here (else this test shows nothing)"
+    code, out, err = run_cli(*args, "--emit", "megatron")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["space_size"] * 3 == free["space_size"]      # 1f1b of (1f1b, zb-h1, dualpipe)
+    assert {t["config"]["parallel"]["schedule"] for t in doc["top"]} <= {"1f1b", "interleaved"}
+    assert "launch" in doc

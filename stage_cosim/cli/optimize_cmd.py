@@ -12,6 +12,7 @@ import click
 from tqdm import tqdm
 
 from stage_cosim.cli.emit import emit_option, print_launch, try_launch
+from stage_cosim.launch.frameworks import SEARCHED_SCHEDULES
 from stage_cosim.cli.optimize_serve import SERVE_FLAGS, serve_options
 from stage_cosim.cli.options import (
     PRECISION_FLAGS, cluster_option, software_option, model_options, network_model_option, precision_options,
@@ -303,8 +304,10 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
     precision = {k: kw.pop(k) for k in PRECISION_FLAGS}
     _check_fixed_precision(precision, c.gpu)
     get_software(software)                               # an unknown profile: one line, before the search
+    # a launch to write: only the schedules its framework runs (the best found must be one)
     space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp,
-                          precision=precision, fixed={"software": software} if software else None)
+                          precision=precision, fixed={"software": software} if software else None,
+                          overrides={"schedule": SEARCHED_SCHEDULES[target]} if target else None)
     show = not quiet and sys.stderr.isatty()
     with tqdm(disable=not show, unit="eval", desc="optimize", dynamic_ncols=True) as bar:
         def progress(p: dict) -> None:
