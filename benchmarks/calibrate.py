@@ -4,8 +4,6 @@
     python benchmarks/calibrate.py --write         # and store it in the GPU records (hardware/data/gpus)
     python benchmarks/calibrate.py --family A100   # one family
     python benchmarks/calibrate.py --loo           # also leave-one-out per end-to-end row (slow)
-    python benchmarks/calibrate.py --training-factor gemm|tensor-core
-        # an experiment, never written: one factor on the tensor cores' microbenchmark rates
     python benchmarks/calibrate.py --family H100 --sm-sharing
         # an experiment, never written: the end-to-end fit with SM sharing between
         # collectives and compute on (adapters/roofline/comm_sms.py)
@@ -15,14 +13,19 @@
    HBM streaming (BabelStream) -> memory_efficiency; GEMM sweeps (cuBLASLt, DeepGEMM) ->
    the GEMM efficiency and its small-GEMM half size per dtype; NCCL ring bus bandwidth in one
    node -> scale_up_efficiency, across nodes -> scale_out_efficiency; FlashAttention-2 ->
-   attention_efficiency. Each file's error per row is printed (rows outside the model's scope
-   are counted and named, not fitted).
-2. **End to end, only what no microbenchmark pins**: the fixed cost per kernel, and where a
-   family lacks a component measurement (H100 has no BF16 GEMM sweep, no InfiniBand NCCL table,
-   and its runs use cuDNN's fused attention, not FlashAttention-2) that component, bounded by
-   what the microbenchmarks do say (the BF16 GEMM at most the best shape's efficiency; cuDNN
-   attention at least FlashAttention-2's). One parameter set for all the family's rows, each
-   row run with its published layout alone (its software profile's defaults for the rest).
+   a floor for attention_efficiency; the kernel the family's end-to-end runs use (H100: cuDNN's
+   causal fused attention, forward and backward, from the FlashAttention-3 paper's comparison)
+   -> attention_efficiency and attention_half_keys. Each file's error per row is printed (rows
+   outside the model's scope are counted and named, not fitted).
+2. **End to end, only what no microbenchmark pins**: the fixed cost per kernel; the training
+   factor, the share of their microbenchmark rates that the tensor-core kernels (GEMMs of both
+   formats, fused attention) keep in a training step (one for all: a GPU below its
+   microbenchmark clocks under a sustained load; where no BF16 sweep exists, as on H100, the
+   BF16 rate is the MAMF search's best shape); and where a family lacks a component measurement
+   (H100 has no InfiniBand NCCL table) that component, bounded by what the microbenchmarks do
+   say (attention at least FlashAttention-2's where the runs' own kernel is not measured). One
+   parameter set for all the family's rows, each row run with its published layout alone (its
+   software profile's defaults for the rest).
 3. **Held out**: leave-one-source-out (refit without a source, predict it) where a family has
    several sources, leave-one-out per row with --loo; and a last line ``parameters on a bound:
    N``. A parameter on its bound is a mechanism the model lacks, not a bound to widen.
@@ -62,14 +65,21 @@ FAMILIES = ("A100", "H100", "B200")
 PRESET_OF_FAMILY = {"A100": "A100-80GB", "H100": "H100-SXM", "B200": "B200"}
 PARAMS = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "memory_efficiency",
           "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency",
-          "fp8_matmul_efficiency", "fp8_matmul_half_flops")
+          "fp8_matmul_efficiency", "fp8_matmul_half_flops", "attention_half_keys")
 # Physical ranges: an efficiency is a fraction of a peak; a half size between a tiny and a huge
 # kernel; a fixed cost per kernel between nothing and a slow launch.
 BOUNDS = {"matmul_efficiency": (0.3, 1.0), "matmul_half_flops": (1e7, 1e12), "attention_efficiency": (0.1, 1.0),
           "memory_efficiency": (0.5, 1.0), "kernel_overhead_us": (0.0, 20.0), "scale_up_efficiency": (0.3, 1.0),
           "scale_out_efficiency": (0.3, 1.0), "fp8_matmul_efficiency": (0.3, 1.0),
-          "fp8_matmul_half_flops": (1e7, 1e12)}
+          "fp8_matmul_half_flops": (1e7, 1e12), "attention_half_keys": (0.0, 16384.0),
+          "training_factor": (0.3, 1.0)}
+# The tensor-core kernels whose in-training rate is their microbenchmark rate times one factor
+# (end_to_end_box): GEMMs in both number formats and fused attention.
+TENSOR_CORE = ("matmul_efficiency", "fp8_matmul_efficiency", "attention_efficiency")
 LOG_PARAMS = {"matmul_half_flops", "fp8_matmul_half_flops"}
+# The attention kernel of the end-to-end tables' frameworks (Megatron-Core 0.8 and NeMo 24.07
+# through Transformer Engine, which picks cuDNN's fused attention over FlashAttention on Hopper)
+ATTENTION_KERNEL = {"kernel": "cudnn", "name": "cuDNN"}
 RECORDS = Path(__file__).resolve().parents[1] / "hardware" / "data" / "gpus"
 
 
@@ -234,6 +244,20 @@ def component_fits(family: str) -> list[ComponentFit]:
         ComponentFit("attention_microbench.csv (FlashAttention-2)", ("attention_efficiency",),
                      mine(comp.attention_rows()),
                      lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops, floor=True),
+        ComponentFit("attention_kernels_h100.csv (FlashAttention-2 without a mask, fwd+bwd: the floor, a second source)",
+                     ("attention_efficiency", "attention_half_keys"),
+                     mine(comp.training_attention_rows("flash_attn_2", causal=False)),
+                     lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops, floor=True),
+        # The kernel the end-to-end rows run: Megatron-Core and NeMo train through Transformer
+        # Engine, which prefers cuDNN's fused attention on Hopper, causal (its backward's mask
+        # taken to cost what the forward's does: the source measures it without one). A causal
+        # kernel's rate falls off with its length far sooner than an unmasked one's (its
+        # diagonal tiles are partly masked, its loops half as long on average): the half-rate
+        # key length is fitted with it, to the causal kernels training runs.
+        ComponentFit(f"attention_kernels_h100.csv ({ATTENTION_KERNEL['name']}, causal fwd+bwd: the runs' kernel)",
+                     ("attention_efficiency", "attention_half_keys"),
+                     mine(comp.training_attention_rows(ATTENTION_KERNEL["kernel"], causal=True)),
+                     lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)), lambda r: r.tflops),
     ]
     return [f for f in fits if f.in_scope()]
 
@@ -248,46 +272,71 @@ class Components(NamedTuple):
     params: dict[str, float]          # every parameter: the pinned ones fitted, the rest as given
     fits: list[ComponentFit]
     values: dict[str, float]          # what each file's rows give its parameters (floors included)
+    by_file: dict[str, dict[str, float]]  # the values as each file's fit left them (its own last)
 
 
 def fit_components(family: str, base: dict[str, float]) -> Components:
     """The parameters the family's microbenchmarks pin, fitted file by file (in order: the HBM
     rate first, which the GEMM and attention rows' memory-bound parts use); a floor file's
     value is kept apart, the parameter stays as given."""
-    params, values = dict(base), {}
+    params, values, by_file = dict(base), {}, {}
     fits = component_fits(family)
     for f in fits:
         box = Box(f.params, BOUNDS)
         fixed = dict(params)
         fitted = fit_box(box, fixed, lambda v, f=f, fixed=fixed: f.errors(fixed | v), max_nfev=200)
         values |= fitted
+        by_file[f.file] = dict(values)
         if not f.floor:
             params |= fitted
-    return Components(params, fits, values)
+    return Components(params, fits, values, by_file)
 
 
 # -- 2. end to end ----------------------------------------------------------------------------------
 
 
 def end_to_end_box(family: str, comps: Components) -> Box:
-    """What no microbenchmark of ``family`` pins, with the bounds the microbenchmarks imply."""
+    """What no microbenchmark of ``family`` pins, with the bounds the microbenchmarks imply:
+    the fixed cost per kernel; the share of their microbenchmark rates the tensor-core kernels
+    keep in training (``training_factor``: one for GEMMs of both formats and attention, as
+    sustained clocks under an 8-GPU load would take; a microbenchmark runs a kernel alone, in
+    bursts); and a component no microbenchmark of the family measures (attention where no
+    measurement of the runs' kernel exists, at least FlashAttention-2's; scale-out where no
+    nccl-tests sweep across nodes does)."""
     fitted = {p for f in comps.fits if not f.floor for p in f.params}
     runs = runs_for(_cluster(family))
-    names = ["kernel_overhead_us"]
+    names = ["kernel_overhead_us", "training_factor"]
     bounds = dict(BOUNDS)
-    uses = {"matmul_efficiency": "matmul_efficiency" not in fitted, "attention_efficiency": any(r.model.attention == "fused" for r in runs),
+    uses = {"attention_efficiency": any(r.model.attention == "fused" for r in runs),
             "scale_out_efficiency": any(r.gpus > 8 for r in runs)}
     for p, used in uses.items():
         if used and p not in fitted:
             names.append(p)
     if "attention_efficiency" in names and "attention_efficiency" in comps.values:
-        # the runs use cuDNN's fused attention (Transformer Engine), a newer kernel than the
-        # FlashAttention-2 of the microbenchmark: at least as fast as it
         bounds["attention_efficiency"] = (comps.values["attention_efficiency"], BOUNDS["attention_efficiency"][1])
-    if "matmul_efficiency" in names:
-        # no BF16 sweep: at most the best shape of the MAMF search (a ceiling)
-        bounds["matmul_efficiency"] = (BOUNDS["matmul_efficiency"][0], bf16_ceiling(family))
     return Box(tuple(names), bounds)
+
+
+def microbenchmark_rates(family: str, comps: Components) -> dict[str, float]:
+    """The tensor-core efficiencies of ``family``'s microbenchmarks, which the training factor
+    scales: each component fit's, and for the BF16 GEMM without a sweep the best shape of the
+    MAMF search."""
+    fitted = {p for f in comps.fits if not f.floor for p in f.params}
+    rates = {p: comps.params[p] for p in TENSOR_CORE if p in fitted}
+    if "matmul_efficiency" not in rates:
+        rates["matmul_efficiency"] = bf16_ceiling(family)
+    return rates
+
+
+def in_training(family: str, pinned: dict[str, float], rates: dict[str, float], v: dict[str, float]
+                ) -> dict[str, float]:
+    """The GPU parameters of an end-to-end point ``v``: the pinned ones, ``v``'s own, and each
+    microbenchmark rate in ``rates`` times ``v``'s training factor (a free attention efficiency
+    is already an in-training one)."""
+    f = v["training_factor"]
+    out = pinned | {k: x for k, x in v.items() if k != "training_factor"}
+    out |= {k: x * f for k, x in rates.items() if k not in v}
+    return derived(family, out)
 
 
 def bf16_ceiling(family: str) -> float:
@@ -342,13 +391,15 @@ def derived(family: str, params: dict[str, float]) -> dict[str, float]:
     return params
 
 
-def fit_end_to_end(family: str, pinned: dict[str, float], box: Box, runs: list[TrainingRun],
-                   max_nfev: int = 40) -> dict[str, float]:
+def fit_end_to_end(family: str, pinned: dict[str, float], rates: dict[str, float], box: Box,
+                   runs: list[TrainingRun], max_nfev: int = 40) -> tuple[dict[str, float], dict[str, float]]:
+    """(the GPU parameters, the end-to-end values) that fit ``runs`` best."""
     def residuals(v: dict[str, float]) -> np.ndarray:
-        p = derived(family, pinned | v)
+        p = in_training(family, pinned, rates, v)
         return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
 
-    return derived(family, pinned | fit_box(box, pinned, residuals, max_nfev))
+    v = fit_box(box, pinned | {"training_factor": 0.8}, residuals, max_nfev)
+    return in_training(family, pinned, rates, v), v
 
 
 def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None = None,
@@ -358,7 +409,8 @@ def fit(cluster: str, exclude: int | None = None, start: dict[str, float] | None
     base = family_efficiencies(family) | (start or {})
     comps = fit_components(family, base)
     runs = [r for i, r in enumerate(runs_for(cluster)) if i != exclude]
-    params = fit_end_to_end(family, comps.params, end_to_end_box(family, comps), runs, max_nfev)
+    params, _ = fit_end_to_end(family, comps.params, microbenchmark_rates(family, comps),
+                               end_to_end_box(family, comps), runs, max_nfev)
     return {k: params[k] for k in PARAMS}
 
 
@@ -383,13 +435,14 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
     print("components (fitted to the microbenchmarks of the family's GPUs, then fixed):")
     for f in fits:
         box = Box(f.params, BOUNDS)
-        on_bound += box.on_bound(comps.values)
-        values = ", ".join(f"{n} {comps.values[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params) \
+        mine = comps.by_file[f.file]
+        on_bound += box.on_bound(mine)
+        values = ", ".join(f"{n} {mine[n]:.4g} [{BOUNDS[n][0]:g}, {BOUNDS[n][1]:g}]" for n in f.params) \
             or "with the parameters above"
         out = [r for r in f.rows if getattr(r, "scope", "")]
         print(f"  {f.file}: {values}" + (" (a floor for the kernels the profiles run)" if f.floor else ""))
-        print(f"      fitted rows: {_pct(f.errors(comps.values))}"
-              + (f"; outside the model's scope: {len(out)} rows ({_pct(f.errors(comps.values, out))}; "
+        print(f"      fitted rows: {_pct(f.errors(mine))}"
+              + (f"; outside the model's scope: {len(out)} rows ({_pct(f.errors(mine, out))}; "
                  f"{sorted({r.scope for r in out})[0]} ...)" if out else ""))
     if cluster is None:
         # (no end-to-end table: the GEMMs' in-training rates carried over from a reference
@@ -409,13 +462,18 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
         # (only what the microbenchmarks pin is the family's; the rest stays the default section's)
         return {k: pinned[k] for k in PARAMS if k not in unpinned}, sources, len(on_bound)
     box = end_to_end_box(family, comps)
+    rates = microbenchmark_rates(family, comps)
     runs = runs_for(cluster)
-    params = fit_end_to_end(family, pinned, box, runs)
-    on_bound += box.on_bound(params)
+    params, v = fit_end_to_end(family, pinned, rates, box, runs)
+    on_bound += box.on_bound(v)
     tables = ", ".join(dict.fromkeys(r.source for r in runs))
-    sources |= {p: f"end-to-end fit: {tables}" for p in box.names} | DERIVED.get(family, {})
+    scaled = [p for p in rates if p not in v]
+    sources |= {p: f"end-to-end fit: {tables}" for p in box.names if p in PARAMS} | DERIVED.get(family, {})
+    sources |= {p: f"end-to-end fit: {tables} (the in-training share {v['training_factor']:.4g} of the "
+                   f"microbenchmark's {rates[p]:.4g})" for p in scaled}
     print("end to end (only what no microbenchmark pins):")
-    print("  " + ", ".join(f"{n} {params[n]:.4g} [{box.bounds[n][0]:.3g}, {box.bounds[n][1]:.3g}]" for n in box.names))
+    print("  " + ", ".join(f"{n} {v[n]:.4g} [{box.bounds[n][0]:.3g}, {box.bounds[n][1]:.3g}]" for n in box.names))
+    print("  in training: " + ", ".join(f"{p} {params[p]:.4g} (microbenchmark {rates[p]:.4g})" for p in scaled))
     by_source: dict[str, list[int]] = {}
     for i, r in enumerate(runs):
         by_source.setdefault(r.source, []).append(i)
@@ -423,56 +481,18 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
         errs = [predict(runs[i], params) / runs[i].measured_step_s - 1 for i in idx]
         line = f"  {source}: fitted {_pct(errs)}"
         if len(by_source) > 1:
-            held = fit_end_to_end(family, pinned, box, [r for j, r in enumerate(runs) if j not in idx])
+            held, _ = fit_end_to_end(family, pinned, rates, box, [r for j, r in enumerate(runs) if j not in idx])
             errs = [predict(runs[i], held) / runs[i].measured_step_s - 1 for i in idx]
             line += f"; leave-one-source-out {_pct(errs)}"
         print(line, flush=True)
     if loo:
         errs = []
         for i, r in enumerate(runs):
-            held = fit_end_to_end(family, pinned, box, [q for j, q in enumerate(runs) if j != i], max_nfev=16)
+            held, _ = fit_end_to_end(family, pinned, rates, box, [q for j, q in enumerate(runs) if j != i], max_nfev=16)
             errs.append(predict(r, held) / r.measured_step_s - 1)
         print(f"  leave-one-out: {_pct(errs)}")
     print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
     return {k: params[k] for k in PARAMS}, sources, len(on_bound)
-
-
-def training_factor_experiment(family: str, scope: str) -> None:
-    """An experiment, never written: the family's end-to-end fit with one factor on the tensor
-    cores' microbenchmark efficiencies (``scope`` "gemm": the BF16 GEMM at its MAMF ceiling and the
-    FP8 GEMM at its cuBLASLt fit, both times the factor; "tensor-core": attention too) instead of
-    free GEMM efficiencies. Prints the fit, its parameters on a bound and leave-one-source-out."""
-    cluster = _cluster(family)
-    comps = fit_components(family, family_efficiencies(family))
-    box0 = end_to_end_box(family, comps)
-    ceiling = box0.bounds["matmul_efficiency"][1]
-    names = ("training_factor", "attention_efficiency", "kernel_overhead_us", "scale_out_efficiency")
-    box = Box(names, box0.bounds | {"training_factor": (0.3, 1.0)})
-    start = {"training_factor": 0.8, "attention_efficiency": 0.5, "kernel_overhead_us": 3.0,
-             "scale_out_efficiency": 0.9}
-
-    def params(v: dict[str, float]) -> dict[str, float]:
-        f = v["training_factor"]
-        p = comps.params | {"matmul_efficiency": ceiling * f,
-                            "fp8_matmul_efficiency": comps.params["fp8_matmul_efficiency"] * f,
-                            "attention_efficiency": v["attention_efficiency"] * (f if scope == "tensor-core" else 1.0),
-                            "kernel_overhead_us": v["kernel_overhead_us"],
-                            "scale_out_efficiency": v["scale_out_efficiency"]}
-        return {k: x for k, x in derived(family, p).items() if k in PARAMS}
-
-    def errors(v: dict[str, float], runs: list[TrainingRun]) -> np.ndarray:
-        p = params(v)
-        return np.array([predict(r, p) / r.measured_step_s - 1 for r in runs])
-
-    runs = runs_for(cluster)
-    v = fit_box(box, start, lambda q: errors(q, runs), 40)
-    print(f"\n== {family}: one training factor on the {scope} microbenchmark efficiencies (an experiment) ==")
-    print("  " + ", ".join(f"{n} {v[n]:.4g} [{box.bounds[n][0]:.3g}, {box.bounds[n][1]:.3g}]" for n in names))
-    for source in dict.fromkeys(r.source for r in runs):
-        own = [r for r in runs if r.source == source]
-        held = fit_box(box, v, lambda q, rest=[r for r in runs if r.source != source]: errors(q, rest), 40)
-        print(f"  {source}: fitted {_pct(errors(v, own))}; leave-one-source-out {_pct(errors(held, own))}")
-    print(f"  on a bound: {', '.join(box.on_bound(v)) or 'none'}")
 
 
 def sharing_slowdown(family: str) -> None:
@@ -527,9 +547,6 @@ def main() -> None:
                     help="store the fit in every GPU record of the family (hardware/data/gpus)")
     ap.add_argument("--family", choices=FAMILIES, default=None, help="fit only this GPU family")
     ap.add_argument("--loo", action="store_true", help="also leave-one-out per end-to-end row (refits once per row)")
-    ap.add_argument("--training-factor", choices=("gemm", "tensor-core"), default=None,
-                    help="an experiment, never written: fit the H100 rows with one factor on the tensor cores' "
-                         "microbenchmark efficiencies (GEMMs, or GEMMs and attention)")
     ap.add_argument("--sm-sharing", action="store_true",
                     help="an experiment, never written: simulate the end-to-end rows with SM sharing between "
                          "collectives and compute")
@@ -539,11 +556,6 @@ def main() -> None:
             ap.error("--sm-sharing is an experiment; it writes nothing (leave out --write)")
         sharing_slowdown(args.family or "H100")
         SM_SHARING["on"] = True
-    if args.training_factor:
-        if args.write:
-            ap.error("--training-factor is an experiment; it writes nothing (leave out --write)")
-        training_factor_experiment(args.family or "H100", args.training_factor)
-        return
     fitted: dict[str, tuple[dict[str, float], dict[str, str]]] = {}
     bound = 0
     for family in FAMILIES:

@@ -224,7 +224,7 @@ class AttentionRow:
     seq: int
     heads: int
     head_dim: int
-    tflops: float          # fwd + bwd, counted as 3.5 * 4 * b * s^2 * heads * head_dim (non-causal)
+    tflops: float          # fwd + bwd, counted as 3.5 * 4 * b * s^2 * heads * head_dim (halved if causal)
 
 
 @lru_cache(maxsize=1)
@@ -245,6 +245,56 @@ def attention_tflops(row: AttentionRow, gpu: GPU) -> float:
     """What the compute model gives a non-causal fused attention kernel of ``row``'s shape."""
     rows = math.ceil(row.seq / gpu.attention_block_rows) * gpu.attention_block_rows * row.batch * row.heads
     return ComputeModel(gpu).attention_rate("bf16", keys=row.seq, rows=rows) / 1e12
+
+
+@dataclass(frozen=True)
+class KernelAttentionRow:
+    """One bar of a published attention-kernel comparison: one kernel, one pass, with or
+    without a causal mask (TFLOP/s counted as its source does: the masked half not counted)."""
+    gpu: str
+    kernel: str            # flash_attn_2 | cudnn | flash_attn_3
+    phase: str             # fwd | bwd
+    causal: bool
+    batch: int
+    seq: int
+    heads: int
+    head_dim: int
+    tflops: float
+
+
+@lru_cache(maxsize=1)
+def kernel_attention_rows() -> tuple[KernelAttentionRow, ...]:
+    """The FlashAttention-3 paper's H100 comparison of FlashAttention-2, cuDNN and
+    FlashAttention-3 (attention_kernels_h100.csv)."""
+    return tuple(KernelAttentionRow(r["gpu"], r["implementation"], r["pass"], r["causal"] == "true", int(r["batch"]),
+                                    int(r["seqlen"]), int(r["nheads"]), int(r["headdim"]), float(r["tflops"]))
+                 for r in _rows("attention_kernels_h100.csv"))
+
+
+def training_attention_rows(kernel: str, causal: bool) -> tuple[AttentionRow, ...]:
+    """What ``kernel`` reaches over a training step's attention, forward and backward at their
+    FLOP ratio (1 : 2.5), per sequence length of :func:`kernel_attention_rows`: the harmonic
+    combination 3.5 / (1/fwd + 2.5/bwd), the figure a fwd+bwd benchmark prints. The source
+    measures the backward without a mask only; a causal backward is taken to lose what the
+    causal forward loses at the same length (its diagonal tiles are as partly masked, and its
+    key tiles' loops as uneven), which is an assumption, stated where the rows are used."""
+    rows = [r for r in kernel_attention_rows() if r.kernel == kernel]
+
+    def rate(phase: str, masked: bool, seq: int) -> float | None:
+        return next((r.tflops for r in rows if r.phase == phase and r.causal == masked and r.seq == seq), None)
+
+    out = []
+    for r in rows:
+        if r.phase != "fwd" or r.causal != causal:
+            continue
+        bwd = rate("bwd", causal, r.seq)
+        if bwd is None:
+            plain_fwd, plain_bwd = rate("fwd", False, r.seq), rate("bwd", False, r.seq)
+            if plain_fwd is None or plain_bwd is None:
+                continue
+            bwd = plain_bwd * r.tflops / plain_fwd
+        out.append(AttentionRow(r.gpu, r.batch, r.seq, r.heads, r.head_dim, 3.5 / (1 / r.tflops + 2.5 / bwd)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
