@@ -3,7 +3,9 @@
 A candidate is a point in a product of dimensions (``tp``, ``cp``, ``cp_comm``, ``pp``, ``vp``,
 ``micro_batch``, ``sp``, ``zero``, ``recompute`` …); ``dp`` is derived so that the degrees
 multiply to the GPU count. A new parallelism (``ep``) is one more :class:`Dimension` plus its
-rule in :func:`check`: the encoding, the enumeration and the optimizers do not change.
+rule in :func:`check`: the encoding, the enumeration and the optimizers do not change. A space
+may be narrowed to some of each dimension's choices and given rules across dimensions
+(:meth:`SearchSpace.narrowed`, :class:`Constraint`): what a framework's launch expresses.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from stage_cosim.errors import UserError
 from stage_cosim.hardware.cluster import Cluster
@@ -46,6 +48,16 @@ def powers_of_two(limit: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A rule across dimensions that a space adds to the structural ones (a launch that cannot
+    express some combination of values, each of which it can): a point is feasible only where
+    ``holds`` of its canonical form is true, else infeasible by ``rule``."""
+
+    rule: str
+    holds: Callable[[dict[str, Any]], bool]
+
+
+@dataclass(frozen=True)
 class SearchSpace:
     """Everything that is searched, and the fixed context that the rules need."""
 
@@ -55,6 +67,7 @@ class SearchSpace:
     seq_len: int
     dimensions: tuple[Dimension, ...]
     fixed: dict[str, Any] = field(default_factory=dict)   # ParallelConfig fields held constant
+    constraints: tuple[Constraint, ...] = ()
 
     @property
     def size(self) -> int:
@@ -75,6 +88,22 @@ class SearchSpace:
         """The same space with dimension ``name`` held at ``value``."""
         dims = tuple(Dimension(d.name, (value,)) if d.name == name else d for d in self.dimensions)
         return replace(self, dimensions=dims)
+
+    def narrowed(self, allowed: Mapping[str, Sequence[Any]], constraints: Sequence[Constraint] = ()) -> "SearchSpace":
+        """The same space with each dimension named in ``allowed`` keeping only those of its
+        choices (in its own order), and ``constraints`` added to its rules. A name that is not
+        a dimension here (a field the space holds fixed, a dimension of other models) is the
+        caller's to check."""
+        dims = []
+        for d in self.dimensions:
+            if d.name in allowed:
+                kept = tuple(c for c in d.choices if c in allowed[d.name])
+                if not kept:
+                    raise UserError(d.name, f"keeps none of its choices ({', '.join(map(str, d.choices))}) "
+                                            f"within {', '.join(map(str, allowed[d.name]))}")
+                d = Dimension(d.name, kept)
+            dims.append(d)
+        return replace(self, dimensions=tuple(dims), constraints=self.constraints + tuple(constraints))
 
 
 MAX_MICRO_BATCH = 8          # the largest micro-batch the default space tries
@@ -237,6 +266,11 @@ def check(space: SearchSpace, point: dict[str, Any], cluster: Cluster,
             resolve_precision(par, cluster.gpu)      # what the GPU cannot run is infeasible
     except UserError as exc:
         return None, f"{exc.parameter}: {exc.rule.split(',')[0]}"
+    if space.constraints:
+        c = canonical(space, point)
+        broken = next((k.rule for k in space.constraints if not k.holds(c)), None)
+        if broken is not None:
+            return None, broken
     return par, None
 
 

@@ -7,12 +7,13 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from tqdm import tqdm
 
 from stage_cosim.cli.emit import emit_option, print_launch, try_launch
-from stage_cosim.launch.frameworks import SEARCHED_SCHEDULES
+from stage_cosim.launch.frameworks import FRAMEWORKS, LAUNCHABLE
 from stage_cosim.cli.optimize_serve import SERVE_FLAGS, serve_options
 from stage_cosim.cli.options import (
     PRECISION_FLAGS, cluster_option, software_option, model_options, network_model_option, precision_options,
@@ -24,6 +25,10 @@ from stage_cosim.files import FIGURE_SUFFIXES, check_output, reported_write, sav
 from stage_cosim.result import BREAKDOWN_KEYS
 from stage_cosim.search.evaluate import OBJECTIVES
 from stage_cosim.hardware.runtime import DEFAULT_HEADROOM
+
+if TYPE_CHECKING:
+    from stage_cosim.model.config import ModelConfig
+    from stage_cosim.search.space import SearchSpace
 
 GiB = 1 << 30
 
@@ -200,6 +205,43 @@ def plot_top(doc: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def launchable_space(target: str, space: SearchSpace) -> SearchSpace:
+    """``space`` narrowed to what ``target``'s launch expresses (its values of each dimension,
+    and its rules across them; :data:`stage_cosim.launch.frameworks.LAUNCHABLE`)."""
+    from stage_cosim.search.space import Constraint
+
+    launchable = LAUNCHABLE[target]
+    rules = [Constraint(f"emit: {FRAMEWORKS[target]} {rule}", holds) for rule, holds in launchable.rules]
+    return space.narrowed(launchable.values, rules)
+
+
+def refuse_before_search(target: str, model: ModelConfig, space: SearchSpace) -> None:
+    """What ``target`` refuses whatever the search picks (a feature of the model, a precision
+    held fixed, an FP8 option), refused before the search in the emitter's own words: the
+    emitter run on one GPU with the space's fixed settings, and with FP8 where the space may
+    pick it and an FP8 option is given (else the options apply to no point its launch takes)."""
+    from stage_cosim.launch import emit
+    from stage_cosim.parallel import ParallelConfig
+    from stage_cosim.parallel.config import FP8_OPTIONS
+
+    fixed = dict(space.fixed)
+    dtypes = next((d.choices for d in launchable_space(target, space).dimensions if d.name == "dtype"),
+                  (fixed.get("dtype", "bf16"),))
+    options = {k: v for k, v in fixed.items() if k in FP8_OPTIONS}
+    fixed["dtype"] = "fp8" if "fp8" in dtypes and (options or dtypes == ("fp8",)) else "bf16"
+    if fixed["dtype"] == "bf16":
+        fixed = {k: v for k, v in fixed.items() if k not in FP8_OPTIONS}
+    try:
+        # (ZeRO 3: the FP8 options' own rules, as the search space checked them)
+        probe = ParallelConfig(zero=3, global_batch=space.global_batch, seq_len=space.seq_len, **fixed)
+        # (the recipe the GPU would resolve changes no refusal: a recipe is refused only as given)
+        emit(target, model, probe, fp8_recipe=probe.fp8_recipe or "delayed")
+    except UserError as exc:
+        if exc.parameter == "emit":
+            raise
+        # (what one GPU cannot run is the search's to rule on, point by point)
+
+
 def _check_fixed_precision(precision: dict, gpu) -> None:  # noqa: ANN001 (a hardware GPU)
     """A precision the user fixed is checked as simulate checks it, in one line, before any
     search: FP8 options need --dtype fp8 (or auto), and a fixed fp8 must run on the GPU (its
@@ -304,10 +346,13 @@ def optimize(cluster: str, phase: str, global_batch: int | None, seq_len: int | 
     precision = {k: kw.pop(k) for k in PRECISION_FLAGS}
     _check_fixed_precision(precision, c.gpu)
     get_software(software)                               # an unknown profile: one line, before the search
-    # a launch to write: only the schedules its framework runs (the best found must be one)
     space = default_space(model, c, global_batch, seq_len, allow_cross_domain_tp=allow_cross_domain_tp,
-                          precision=precision, fixed={"software": software} if software else None,
-                          overrides={"schedule": SEARCHED_SCHEDULES[target]} if target else None)
+                          precision=precision, fixed={"software": software} if software else None)
+    if target is not None:
+        # a launch to write: what the framework refuses whatever the search picks is refused
+        # now, and the search tries only what it launches (the best found must be one)
+        refuse_before_search(target, model, space)
+        space = launchable_space(target, space)
     show = not quiet and sys.stderr.isatty()
     with tqdm(disable=not show, unit="eval", desc="optimize", dynamic_ncols=True) as bar:
         def progress(p: dict) -> None:
