@@ -12,7 +12,10 @@ smallest unit — one instance, or the prefill and decode instances of one ratio
 cluster's GPU count only decides which layouts fit it (the count must be a multiple of the
 unit). Each rate is judged on ``num_requests`` Poisson arrivals; above the unit's capacity
 their queue grows through the run and the SLOs fail for its later part, so the search finds the
-highest rate a run of that many requests sustains.
+highest rate a run of that many requests sustains. Meeting the SLOs is not enough: a probe
+too short to reach the rate's steady state (a burst of few requests that the batch absorbs
+before any queue builds), or whose completions fall behind its arrivals, has not shown its rate
+(:mod:`stage_cosim.search.sustained`); a layout's ``limited_by`` says what failed at its lowest failing rate.
 
 Where the feasible layouts are few enough to settle them all, the answer is proven optimal
 without simulating each to its edge: a layout whose rate search has failed at a rate below the
@@ -36,6 +39,7 @@ from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
 from stage_cosim.search.evaluate import Evaluation
 from stage_cosim.search.space import Dimension, SearchSpace, powers_of_two
+from stage_cosim.search.sustained import SLO_LIMIT, shortfall
 from stage_cosim.serving.config import SLO, ServingConfig
 from stage_cosim.serving.requests import RequestStream
 
@@ -203,7 +207,8 @@ def _deploy(model: ModelConfig, cluster: Cluster, config: dict[str, Any], target
 def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point: dict[str, Any],
             target: ServeTarget, num_requests: int, floor: float | None = None) -> Evaluation:
     """Simulate the layout's unit at increasing rates; its goodput per GPU (an Evaluation whose
-    score is GPU-seconds per request, the inverse).
+    score is GPU-seconds per request, the inverse). A probe holds when ``attainment`` of its
+    requests meet the SLOs and it reaches a steady state that keeps up with them (:func:`shortfall`).
 
     ``floor``: a goodput per GPU the layout is only of interest above. Once a probe has failed
     at a rate whose share per GPU is below it, the layout is ruled out (see :func:`ruled_out`)
@@ -220,10 +225,17 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
     unit = dep.cluster
     stream = replace(target.stream, num_requests=num_requests)
 
+    short: dict[float, str] = {}        # rates whose probe met the SLOs without showing the rate sustained
+
     def run(rate: float) -> dict[str, Any] | None:
         # a probe's report is only needed if it holds: it ends as soon as it cannot hold
-        return simulate_serving(dep, replace(stream, rate=rate).generate(), target.slo,
-                                stop=failed(target, dep.serving.request_overhead_s))
+        requests = replace(stream, rate=rate).generate()
+        report = simulate_serving(dep, requests, target.slo, stop=failed(target, dep.serving.request_overhead_s))
+        why = shortfall(requests.arrival_s, report) if ok(report) else None
+        if why is not None:
+            short[rate] = why
+            return None
+        return report
 
     def ok(report: dict[str, Any] | None) -> bool:
         return report is not None and report["slo"]["attainment"] >= target.attainment
@@ -290,7 +302,8 @@ def goodput(model: ModelConfig, cluster: Cluster, config: dict[str, Any], point:
               "rate_per_unit": lo, "unit_gpus": unit.num_gpus,
               "instance_gpus": config["instance_gpus"], "layout": config, "report": lo_report,
               "tokens_per_s_per_gpu": lo_report["throughput"]["output_tokens_per_s_per_gpu"],
-              "cluster_goodput_requests_per_s": per_gpu * cluster.num_gpus}
+              "cluster_goodput_requests_per_s": per_gpu * cluster.num_gpus,
+              "limited_by": short.get(hi, SLO_LIMIT) if hi < math.inf else None}
     return Evaluation(point, config, True, None, 1 / per_gpu, result)
 
 

@@ -30,7 +30,8 @@ def serve_options(f: Callable) -> Callable:
                      help="Serving: length distribution (default lognormal)."),
         click.option("--length-spread", "length_spread", type=float, default=None, help="Serving: log-normal sigma (0.6)."),
         click.option("--num-requests", "num_requests", type=int, default=None,
-                     help="Serving: requests simulated per probed rate (default 500)."),
+                     help="Serving: requests simulated per probed rate (default 500, at least 20); a rate "
+                          "holds only if its run also reaches a steady state and keeps up with its arrivals."),
         click.option("--chunk-tokens", "chunk_tokens", type=int, default=None, help="Serving: tokens per step (8192)."),
         click.option("--kv-cache-dtype", "kv_cache_dtype", type=click.Choice(KV_CACHE_DTYPES), default=None),
         click.option("--weight-dtype", "weight_dtype", type=click.Choice(WEIGHT_DTYPES), default=None),
@@ -82,6 +83,7 @@ def print_serving(doc: dict[str, Any]) -> None:
             click.echo(f"{i:>2} {_describe(e['point']):<44} {e['goodput_requests_per_s_per_gpu']:>10.3f} "
                        f"{e['tokens_per_s_per_gpu']:>10,.0f} {1e3 * lat['ttft']['p90']:>7.0f}ms "
                        f"{1e3 * lat['tpot']['p90']:>7.1f}ms")
+        _print_limits(doc)
     ruled = doc.get("ruled_out") or 0
     click.echo(f"\n{doc['evaluations']} layouts simulated"
                + (f", {ruled} ruled out (each failed at a rate below the goodput of the top {len(doc['top'])})"
@@ -91,6 +93,22 @@ def print_serving(doc: dict[str, Any]) -> None:
         click.echo("infeasible, by rule:")
         for reason, n in sorted(doc["infeasible"].items(), key=lambda kv: -kv[1]):
             click.echo(f"  {n:>7}  {reason}")
+
+
+def _print_limits(doc: dict[str, Any]) -> None:
+    """Say which of the top rates stop short of the SLOs' edge: there the rate is what a probe
+    could show, not the most the SLOs allow (see stage_cosim.search.sustained)."""
+    limits = [e.get("limited_by") for e in doc["top"]]
+    short, behind = limits.count("requests"), limits.count("throughput")
+    if short:
+        click.echo(f"\nnote: {short} of these rates are capped by the probe length, not by the SLOs: at the next rate "
+                   f"probed, {doc['target']['requests_per_probe']} requests (--num-requests) met the SLOs without "
+                   f"reaching a steady state (the unit held more than half of them at once on average); a larger "
+                   f"--num-requests finds where the SLOs fail")
+    if behind:
+        click.echo(f"\nnote: {behind} of these rates are capped where the completions fell behind the arrivals while "
+                   f"the SLOs still held (SLOs loose enough to hide a growing queue): the unit's throughput, not the "
+                   f"SLOs, sets them")
 
 
 def plot_serving(doc: dict[str, Any], path: Path) -> None:

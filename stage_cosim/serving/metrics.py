@@ -44,7 +44,7 @@ def _stats(x: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float 
     return {"mean": mean, **{f"p{p}": float(v) for p, v in zip(PERCENTILES, pct)}, "max": float(np.max(x))}
 
 
-def _steady_rate(finish: np.ndarray) -> float:
+def steady_rate(finish: np.ndarray) -> float:
     """Completions per second between the 20th and the 80th percentile of completion times: the
     rate of a run past its start and before its last requests drain (with every request queued
     at once, the engine's capacity)."""
@@ -118,7 +118,7 @@ def summarize(log: RequestLog, trace: Trace, slo: SLO, gpus: int) -> dict[str, A
                      "input_tokens": in_tokens, "output_tokens": out_tokens},
         "duration_s": span,
         "latency_s": {"ttft": _stats(ttft), "tpot": _stats(tpot), "itl": _stats(log.itl, log.itl_weight), "e2e": _stats(e2e)},
-        "throughput": {"requests_per_s": n_done / span, "steady_requests_per_s": _steady_rate(log.finish[done]),
+        "throughput": {"requests_per_s": n_done / span, "steady_requests_per_s": steady_rate(log.finish[done]),
                        "output_tokens_per_s": out_tokens / span,
                        "total_tokens_per_s": (in_tokens + out_tokens) / span,
                        "output_tokens_per_s_per_gpu": out_tokens / span / gpus,
