@@ -22,8 +22,9 @@ scipy-driven search.
 
 For each training case: how long the structural rules take over the space, how many configurations a
 second the lower bounds cover when all are bounded at once (search/compiled.py), first with
-every sharding policy still to compile and then with them compiled, and one configuration at a
-time (search/bound.py's StepBound, what the search ran before; ``--skip-old`` leaves it out)
+every sharding policy still to compile and then with them compiled, how long binding every
+configuration's training blocks takes (policies compiled; the first step of each group's bounds),
+and one configuration at a time (search/bound.py's StepBound, what the search ran before; ``--skip-old`` leaves it out)
 with the largest difference between the two, how many a second the memory check from the bounds' blocks
 settles (search/memory.py), and the branch and bound (what ``optimize`` runs without a
 budget on a space over ``exhaustive_limit``; here on mixtral's smaller space too): its wall time,
@@ -83,6 +84,14 @@ def run_case(name: str, args: argparse.Namespace) -> None:
             print(f"compiled bounds ({label}): {len(configs):,} configurations in {dt:.1f} s ({cpu:.1f} s of CPU), "
                   f"{len(configs) / dt:,.0f} bounded per second", flush=True)
         bound = compiled.bound
+        # the training blocks alone (policies compiled): every configuration's, each group's
+        # bound once (what a group's bounds start from)
+        fresh = StepBound(model, cluster)
+        t, cpu = time.perf_counter(), time.process_time()
+        groups = len({id(fresh.blocks(par)[0]) for par in configs})
+        dt, cpu = time.perf_counter() - t, time.process_time() - cpu
+        print(f"training blocks: {len(configs):,} configurations' ({groups:,} bound) in {dt:.1f} s ({cpu:.1f} s of "
+              f"CPU), {groups / dt:,.0f} bound per second", flush=True)
         if not args.skip_old:
             # the bounds one configuration at a time (what the search ran before), policies compiled
             old = StepBound(model, cluster)

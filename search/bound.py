@@ -117,9 +117,10 @@ class StepBound:
         # the communication each stream serializes (the calibrated network model's streams)
         self.streams = StreamBound(model, cluster, network_model)
         self._durations: dict[tuple, float] = {}
-        # (block id, its numbers) -> (block, costs): the costs objects are shared, so the
-        # timings below may be keyed by their ids (the block is held: ids are not reused)
-        self._costs: dict[tuple, tuple[Any, Any]] = {}
+        # what training_blocks shares between configurations of this model (the compiled blocks,
+        # each bound to its numbers, ...): kept as long as this bound is, as the timings below
+        # are, which name those blocks by id
+        self._block_cache: dict[tuple, Any] = {}
         # timings, each holding the compiled blocks its key names by id
         self._blocks: dict[tuple, tuple[Any, _Block]] = {}
         self._amax: dict[tuple, tuple[Any, float]] = {}
@@ -143,13 +144,6 @@ class StepBound:
 
     def _rows_time(self, rows: Iterable[tuple]) -> float:
         return sum(self._duration(r[3], r[5], r[6], r[10], r[13], r[16]) for r in rows if r[1] == COMP)
-
-    def _evaluate(self, block: Any, values: dict) -> Any:
-        key = (id(block), tuple(values.items()))
-        hit = self._costs.get(key)
-        if hit is None:
-            hit = self._costs[key] = (block, block.evaluate(values))
-        return hit[1]
 
     def _block_time(self, inst: BlockInstance, phase: str, first: bool, degrees: dict[str, int],
                     overlap: bool) -> _Block:
@@ -333,7 +327,7 @@ class StepBound:
         key = self.blocks_key(par, precision)
         blocks = self._training.get(key)
         if blocks is None:
-            blocks = self._training[key] = training_blocks(self.model, par, precision, evaluate=self._evaluate)
+            blocks = self._training[key] = training_blocks(self.model, par, precision, cache=self._block_cache)
         return blocks, precision
 
     def blocks_key(self, par: ParallelConfig, precision: Any) -> tuple:

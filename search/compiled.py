@@ -36,10 +36,12 @@ computed.
 from __future__ import annotations
 
 from dataclasses import fields
+from operator import attrgetter
 from typing import Any, Iterable
 
 import numpy as np
 
+from stage_cosim.gc_pause import gc_paused
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
@@ -52,6 +54,8 @@ from stage_cosim.search.bound import SLACK, StepBound, _Pass, _Stage
 # What a configuration's group leaves out: all it shares with the rest of its group is every
 # other field of its ParallelConfig.
 VARYING = ("schedule", "vp")
+# (read with one call: the key is taken for every configuration)
+_SHARED = attrgetter(*(f.name for f in fields(ParallelConfig) if f.name not in VARYING))
 
 
 class _Group:
@@ -113,7 +117,7 @@ class CompiledBound:
     @staticmethod
     def group_key(par: ParallelConfig) -> tuple:
         """Every field of ``par`` but :data:`VARYING`."""
-        return tuple(getattr(par, f.name) for f in fields(par) if f.name not in VARYING)
+        return _SHARED(par)
 
     def _group(self, par: ParallelConfig) -> _Group:
         key = self.group_key(par)
@@ -241,7 +245,10 @@ class CompiledBound:
     def steps(self, configs: Iterable[ParallelConfig]) -> np.ndarray:
         """The largest of the lower bounds the stages give (:meth:`StepBound.step`), seconds,
         one per configuration."""
-        return np.array([self.bound.compose(par, self.stages(par)) for par in configs], dtype=float)
+        # (millions of small acyclic objects, most of them kept in the caches: the cycle
+        # collector only costs time here, some 15 % of it)
+        with gc_paused():
+            return np.array([self.bound.compose(par, self.stages(par)) for par in configs], dtype=float)
 
     def __call__(self, configs: Iterable[ParallelConfig]) -> np.ndarray:
         """Lower bounds on the configurations' simulated step times, seconds (:meth:`steps`,

@@ -301,34 +301,68 @@ def precision_for(parallel: ParallelConfig, gpu: "GPU | None" = None) -> Precisi
     return resolve_precision(parallel, gpu if gpu is not None else get_gpu(DEFAULT_GPU))
 
 
-def training_blocks(model: ModelConfig, parallel: ParallelConfig, precision: Precision, evaluate=None  # noqa: ANN001
-                    ) -> ModelBlocks:
+def training_blocks(model: ModelConfig, parallel: ParallelConfig, precision: Precision,
+                    cache: dict | None = None) -> ModelBlocks:
     """The compiled blocks of a training step of ``model`` under ``parallel`` bound to their numbers
     (the embedding, every layer, the head): what :func:`synthesize` builds the stages from, and
-    what a search bounds a configuration's compute with, without its graphs. ``evaluate(block,
-    values)`` binds a block (default ``block.evaluate(values)``; a search caches it)."""
-    padded = model.with_overrides(vocab=parallel.padded_vocab(model.vocab))
+    what a search bounds a configuration's compute with, without its graphs.
+
+    ``cache`` (a dict the caller keeps for this one ``model``, e.g. for the lifetime of a search)
+    holds what many configurations share: the model's layer kinds and switches, its copy with
+    each padded vocabulary, each policy's compiled blocks, and each block bound to each set of
+    numbers (the model, micro-batch, sequence, window, expert load and degrees: everything its
+    numbers are made of). Every entry is what an uncached call computes, so the blocks are the
+    same to the bit; only how often each piece is computed changes."""
+    memo: dict = {} if cache is None else cache
+    if memo.setdefault(("model",), model) is not model and memo[("model",)] != model:
+        raise ValueError("a training-blocks cache serves one model")
+
+    def once(key: tuple, make: Any) -> Any:
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = make()
+        return hit
+
+    def arch() -> tuple:
+        switches = model.switches()
+        kinds = tuple(zip(model.layer_kinds(), model.layer_windows()))
+        # each distinct layer kind ((mixer, MLP) kind; global attention or each sliding window)
+        # is evaluated once
+        return switches, kinds, tuple(dict.fromkeys(kinds)), tuple((a, degree_symbol(a)) for a in BLOCK_AXES)
+
+    switches, kinds, distinct, axes = once(("arch",), arch)
+    hybrid = switches.hybrid_kinds
+    vocab = parallel.padded_vocab(model.vocab)
+    padded = once(("padded", vocab), lambda: model.with_overrides(vocab=vocab))
     policy = ShardingPolicy(sp=parallel.sp, zero=parallel.zero, recompute=parallel.recompute,
                             grad_reduce_dtype=parallel.grad_reduce_dtype, precision=precision,
                             moe_token_dispatcher=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
                             cp_ring=parallel.cp_ring, cp_a2a=parallel.cp_a2a,
                             cp_load_balance=parallel.cp_load_balance or parallel.cp == 1)
-    compiled = compiled_blocks(model.switches(), policy)
+    compiled = once(("compiled", policy), lambda: compiled_blocks(switches, policy))
     degrees = parallel.degrees()
+    # what a block's numbers are made of besides the model (the types too: an int and a float
+    # that compare equal may round differently)
+    numbers = (vocab, parallel.micro_batch, parallel.seq_len, parallel.moe_load, type(parallel.moe_load),
+               tuple(degrees[a] for a, _ in axes))
+
+    def bind(window: int | None) -> dict:
+        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window, parallel.moe_load)
+        for axis, symbol in axes:
+            values[symbol] = degrees[axis]
+        return values
 
     def costs(block: CompiledBlock, window: int | None = None) -> BlockCosts:
-        values = model_values(padded, parallel.micro_batch, parallel.seq_len, window, parallel.moe_load)
-        for axis in BLOCK_AXES:
-            values[degree_symbol(axis)] = degrees[axis]
-        return block.evaluate(values) if evaluate is None else evaluate(block, values)
+        def make() -> BlockCosts:
+            return block.evaluate(once(("values", numbers, window, type(window)), lambda: bind(window)))
 
-    # One evaluation per distinct layer kind ((mixer, MLP) kind; global attention or each
-    # sliding window).
-    hybrid = model.switches().hybrid_kinds
-    kinds = list(zip(model.layer_kinds(), model.layer_windows()))
-    layer_costs = {(k, w): costs(compiled.block(k, hybrid), w) for k, w in set(kinds)}
+        # (the compiled block is held by its policy's entry: its id is not reused)
+        return once(("costs", id(block), numbers, window, type(window)), make)
+
+    layer_costs = {(k, w): costs(compiled.block(k, hybrid), w) for k, w in distinct}
+    layer_blocks = once(("layers", policy), lambda: tuple(compiled.block(k, hybrid) for k, _ in kinds))
     return ModelBlocks((compiled.embedding, costs(compiled.embedding)),
-                       tuple((compiled.block(k, hybrid), layer_costs[(k, w)]) for k, w in kinds),
+                       tuple(zip(layer_blocks, map(layer_costs.__getitem__, kinds))),
                        (compiled.head, costs(compiled.head)))
 
 
