@@ -271,8 +271,19 @@ def component_sources(comps: "Components") -> dict[str, str]:
 class Components(NamedTuple):
     params: dict[str, float]          # every parameter: the pinned ones fitted, the rest as given
     fits: list[ComponentFit]
-    values: dict[str, float]          # what each file's rows give its parameters (floors included)
-    by_file: dict[str, dict[str, float]]  # the values as each file's fit left them (its own last)
+    # what the files' rows give their parameters (floors included) as each file's fit left
+    # them: its own, and the earlier files' for the parameters it does not fit
+    by_file: dict[str, dict[str, float]]
+
+    @property
+    def values(self) -> dict[str, float]:
+        """What the files' rows give their parameters, the later file's where two fit one."""
+        return self.by_file[self.fits[-1].file] if self.fits else {}
+
+    @property
+    def pinned(self) -> set[str]:
+        """The parameters a microbenchmark pins (a floor file pins none)."""
+        return {p for f in self.fits if not f.floor for p in f.params}
 
 
 def fit_components(family: str, base: dict[str, float]) -> Components:
@@ -289,7 +300,7 @@ def fit_components(family: str, base: dict[str, float]) -> Components:
         by_file[f.file] = dict(values)
         if not f.floor:
             params |= fitted
-    return Components(params, fits, values, by_file)
+    return Components(params, fits, by_file)
 
 
 # -- 2. end to end ----------------------------------------------------------------------------------
@@ -303,14 +314,13 @@ def end_to_end_box(family: str, comps: Components) -> Box:
     bursts); and a component no microbenchmark of the family measures (attention where no
     measurement of the runs' kernel exists, at least FlashAttention-2's; scale-out where no
     nccl-tests sweep across nodes does)."""
-    fitted = {p for f in comps.fits if not f.floor for p in f.params}
     runs = runs_for(_cluster(family))
     names = ["kernel_overhead_us", "training_factor"]
     bounds = dict(BOUNDS)
     uses = {"attention_efficiency": any(r.model.attention == "fused" for r in runs),
             "scale_out_efficiency": any(r.gpus > 8 for r in runs)}
     for p, used in uses.items():
-        if used and p not in fitted:
+        if used and p not in comps.pinned:
             names.append(p)
     if "attention_efficiency" in names and "attention_efficiency" in comps.values:
         bounds["attention_efficiency"] = (comps.values["attention_efficiency"], BOUNDS["attention_efficiency"][1])
@@ -321,8 +331,7 @@ def microbenchmark_rates(family: str, comps: Components) -> dict[str, float]:
     """The tensor-core efficiencies of ``family``'s microbenchmarks, which the training factor
     scales: each component fit's, and for the BF16 GEMM without a sweep the best shape of the
     MAMF search."""
-    fitted = {p for f in comps.fits if not f.floor for p in f.params}
-    rates = {p: comps.params[p] for p in TENSOR_CORE if p in fitted}
+    rates = {p: comps.params[p] for p in TENSOR_CORE if p in comps.pinned}
     if "matmul_efficiency" not in rates:
         rates["matmul_efficiency"] = bf16_ceiling(family)
     return rates
@@ -456,7 +465,7 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
             pinned = pinned | carried
             sources |= {p: f"derived: this family's microbenchmark ({'BF16 MAMF ceiling' if p == 'matmul_efficiency' else 'gemm_microbench.csv (FP8)'}) "
                            f"times the {ref} family's shipped / microbenchmark ratio" for p in carried}
-        unpinned = [p for p in PARAMS if p not in {q for f in fits if not f.floor for q in f.params} | set(carried)]
+        unpinned = [p for p in PARAMS if p not in comps.pinned | set(carried)]
         print(f"  not fitted, the defaults: {', '.join(f'{p} {pinned[p]:.4g}' for p in unpinned)}")
         print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
         # (only what the microbenchmarks pin is the family's; the rest stays the default section's)

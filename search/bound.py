@@ -53,7 +53,6 @@ from functools import lru_cache
 from typing import Any, Iterable, NamedTuple
 
 from stage_cosim.adapters.roofline.compute import ComputeModel
-from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.hardware.cluster import Cluster
 from stage_cosim.model.config import ModelConfig
 from stage_cosim.parallel import ParallelConfig
@@ -132,12 +131,7 @@ class StepBound:
 
     def _duration(self, flops: int, mem: int, matmul: Any, category: str, groups: int, keys: int) -> float:
         """A compute node's time, as the simulator times it (``fast._program``, ``_programs``)."""
-        attention = category in ATTENTION_KINDS
-        key = (flops, mem, matmul, attention, groups, keys)
-        d = self._durations.get(key)
-        if d is None:
-            d = self._durations[key] = self.compute.duration_s(flops, mem, matmul, attention, groups, keys)
-        return d
+        return self.compute.row_duration_s(self._durations, flops, mem, matmul, category, groups, keys)
 
     def _row_duration(self, r: tuple) -> float:
         return self._duration(r[3], r[5], r[6], r[10], r[13], r[16])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.hardware.gpu import GPU
 
 
@@ -111,6 +112,19 @@ class ComputeModel:
         t_flops = flops / rate if flops > 0 else 0.0
         t_mem = nbytes / (self.attention_bandwidth(fmt) if attention else self.memory_bandwidth)
         return max(t_flops, t_mem) + g.kernel_overhead_us * 1e-6
+
+    def row_duration_s(self, memo: dict, flops: int, nbytes: int, matmul: bool | str, category: str,
+                       groups: int, keys: int) -> float:
+        """:meth:`duration_s` of a compute row of a role graph (its category names fused
+        attention), remembered in ``memo`` under what it depends on: a step repeats the same
+        kernels many times over, and the replays, the fast path and the search's bounds time them
+        alike through this one method."""
+        attention = category in ATTENTION_KINDS
+        key = (flops, nbytes, matmul, attention, groups, keys)
+        d = memo.get(key)
+        if d is None:
+            d = memo[key] = self.duration_s(flops, nbytes, matmul, attention, groups, keys)
+        return d
 
     def duration_of(self, flops: float, nbytes: float, op_kind: str, groups: int = 1, keys: float = 0.0) -> float:
         """:meth:`duration_s` for a kernel named by its ``op_kind`` (matmul, attention, vector;

@@ -32,7 +32,6 @@ from stage_cosim.adapters.roofline.network import NetworkModel
 from stage_cosim.adapters.roofline.run_cache import (
     RunCache, active, environment, nodes_content, rows_content, run_key,
 )
-from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.parallel.axes import spans_stages
 from stage_cosim.result import BREAKDOWN_KEYS
 from stage_cosim.schedule.nodes import COLL, COMP, RECV, SEND, RoleGraph
@@ -90,12 +89,7 @@ def _program(name: str, rank: int, rows_or_nodes: list, deps: list[list[int]], w
         prog.types.append(typ)
         prog.deps.append(deps[j])
         if typ == COMP:
-            attention = cat in ATTENTION_KINDS
-            key = (flops, mem, matmul, attention, groups, keys)
-            d = durations.get(key)
-            if d is None:
-                d = durations[key] = compute.duration_s(flops, mem, matmul, attention, groups, keys)
-            prog.duration[i] = d
+            prog.duration[i] = compute.row_duration_s(durations, flops, mem, matmul, cat, groups, keys)
             prog.streams.append("compute")
         elif typ in (SEND, RECV):
             # the attention exchange's ring: this agent stands for its cp neighbours too

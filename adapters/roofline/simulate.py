@@ -19,7 +19,6 @@ from stage_cosim.adapters.roofline.network import ALGORITHMS, NETWORK_MODELS, Ca
 from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.adapters.roofline.run_cache import active, environment, step_key
 from stage_cosim.errors import UserError
-from stage_cosim.graph.ir import ATTENTION_KINDS
 from stage_cosim.model.params import parameter_counts
 from stage_cosim.hardware.cluster import Cluster, check_fits
 from stage_cosim.result import RoleResult, SimResult, fp8_mfu
@@ -107,12 +106,7 @@ def _programs(w: Workload, compute: ComputeModel, symmetric: bool
                 types.append(typ)
                 deps.append(ds)
                 if typ == COMP:
-                    attention = cat in ATTENTION_KINDS
-                    key = (flops, mem, matmul, attention, ngroups, keys)
-                    d = durations.get(key)
-                    if d is None:
-                        d = durations[key] = compute.duration_s(flops, mem, matmul, attention, ngroups, keys)
-                    dur[i] = d
+                    dur[i] = compute.row_duration_s(durations, flops, mem, matmul, cat, ngroups, keys)
                     continue
                 nbytes[i] = cbytes
                 kind_of[i] = group
