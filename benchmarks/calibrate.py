@@ -30,10 +30,8 @@
    several sources, leave-one-out per row with --loo; and a last line ``parameters on a bound:
    N``. A parameter on its bound is a mechanism the model lacks, not a bound to widen.
 
-``--write`` stores what the fit gives a family in every GPU record of that family
-(hardware/data/gpus/<preset>.yaml, efficiencies.default): each fitted value with its source
-(``microbenchmark fit: <file>, rows of <GPUs>``, ``end-to-end fit: <tables>``, ``derived: ...``);
-what the fit does not pin keeps its value and source. A run writes all its records or none.
+``--write`` stores the fit in every GPU record of the family (benchmarks/calibration_records.py):
+each value with its source; a software profile's own attention set under efficiencies.<profile>.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -53,11 +50,15 @@ from stage_cosim.adapters.roofline.network import CalibratedNetwork
 from stage_cosim.adapters.roofline.routing import TokenRouting
 from stage_cosim.adapters.roofline.simulate import make_network, simulate
 from stage_cosim.hardware import resolve_cluster
-from stage_cosim.hardware.gpu import family_efficiencies, get_gpu, parse_record, record_header, render_record
+from stage_cosim.hardware.gpu import family_efficiencies, get_gpu
+from stage_cosim.parallel.software import get_software, software_names
+
 from stage_cosim.validation import components as comp
 from stage_cosim.validation.published import (TrainingRun, korthikanti_table5, megatron_core_weak_scaling,
                                               nemo2407_fp8_h100)
 from stage_cosim.workload import synthesize
+
+from calibration_records import ProfileSets, write_records  # noqa: F401 (--write; the tests import it from here)
 
 CLUSTER_OF = {"korthikanti2022": "dgx-a100", "megatron-core-0.8": "dgx-h100", "nemo24.07_fp8_h100": "dgx-h100"}
 FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}          # the families with end-to-end tables
@@ -67,9 +68,11 @@ PARAMS = ("matmul_efficiency", "matmul_half_flops", "attention_efficiency", "mem
           "kernel_overhead_us", "scale_up_efficiency", "scale_out_efficiency",
           "fp8_matmul_efficiency", "fp8_matmul_half_flops", "attention_half_keys")
 # Physical ranges: an efficiency is a fraction of a peak; a half size between a tiny and a huge
-# kernel; a fixed cost per kernel between nothing and a slow launch.
+# kernel; a fixed cost per kernel between a kernel boundary (even back to back in one stream,
+# or replayed from a CUDA graph, one grid drains before the next fills the SMs: about a
+# microsecond) and a slow launch.
 BOUNDS = {"matmul_efficiency": (0.3, 1.0), "matmul_half_flops": (1e7, 1e12), "attention_efficiency": (0.1, 1.0),
-          "memory_efficiency": (0.5, 1.0), "kernel_overhead_us": (0.0, 20.0), "scale_up_efficiency": (0.3, 1.0),
+          "memory_efficiency": (0.5, 1.0), "kernel_overhead_us": (1.0, 20.0), "scale_up_efficiency": (0.3, 1.0),
           "scale_out_efficiency": (0.3, 1.0), "fp8_matmul_efficiency": (0.3, 1.0),
           "fp8_matmul_half_flops": (1e7, 1e12), "attention_half_keys": (0.0, 16384.0),
           "training_factor": (0.3, 1.0)}
@@ -80,7 +83,6 @@ LOG_PARAMS = {"matmul_half_flops", "fp8_matmul_half_flops"}
 # The attention kernel of the end-to-end tables' frameworks (Megatron-Core 0.8 and NeMo 24.07
 # through Transformer Engine, which picks cuDNN's fused attention over FlashAttention on Hopper)
 ATTENTION_KERNEL = {"kernel": "cudnn", "name": "cuDNN"}
-RECORDS = Path(__file__).resolve().parents[1] / "hardware" / "data" / "gpus"
 
 
 # -- end-to-end rows ------------------------------------------------------------------------------
@@ -115,7 +117,8 @@ def predict(run: TrainingRun, params: dict[str, float] | None = None) -> float:
     if SM_SHARING["on"]:
         w = _workload(run)
         network = make_network("calibrated", cluster, TokenRouting.of(w.model, w.parallel))
-        finishes, _ = simulate_fast(w, network, ComputeModel(cluster.gpu, comm_sm_sharing=True))
+        finishes, _ = simulate_fast(w, network, ComputeModel(cluster.gpu.for_software(w.parallel.software),
+                                                                  comm_sm_sharing=True))
         return max(finishes)
     result, _, _ = simulate(_workload(run), cluster)
     return result.step_time_s
@@ -379,6 +382,44 @@ def carried_over(family: str, comps: Components) -> dict[str, float]:
     return out
 
 
+def software_sets(family: str, comps: Components, factor: float, factor_source: str) -> ProfileSets:
+    """The attention efficiencies of each software profile whose release runs another fused
+    attention kernel than the family's end-to-end tables (ATTENTION_KERNEL), from that kernel's
+    microbenchmark on the family's GPUs, causal, forward and backward (attention_kernels_h100.csv;
+    else attention_microbench.csv's FlashAttention-2 rows, which pin its efficiency alone),
+    times the family's training ``factor`` (what its tensor-core kernels keep in training).
+    A profile without a measurement of its kernel on the family runs the default set."""
+    out: ProfileSets = {}
+    for name in software_names():
+        kernel = get_software(name).attention_kernel
+        if kernel is None or kernel == ATTENTION_KERNEL["kernel"]:
+            continue
+        rows = tuple(r for r in comp.training_attention_rows(kernel, causal=True)
+                     if comp.FAMILY_OF_GPU[r.gpu] == family)
+        names: tuple[str, ...] = ("attention_efficiency", "attention_half_keys")
+        file = f"attention_kernels_h100.csv ({kernel}, causal fwd+bwd)"
+        if not rows and kernel == "flash_attn_2":
+            rows = tuple(r for r in comp.attention_rows() if comp.FAMILY_OF_GPU[r.gpu] == family)
+            names, file = ("attention_efficiency",), "attention_microbench.csv (FlashAttention-2)"
+        if not rows:
+            continue
+        fit = ComponentFit(file, names, rows, lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)),
+                           lambda r: r.tflops)
+        fixed = dict(comps.params)
+        v = fit_box(Box(names, BOUNDS), fixed, lambda x, fit=fit, fixed=fixed: fit.errors(fixed | x), max_nfev=200)
+        gpus = " + ".join(sorted({r.gpu for r in rows}))
+        print(f"  software profile {name} (its attention: {kernel}): "
+              + ", ".join(f"{n} {v[n]:.4g}" for n in names)
+              + f" on {file}, rows of {gpus} ({_pct(fit.errors(fixed | v))}); in training "
+              f"attention_efficiency {v['attention_efficiency'] * factor:.4g}")
+        src = f"microbenchmark fit: {file}, rows of {gpus}"
+        out[name] = {"attention_efficiency": (v["attention_efficiency"] * factor,
+                                              f"{src}, times {factor_source} {factor:.4g}")}
+        if "attention_half_keys" in names:
+            out[name]["attention_half_keys"] = (v["attention_half_keys"], src)
+    return out
+
+
 def _cluster(family: str) -> str | None:
     """The cluster of ``family``'s end-to-end tables (None: it has none)."""
     return {v: k for k, v in FAMILY_OF.items()}.get(family)
@@ -431,9 +472,10 @@ def _pct(errs) -> str:
     return f"mean |error| {100 * errs.mean():.1f} %, worst {100 * errs.max():.1f} % ({len(errs)} rows)"
 
 
-def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, str], int]:
+def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, str], ProfileSets, int]:
     """Fit ``family`` and print the report: every parameter's value, the source of each one the
-    fit pins (what --write stores), and how many are on a bound."""
+    fit pins (what --write stores), the software profiles' own attention sets, and how many
+    parameters are on a bound."""
     cluster = _cluster(family)
     base = family_efficiencies(family)
     print(f"\n== {family} ==")
@@ -467,9 +509,13 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
                            f"times the {ref} family's shipped / microbenchmark ratio" for p in carried}
         unpinned = [p for p in PARAMS if p not in comps.pinned | set(carried)]
         print(f"  not fitted, the defaults: {', '.join(f'{p} {pinned[p]:.4g}' for p in unpinned)}")
+        profiles: ProfileSets = {}
+        if carried:
+            factor = carried["matmul_efficiency"] / bf16_ceiling(family)
+            profiles = software_sets(family, comps, factor, f"the {ref} family's training factor")
         print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
         # (only what the microbenchmarks pin is the family's; the rest stays the default section's)
-        return {k: pinned[k] for k in PARAMS if k not in unpinned}, sources, len(on_bound)
+        return {k: pinned[k] for k in PARAMS if k not in unpinned}, sources, profiles, len(on_bound)
     box = end_to_end_box(family, comps)
     rates = microbenchmark_rates(family, comps)
     runs = runs_for(cluster)
@@ -500,8 +546,9 @@ def report_family(family: str, loo: bool) -> tuple[dict[str, float], dict[str, s
             held, _ = fit_end_to_end(family, pinned, rates, box, [q for j, q in enumerate(runs) if j != i], max_nfev=16)
             errs.append(predict(r, held) / r.measured_step_s - 1)
         print(f"  leave-one-out: {_pct(errs)}")
+    profiles = software_sets(family, comps, v["training_factor"], "the training factor")
     print(f"  on a bound: {', '.join(on_bound) if on_bound else 'none'}")
-    return {k: params[k] for k in PARAMS}, sources, len(on_bound)
+    return {k: params[k] for k in PARAMS}, sources, profiles, len(on_bound)
 
 
 def sharing_slowdown(family: str) -> None:
@@ -520,36 +567,6 @@ def sharing_slowdown(family: str) -> None:
               f"{100 * max(xs):.1f} %, {len(xs)} rows)")
 
 
-def write_records(fitted: dict[str, tuple[dict[str, float], dict[str, str]]],
-                  directory: Path = RECORDS) -> list[Path]:
-    """Store each family's fitted values (family -> (values, sources)) in every GPU record of the
-    family in ``directory``, each value with its source; the records' other parameters, fields
-    and header comments stay as they are. All the records are written, or none."""
-    texts: dict[Path, str] = {}
-    seen = set()
-    for path in sorted(directory.glob("*.yaml")):
-        text = path.read_text()
-        rec = parse_record(text, str(path))
-        if rec["calibration_family"] not in fitted:
-            continue
-        seen.add(rec["calibration_family"])
-        values, sources = fitted[rec["calibration_family"]]
-        for k, v in values.items():
-            rec["efficiencies"]["default"][k] = {"value": float(v), "source": sources[k]}
-        texts[path] = render_record(rec, record_header(text))
-    missing = set(fitted) - seen
-    if missing:
-        raise SystemExit(f"no GPU record in {directory} of the families {sorted(missing)}")
-    tmps = []
-    for path, text in texts.items():
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmps.append((tmp, path))
-    for tmp, path in tmps:
-        tmp.replace(path)          # (every record written before any replaces its file)
-    return list(texts)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", action="store_true",
@@ -565,14 +582,14 @@ def main() -> None:
             ap.error("--sm-sharing is an experiment; it writes nothing (leave out --write)")
         sharing_slowdown(args.family or "H100")
         SM_SHARING["on"] = True
-    fitted: dict[str, tuple[dict[str, float], dict[str, str]]] = {}
+    fitted: dict[str, tuple[dict[str, float], dict[str, str], ProfileSets]] = {}
     bound = 0
     for family in FAMILIES:
         if args.family and family != args.family:
             continue
-        params, sources, n = report_family(family, args.loo)
+        params, sources, profiles, n = report_family(family, args.loo)
         bound += n
-        fitted[family] = ({k: float(f"{params[k]:.4g}") for k in sources}, sources)
+        fitted[family] = ({k: float(f"{params[k]:.4g}") for k in sources}, sources, profiles)
     print(f"\nparameters on a bound: {bound}")
     if args.write:
         for path in write_records(fitted):

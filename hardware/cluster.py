@@ -247,8 +247,9 @@ def _build(doc: dict, where: str, num_gpus: int | None) -> Cluster:
         base = gpu_doc.get("base")
         overrides = {k: v for k, v in gpu_doc.items() if k != "base"}
         for k, v in overrides.items():
-            # every GPU field is a number but its name and architecture (checked by the GPU)
-            if k not in ("name", "arch") and v is not None:
+            # every GPU field is a number but its name, architecture (checked by the GPU) and
+            # the record its efficiencies come from
+            if k not in ("name", "arch", "record") and v is not None:
                 _number(v, f"cluster.gpu.{k}", where)
         if base is not None:
             gpu = get_gpu(base).with_overrides(**overrides)

@@ -3,9 +3,11 @@
 A record holds the vendor's figures (dense tensor-core peaks per number format, HBM capacity and
 bandwidth, NVLink bandwidth and domain, NIC bandwidth, architecture, SM count) and the model's
 efficiencies, each with its source: which fit, table or microbenchmark gave it, or "hand-set
-default". The efficiencies are keyed by software profile (``default``: every profile's; none
-carries its own set yet); GPUs of one calibration family (same silicon generation, same kernels)
-carry the same set. ``benchmarks/calibrate.py --write`` rewrites the records' efficiencies through
+default". The efficiencies are keyed by software profile: ``default`` holds every parameter;
+a profile whose release runs another kernel library may hold its own values of some of them
+(the torchtitan profile's attention is PyTorch's FlashAttention-2 backend, not cuDNN's fused
+attention), which :meth:`GPU.for_software` puts over the default set. GPUs of one calibration
+family (same silicon generation, same kernels) carry the same sets. ``benchmarks/calibrate.py --write`` rewrites the records' efficiencies through
 :func:`render_record`, which every shipped record reads back as (a test holds it).
 
 A hypothetical GPU is just another description: every field can be overridden.
@@ -81,6 +83,10 @@ class GPU:
     # not known, occupancy not modelled.
     sm_count: int = 0
     attention_block_rows: int = 128
+    # The shipped record this GPU's efficiencies come from (a preset, or the preset a cluster
+    # file's GPU takes as its base; None: none), whose software profiles' own sets
+    # :meth:`for_software` applies.
+    record: str | None = None
 
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "hbm_GiB", "hbm_GBps", "nvlink_GBps"):
@@ -129,6 +135,17 @@ class GPU:
             if k not in known:
                 raise UserError(f"gpu.{k}", f"is not a GPU field (fields: {', '.join(sorted(known))})")
         return replace(self, **kw)
+
+    def for_software(self, software: str | None) -> "GPU":
+        """This GPU as ``software`` (a software profile's name; None: the default) runs it: the
+        profile's own efficiencies from the GPU's record, over each value that is still the
+        record's default (a value a user or an exploration set stays as set)."""
+        own = software_efficiencies(self.record, software) if self.record else {}
+        if not own:
+            return self
+        default = gpu_records()[self.record]["efficiencies"]["default"]
+        changes = {k: v for k, v in own.items() if getattr(self, k) == float(default[k]["value"])}
+        return replace(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,9 +198,10 @@ def _records_dir():
 def _flatten(sets: Any, where: str) -> dict[str, dict[str, dict[str, Any]]]:
     """A record file's efficiencies (per profile, groups of values sharing one source) as
     profile -> parameter -> {value, source}."""
-    if not isinstance(sets, dict) or list(sets) != ["default"]:
-        # (a software profile's own set, keyed by its name, is the next step: not read yet)
-        raise ValueError(f"{where}: efficiencies must hold one set, `default`, got {sets!r}")
+    # (a profile's name is checked against the software profiles where both are known: the
+    # profiles are a layer above the hardware; tests hold the shipped records to them)
+    if not isinstance(sets, dict) or list(sets)[:1] != ["default"]:
+        raise ValueError(f"{where}: efficiencies must open with the `default` set, got {sets!r}")
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for profile, groups in sets.items():
         flat: dict[str, dict[str, Any]] = {}
@@ -200,9 +218,11 @@ def _flatten(sets: Any, where: str) -> dict[str, dict[str, dict[str, Any]]]:
                     raise ValueError(f"{where}: efficiencies.{profile}.{k} must be a number, got {v!r}")
                 flat[k] = {"value": v, "source": group["source"]}
         missing = [k for k in EFFICIENCIES if k not in flat]
-        if missing:
+        if missing and profile == "default":
             raise ValueError(f"{where}: efficiencies.{profile} lacks {', '.join(missing)}")
-        out[profile] = {k: flat[k] for k in EFFICIENCIES}
+        if not flat:
+            raise ValueError(f"{where}: efficiencies.{profile} holds no efficiencies")
+        out[profile] = {k: flat[k] for k in EFFICIENCIES if k in flat}
     return out
 
 
@@ -245,7 +265,7 @@ def gpu_from_record(rec: dict[str, Any]) -> GPU:
             v = rec[f.name]
             kw[f.name] = v if f.type in ("str", "int") else _number(v)
     kw.update({k: float(v["value"]) for k, v in rec["efficiencies"]["default"].items()})
-    return GPU(**kw)
+    return GPU(**kw, record=rec["name"])
 
 
 def get_gpu(name: str) -> GPU:
@@ -257,6 +277,15 @@ def get_gpu(name: str) -> GPU:
 
 def gpu_names() -> list[str]:
     return list(gpu_records())
+
+
+def software_efficiencies(name: str, software: str | None) -> dict[str, float]:
+    """The efficiencies GPU preset ``name``'s record holds for software profile ``software``
+    besides its default set (empty: none, or no such record)."""
+    rec = gpu_records().get(name)
+    if rec is None or software is None or software == "default":
+        return {}
+    return {k: float(v["value"]) for k, v in rec["efficiencies"].get(software, {}).items()}
 
 
 def family_efficiencies(family: str) -> dict[str, float]:
@@ -323,7 +352,8 @@ def render_record(rec: dict[str, Any], header: str = "") -> str:
                 lines.append(f"  {profile}:")
                 groups: dict[str, list[str]] = {}
                 for k in EFFICIENCIES:
-                    groups.setdefault(values[k]["source"], []).append(k)
+                    if k in values:
+                        groups.setdefault(values[k]["source"], []).append(k)
                 for source, names in groups.items():
                     lines.append(f"    - source: {_scalar(source)}")
                     lines += [f"      {k + ':':<23}{_scalar(values[k]['value'])}" for k in names]

@@ -57,7 +57,7 @@ def test_a_record_describes_every_field_of_its_gpu() -> None:
             elif f.name in rec:
                 assert getattr(g, f.name) == rec[f.name], (name, f.name)
             else:
-                assert f.name in ("vector_tflops", "attention_block_rows"), (name, f.name)
+                assert f.name in ("vector_tflops", "attention_block_rows", "record"), (name, f.name)
         assert {k for k in rec if k not in {f.name for f in fields(GPU)}} == \
             {"part", "announced", "scale_up_domain", "calibration_family", "efficiencies"}
 
@@ -101,8 +101,10 @@ def test_the_loader_refuses_what_is_not_a_record() -> None:
         parse_record(text + "colour: red\n", "x")
     with pytest.raises(ValueError, match="lacks kernel_overhead_us"):
         parse_record("\n".join(line for line in text.splitlines() if "kernel_overhead_us" not in line), "x")
-    with pytest.raises(ValueError, match="one set, `default`"):
+    with pytest.raises(ValueError, match="holds no efficiencies"):
         parse_record(text + "  nemo-24.07:\n    - source: x\n", "x")
+    with pytest.raises(ValueError, match="open with the `default` set"):
+        parse_record(text.replace("  default:", "  nemo-24.07:"), "x")
     doc = yaml.safe_load(text)
     doc["efficiencies"]["default"][0].pop("source")
     with pytest.raises(ValueError, match="`source: <text>`"):
@@ -146,7 +148,8 @@ def test_calibrate_writes_a_fit_into_every_record_of_the_family(tmp_path) -> Non
     before = {p.name: p.read_text() for p in (tmp_path / "gpus").glob("*.yaml")}
     written = write_records({"H100": ({"memory_efficiency": 0.7712, "kernel_overhead_us": 2.5},
                                       {"memory_efficiency": "microbenchmark fit: hbm_bandwidth.csv, X rows",
-                                       "kernel_overhead_us": "end-to-end fit: megatron-core-0.8"})},
+                                       "kernel_overhead_us": "end-to-end fit: megatron-core-0.8"},
+                                      {"torchtitan-2024.12": {"attention_efficiency": (0.25, "Y rows")}})},
                             tmp_path / "gpus")
     assert sorted(p.stem for p in written) == sorted(FAMILIES["H100"])
     for path in (tmp_path / "gpus").glob("*.yaml"):
@@ -165,8 +168,11 @@ def test_calibrate_writes_a_fit_into_every_record_of_the_family(tmp_path) -> Non
             {k: v for k, v in was.items() if k not in ("memory_efficiency", "kernel_overhead_us")}
         assert {k: v for k, v in rec.items() if k != "efficiencies"} == \
             {k: v for k, v in old.items() if k != "efficiencies"}
+        # a software profile's own set is replaced whole
+        assert {k: v for k, v in rec["efficiencies"].items() if k != "default"} == \
+            {"torchtitan-2024.12": {"attention_efficiency": {"value": 0.25, "source": "Y rows"}}}
     with pytest.raises(SystemExit, match="families"):
-        write_records({"Z100": ({}, {})}, tmp_path / "gpus")
+        write_records({"Z100": ({}, {}, {})}, tmp_path / "gpus")
 
 
 def test_the_wheel_ships_the_records() -> None:

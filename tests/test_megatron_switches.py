@@ -54,13 +54,13 @@ def test_the_report_states_the_switches_it_assumed(run_cli) -> None:
     code, out, err = run_cli("simulate", *TRAIN)
     assert code == 0, err
     assert _switches(out) == ("--sp* --tp-comm-overlap* --overlap-grad-reduce* --overlap-param-gather* "
-                              "--grad-reduce-in-fp32*  (* megatron-core-0.8 default)")
+                              "--grad-reduce-in-fp32*  (* megatron-core-0.8 default); its attention kernel cudnn")
     # every switch set: no *, the profile named alone
     code, out, err = run_cli("simulate", *TRAIN, "--zero", "1", "--sp", "--tp-comm-overlap", "--overlap-grad-reduce",
                              "--no-overlap-param-gather", "--grad-reduce-in-bf16")
     assert code == 0, err
     assert _switches(out) == ("--sp --tp-comm-overlap --overlap-grad-reduce --no-overlap-param-gather "
-                              "--grad-reduce-in-bf16  (megatron-core-0.8)")
+                              "--grad-reduce-in-bf16  (megatron-core-0.8); its attention kernel cudnn")
 
 
 def test_the_star_marks_only_the_switches_left_unset(run_cli) -> None:
@@ -68,7 +68,7 @@ def test_the_star_marks_only_the_switches_left_unset(run_cli) -> None:
     assert code == 0, err
     # tp_comm_overlap, unset, follows sp: off without it
     assert _switches(out) == ("--no-sp --no-tp-comm-overlap* --no-overlap-grad-reduce --overlap-param-gather* "
-                              "--grad-reduce-in-fp32*  (* megatron-core-0.8 default)")
+                              "--grad-reduce-in-fp32*  (* megatron-core-0.8 default); its attention kernel cudnn")
     code, out, err = run_cli("simulate", *TRAIN, "--software", "nemo-24.07", "--grad-reduce-in-fp32", "--json")
     assert code == 0, err
     par = json.loads(out)["config"]["parallel"]
@@ -77,7 +77,7 @@ def test_the_star_marks_only_the_switches_left_unset(run_cli) -> None:
     code, out, err = run_cli("simulate", *TRAIN, "--software", "nemo-24.07")
     assert code == 0, err
     # NeMo 24.07's recipes reduce the gradients in bf16
-    assert _switches(out).endswith("--grad-reduce-in-bf16*  (* nemo-24.07 default)")
+    assert _switches(out).endswith("--grad-reduce-in-bf16*  (* nemo-24.07 default); its attention kernel cudnn")
 
 
 def test_an_unknown_software_profile_is_refused(run_cli) -> None:

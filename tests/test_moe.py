@@ -375,7 +375,7 @@ def test_shared_experts_compute_while_the_dispatch_is_in_flight() -> None:
     from stage_cosim.hardware import resolve_cluster
 
     cluster = resolve_cluster("dgx-h100:16")
-    par = ParallelConfig(dp=16, ep=16, micro_batch=1, global_batch=32, seq_len=SEQ)      # 2 micro-batches
+    par = ParallelConfig(dp=16, ep=16, micro_batch=8, global_batch=256, seq_len=SEQ)     # 2 micro-batches
     steps, kernels = {}, None
     for overlap in (False, True):
         m = TINY_MLA.with_overrides(mtp_num_layers=0, num_experts=16, moe_shared_expert_overlap=overlap)

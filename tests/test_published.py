@@ -18,10 +18,10 @@ from stage_cosim.validation.published import TrainingRun, korthikanti_table5, me
 from stage_cosim.workload import synthesize
 
 # The levels docs/validation.md reports (regression guards, not targets), published layout alone:
-# NeMo 24.07's FP8 rows with the joint H100 fit (mean 2.60 %, worst 8.22 %), Llama 3 405B's rows
-# (-18.7 % to -23.0 %; -16.2 % to -17.1 % while causal attention ran the whole score matrix).
-NEMO_MEAN, NEMO_WORST = 0.03, 0.09
-LLAMA3_BAND = (-0.25, -0.17)
+# NeMo 24.07's FP8 rows with the bottom-up H100 fit (mean 3.20 %, worst 10.6 %), Llama 3 405B's
+# rows (-20.7 % and -21.2 % at 8K, -29.9 % at 131K).
+NEMO_MEAN, NEMO_WORST = 0.035, 0.115
+LLAMA3_BAND = (-0.31, -0.19)
 
 
 def relative_errors(runs: list[TrainingRun], cluster: str) -> list[float]:
@@ -43,15 +43,15 @@ def test_pin_korthikanti_table5_fitted_rows() -> None:
 @pytest.mark.slow
 def test_pin_megatron_core_weak_scaling_fitted_rows() -> None:
     errors = [abs(e) for e in relative_errors(megatron_core_weak_scaling(), "dgx-h100")]
-    assert sum(errors) / len(errors) <= 0.065
-    assert max(errors) <= 0.25      # the 32B row, the model's known outlier (docs/validation.md)
+    assert sum(errors) / len(errors) <= 0.105       # 10.1 %
+    assert max(errors) <= 0.29      # the 32B row, the model's known outlier (docs/validation.md)
 
 
 def test_moe_rows_with_the_same_calibration() -> None:
     """Checks, not fits. Mixtral 8x7B on 64 H100 (its step time derived from 468 TFLOP/s with
-    Megatron-Core v0.9's formula) at its documented level (-9.8 %: the causal kernel's skipped
-    half of the score matrix took it from -2.3 %, the end-to-end H100 fit having learnt the full
-    matrix's time); DeepSeek-V3 FP8 on 2,048 H800 with the report's own layout: its tokens
+    Megatron-Core v0.9's formula) at its documented level (-9.1 %; -2.3 % before the causal
+    kernel's skipped half of the score matrix, when the H100 fit had learnt the full matrix's
+    time); DeepSeek-V3 FP8 on 2,048 H800 with the report's own layout: its tokens
     dispatched once per node reached (node-limited routing, the flex dispatcher) and its 16
     stages run by DualPipe (each rank holds stage i and stage 15 - i, so the heavy first and
     last stages share ranks), within 5 % of its 180K H800-hours per trillion tokens (the same
@@ -150,7 +150,8 @@ def test_llama3_table4_rows() -> None:
 
 def test_llama3_table4_prediction() -> None:
     """Guarded at the level docs/validation.md reports and explains (the model is faster than Meta's
-    runs by the same fraction at 8K and at 131K)."""
+    runs by a fifth at 8K and by 30 % at 131K, where attention, at cuDNN's in-training rate, is
+    most of the step)."""
     from stage_cosim.validation.published import llama3_herd_table4
 
     for run in llama3_herd_table4():
@@ -186,16 +187,17 @@ def test_torchtitan_rows_load_as_published() -> None:
 @pytest.mark.slow
 def test_torchtitan_rows_at_their_documented_level() -> None:
     """Guarded at the level docs/validation.md reports (regression pins on check rows, never
-    fitted to them). The H200 rows (Float8 FSDP at full power, torchtitan's per-op selective
-    checkpointing) within 6 %; on the Grand Teton H100 that describes torchtitan's own H100 rows
-    (500 W GEMM rates, HBM2e), the BF16 FSDP rows within 6 %; every other H100 row predicted
-    faster than measured, by at most 40 %, and the rowwise rows by 30-60 % (their GEMMs priced
-    at the per-tensor FP8 rate and no rescale kernel, while the runs are 1.1-1.5x slower than
-    the same runs with tensorwise scaling)."""
+    fitted to them), each row's attention FlashAttention-2's (the torchtitan profile's kernel).
+    The H200 rows (Float8 FSDP at full power, torchtitan's per-op selective checkpointing)
+    within 6 %; on the Grand Teton H100 that describes torchtitan's own H100 rows (500 W GEMM
+    rates, HBM2e), the FSDP rows without tp or pp (BF16 and Float8, cp at most 2) within 6 %;
+    every other H100 row at most 1 % slower and at most 31 % faster than measured, and the
+    rowwise rows 30-60 % faster (their GEMMs priced at the per-tensor FP8 rate and no rescale
+    kernel, while the runs are 1.1-1.5x slower than the same runs with tensorwise scaling)."""
     from stage_cosim.validation.published import GRAND_TETON_H100, torchtitan_benchmarks
 
     runs, _ = torchtitan_benchmarks()
-    checked = fsdp_bf16 = 0
+    checked = fsdp = 0
     for run in runs:
         if run.gpu not in ("H100", "H200"):
             continue
@@ -207,9 +209,9 @@ def test_torchtitan_rows_at_their_documented_level() -> None:
             checked += 1
         elif run.fp8_recipe == "rowwise":
             assert -0.60 <= error <= -0.30, (run.name, error)
-        elif run.cluster == GRAND_TETON_H100 and run.dtype == "bf16" and run.tp == run.pp == run.cp == 1:
+        elif run.cluster == GRAND_TETON_H100 and run.tp == run.pp == 1 and run.cp <= 2:
             assert abs(error) <= 0.06, (run.name, error)
-            fsdp_bf16 += 1
+            fsdp += 1
         else:
-            assert -0.40 <= error <= 0.0, (run.name, error)
-    assert checked == 2 and fsdp_bf16 == 2
+            assert -0.31 <= error <= 0.01, (run.name, error)
+    assert checked == 2 and fsdp == 6

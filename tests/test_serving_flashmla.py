@@ -35,9 +35,9 @@ def test_flashmla_on_h800_runs_at_its_published_rates() -> None:
     # memory-bound: one head group's worth of FLOPs over the same bytes
     t_mem = cm.duration_s(flops // 128, nbytes, "flashmla", attention=True, keys=4096)
     assert t_mem == pytest.approx(nbytes / FLASHMLA_BPS + launch, rel=1e-9)
-    # the generic fused attention on the same GPU (FlashAttention's fit: 30 % of the BF16
+    # the generic fused attention on the same GPU (cuDNN's in training: 40 % of the BF16
     # peak, less at short key loops) is slower than FlashMLA's 67 %
-    assert cm.duration_s(flops, nbytes, "bf16", attention=True, keys=4096) > 2 * t
+    assert cm.duration_s(flops, nbytes, "bf16", attention=True, keys=4096) > 1.5 * t
 
 
 def test_flashmla_rates_carry_over_to_hopper_by_share_of_peak() -> None:

@@ -42,7 +42,7 @@ def test_h200_ring_gather_and_scatter_match_the_all_reduce_bus_bandwidth() -> No
 def test_reduce_scatter_and_all_gather_take_half_the_measured_all_reduce() -> None:
     """2,048 tokens x 4,096 x 2 bytes = 16 MiB per rank reduce-scattered over 8 H100 (the
     experts' output of an attention-DP8 step at 256 requests a rank): 125.23 / 2 = 62.6 us,
-    where the calibrated network gives 39 us; an all-gather of 2 MiB shards (16 MiB whole) the
+    where the calibrated network gives 45 us; an all-gather of 2 MiB shards (16 MiB whole) the
     same. Over two nodes (no one-domain sweep) and for an all-to-all, the model's."""
     model, serving = _networks()
     eight = list(range(8))
@@ -50,7 +50,7 @@ def test_reduce_scatter_and_all_gather_take_half_the_measured_all_reduce() -> No
     assert want == pytest.approx(62.6e-6, rel=1e-3)
     assert serving.duration("REDUCE_SCATTER", 16 << 20, eight) == pytest.approx(want, rel=1e-12)
     assert serving.duration("ALL_GATHER", 2 << 20, eight) == pytest.approx(want, rel=1e-12)
-    assert model.duration("REDUCE_SCATTER", 16 << 20, eight) < 0.7 * want
+    assert model.duration("REDUCE_SCATTER", 16 << 20, eight) < 0.75 * want
     sixteen = list(range(16))
     assert serving.duration("REDUCE_SCATTER", 16 << 20, sixteen) == model.duration("REDUCE_SCATTER", 16 << 20, sixteen)
     assert serving.duration("ALL_TO_ALL", 16 << 20, eight) == model.duration("ALL_TO_ALL", 16 << 20, eight)

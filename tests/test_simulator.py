@@ -39,7 +39,7 @@ def test_calibrated_collectives() -> None:
     S, n = 256 * 2**20, 8
     ring = 2 * (n - 1) * (S / n / bw + lat)
     tree = 2 * 3 * lat + 2 * S / bw
-    nvls = (1 + 1 / n) * S / (bw * 0.72) + 2 * lat      # NVLink SHARP at Hopper's switch-reduction rate
+    nvls = (1 + 1 / n) * S / (450e9 * 0.684) + 2 * lat  # NVLink SHARP at Hopper's switch-reduction rate
     assert net.duration("ALL_REDUCE", S, list(range(8))) == pytest.approx(min(ring, tree, nvls))
     assert net.duration("ALL_GATHER", S // 8, list(range(8))) == pytest.approx((n - 1) * (S / n / bw + lat))
     assert net.duration("REDUCE_SCATTER", S, list(range(8))) == pytest.approx((n - 1) * (S / n / bw + lat))

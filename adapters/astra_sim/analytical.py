@@ -428,7 +428,7 @@ def workload_durations(w, cluster, system: AstraSystem) -> Callable:  # noqa: AN
                     for n in role.nodes]
         return roofline
     # an inference step's kernels as every other command prices them (the measured GEMMs)
-    micros = replay_durations(step_compute_model(cluster.gpu, w.inference is not None))
+    micros = replay_durations(step_compute_model(cluster.gpu, w.inference is not None, w.parallel.software))
 
     def replayed(role) -> list[int]:  # noqa: ANN001
         us = micros(role)

@@ -114,7 +114,7 @@ def export(w: Workload, cluster: Cluster, out: Path, *, mode: str = "replay",
     dims = cluster.network_dims()
     system = system_for(cluster, mode, settings)
     warnings = check_runs(w, cluster, system)
-    compute = step_compute_model(cluster.gpu, w.inference is not None)   # an inference step: the measured GEMMs
+    compute = step_compute_model(cluster.gpu, w.inference is not None, w.parallel.software)   # an inference step: the measured GEMMs
     with atomic_directory(out, force) as d:
         (d / TRACE_DIR).mkdir()
         stats = write_traces(w, d / TRACE_DIR, "chakra", durations=replay_durations(compute) if mode == "replay" else None,

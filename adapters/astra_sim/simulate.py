@@ -114,7 +114,8 @@ def simulate_traces(directory: Path, cluster: Cluster, *, comm_groups: Path | No
     loaded = load(directory, cluster, comm_groups)
     ts = loaded.ts
     # an inference step's traces (their manifest says so): the measured GEMMs, as simulate prices them
-    compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")))
+    compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")),
+                                 ((loaded.manifest or {}).get("parallel") or {}).get("software"))
     used: list[str] = []
     system, dims = astra_inputs(loaded.located, cluster, astra_settings, compute_mode, used)
     durations = None

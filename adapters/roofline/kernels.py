@@ -193,9 +193,10 @@ class InferenceComputeModel(ComputeModel):
         return peak * 1e12 * eff
 
 
-def step_compute_model(gpu: GPU, inference: bool) -> ComputeModel:
+def step_compute_model(gpu: GPU, inference: bool, software: str | None = None) -> ComputeModel:
     """The kernel model of a step: for an inference step (``simulate --phase prefill|decode``,
     a serving run's steps, the serving search) GEMMs from the measured microbenchmarks, so that
     one step has one time whichever command asks; for a training step the training fit, which
-    the published training runs calibrate."""
-    return InferenceComputeModel(gpu) if inference else ComputeModel(gpu)
+    the published training runs calibrate, with the kernels of the step's software profile
+    ``software`` (its own efficiencies in the GPU's record, :meth:`GPU.for_software`)."""
+    return InferenceComputeModel(gpu) if inference else ComputeModel(gpu.for_software(software))

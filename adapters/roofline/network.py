@@ -35,13 +35,14 @@ NETWORK_MODELS = ("calibrated", "astra")
 # times, as NCCL's tuner picks by size and scale.
 ALGORITHMS = ("auto", "ring", "tree", "nvls", "collnet")
 # GPU architectures whose NVSwitch reduces in the switch (NVLink SHARP: third-generation NVSwitch
-# and later), and the share of the scale-up rate an NVLS all-reduce reaches: the switch's
-# reduction, not the links, limits it. Fitted to nccl-tests' NVLS rows of 8 GiB and more
+# and later), and the share of the scale-up link's rate an NVLS all-reduce reaches: the switch's
+# reduction, not the links, limits it, so the share is of the data-sheet link rate, not of the
+# ring's achieved one (scale_up_efficiency). Fitted to nccl-tests' NVLS rows of 8 GiB and more
 # (shared nccl_busbw.csv): Azure ND H100 v5 478.87 GB/s busbw at 8 GiB and the 8x H200 node's
-# 477-482 GB/s, against 665 at the full link rate (0.72); AWS p6-b200 838 GB/s at 8 GiB against
-# 1,049 (0.80).
+# 477-482 GB/s, against 700 at the full link rate (0.684); AWS p6-b200 838 GB/s at 8 GiB against
+# 1,400 (0.599).
 NVLS_ARCHES = ("hopper", "blackwell")
-NVLS_EFFICIENCY = {"hopper": 0.72, "blackwell": 0.80}
+NVLS_EFFICIENCY = {"hopper": 0.684, "blackwell": 0.599}
 # The communicator-group kind of the MoE token dispatcher's all-to-alls
 ROUTED_KIND = "ep"
 
@@ -151,8 +152,8 @@ class CalibratedNetwork:
         (multimem.st): 1/m out, the whole result in. Out and in run at once, both pipelined, so
         each link carries (1 + 1/m)·nbytes each way at the scale-up rate, where a ring carries
         2(m-1)/m·nbytes; one latency for the reduction's round trip, one for the multicast. The
-        switch reduces at NVLS_EFFICIENCY of that rate."""
-        rate = self.bw_up * NVLS_EFFICIENCY[self.cluster.gpu.arch]
+        switch reduces at NVLS_EFFICIENCY of the link's data-sheet rate."""
+        rate = self.cluster.scale_up.bandwidth_GBps * 1e9 * NVLS_EFFICIENCY[self.cluster.gpu.arch]
         return (1 + 1 / m) * nbytes / rate + 2 * self.lat_up
 
     def _gather_like(self, out_bytes: float, n: int, bw: float, lat: float) -> float:

@@ -243,7 +243,7 @@ def simulate(w: Workload, cluster: Cluster, network_model: str = "calibrated", *
 def _simulate_roofline(w: Workload, cluster: Cluster, network_model: str, symmetric: bool, exact: bool | None,
                        nccl_algo: str = "auto") -> tuple[SimResult, Replay | None, list[AgentProgram] | None]:
     # inference steps: the serving kernel model (the measured GEMMs), as serve-sim prices them
-    compute = step_compute_model(cluster.gpu, w.inference is not None)
+    compute = step_compute_model(cluster.gpu, w.inference is not None, w.parallel.software)
     network = make_network(network_model, cluster, TokenRouting.of(w.model, w.parallel), nccl_algo,
                                inference=w.inference is not None)
     if exact is None:

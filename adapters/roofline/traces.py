@@ -288,7 +288,8 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     from stage_cosim.adapters.roofline.measured_allreduce import step_network
 
     # an inference step's traces (their manifest says so): the serving kernel model, as simulate prices them
-    compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")))
+    compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")),
+                                 ((loaded.manifest or {}).get("parallel") or {}).get("software"))
     if network_model != "calibrated":
         raise UserError("network-model", f"must be calibrated or astra, got {network_model!r}")
     programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, loaded.kinds, symmetric,

@@ -18,6 +18,7 @@ from stage_cosim.cli.options import (
     resolve_inference_options, resolve_model_options, resolve_parallel_options, warn_positions,
 )
 from stage_cosim.errors import UserError
+from stage_cosim.parallel.software import get_software
 from stage_cosim.result import SimResult
 
 GiB = 1 << 30
@@ -62,6 +63,10 @@ def _switches_line(par: dict) -> str:
     parts = [on("sp"), on("tp_comm_overlap"), on("overlap_grad_reduce"), on("overlap_param_gather"),
              flag("grad_reduce_dtype", f"--grad-reduce-in-{par['grad_reduce_dtype']}")]
     note = f"  (* {par.get('software')} default)" if assumed else f"  ({par.get('software')})"
+    kernel = get_software(par.get("software")).attention_kernel
+    if kernel:
+        # (the fused attention kernel the profile's release runs: the GPU's efficiencies for it)
+        note += f"; its attention kernel {kernel}"
     return " ".join(parts) + note
 
 

@@ -49,6 +49,9 @@ class SoftwareProfile:
     overlap_param_gather: bool
     # the data-parallel gradient reduction's precision
     grad_reduce_dtype: GradReduceDtype
+    # the fused attention kernel the release runs (attention_kernels_h100.csv's name; None: none
+    # of its own); a GPU record may hold this release's attention efficiencies for it
+    attention_kernel: str | None = None
     # switches the framework has no setting for (a request that sets one is refused)
     lacks: tuple[str, ...] = ()
 
