@@ -1,9 +1,9 @@
 """Parallelization search: branch and bound (the proven optimum), its bounds' speed, and the
 scipy-driven search.
 
-    python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|serve-llama3-70b|all] [--workers N]
-                                      [--skip-bound] [--skip-old] [--exhaustive] [--seeds N] [--budget N]
-                                      [--serve-unpruned]
+    python benchmarks/search_speed.py [--case llama3-70b|mixtral-8x7b|deepseek-v3|serve-llama3-70b|all]
+                                      [--workers N] [--skip-bound] [--skip-old] [--exhaustive] [--seeds N]
+                                      [--budget N] [--serve-unpruned] [--time-limit S]
 
 * llama3-70b on 1,024 dgx-h100 GPUs, global batch 1,024, sequence 8,192: the default space
   (what ``stage-cosim optimize --model llama3-70b --cluster dgx-h100:1024 --global-batch 1024
@@ -12,6 +12,12 @@ scipy-driven search.
   setting), with ep and expert_tp in the space: tp 1/2/4, cp 1/2 (ring), pp 1/2/4/8, vp 1/2,
   micro-batch 1/2, recomputation none/full, ep 1/2/4/8, expert_tp 1/2 (sp on, ZeRO-1). The expert
   layers re-factor the tp*cp*dp ranks, so cp 2 opens layouts with ep*expert_tp up to twice tp*dp.
+
+* deepseek-v3 on 2,048 dgx-h800 GPUs, global batch 4,096, sequence 4,096: the default space
+  (what ``stage-cosim optimize --model deepseek-v3 --cluster dgx-h800:2048 --global-batch 4096
+  --seq-len 4096`` searches), ep and expert_tp in it: some 157,000 feasible configurations in
+  some 37,000 groups of shared blocks. Not in ``all`` (its branch and bound runs for hours);
+  ``--time-limit`` stops the branch and bound and prints its counts so far.
 
 * serve-llama3-70b: the serving search on one DGX H100 (8 GPUs), TTFT <= 2 s and TPOT <= 50 ms
   for 90 % of requests (what ``stage-cosim optimize --phase serve --model llama3-70b --cluster
@@ -48,13 +54,24 @@ from stage_cosim.search.memory import fits
 from stage_cosim.search.optimize import OptimizeSettings, _feasible, _Search, optimize
 from stage_cosim.search.runner import SerialRunner
 from stage_cosim.search.space import default_space
+from stage_cosim.workload import precision_for
 
 CASES = {  # name -> (model, cluster, global batch, seq, space overrides)
     "llama3-70b": ("llama3-70b", "dgx-h100:1024", 1024, 8192, {}),
     "mixtral-8x7b": ("mixtral-8x7b", "dgx-h100:64", 256, 4096,
                      dict(tp=(1, 2, 4), cp=(1, 2), cp_comm=("p2p",), pp=(1, 2, 4, 8), vp=(1, 2), micro_batch=(1, 2),
                           sp=(True,), zero=(1,), recompute=("none", "full"), ep=(1, 2, 4, 8), expert_tp=(1, 2))),
+    "deepseek-v3": ("deepseek-v3", "dgx-h800:2048", 4096, 4096, {}),
 }
+# the cases ``--case all`` runs
+ALL = ("llama3-70b", "mixtral-8x7b")
+
+
+def peak_rss() -> str:
+    """This process's peak resident memory so far."""
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20):.2f} GiB peak resident"
 
 
 def describe(point: dict) -> str:
@@ -82,13 +99,19 @@ def run_case(name: str, args: argparse.Namespace) -> None:
             fast = compiled(configs)
             dt, cpu = time.perf_counter() - t, time.process_time() - cpu
             print(f"compiled bounds ({label}): {len(configs):,} configurations in {dt:.1f} s ({cpu:.1f} s of CPU), "
-                  f"{len(configs) / dt:,.0f} bounded per second", flush=True)
+                  f"{len(configs) / dt:,.0f} bounded per second; {peak_rss()}", flush=True)
         bound = compiled.bound
         # the training blocks alone (policies compiled): every configuration's, each group's
         # bound once (what a group's bounds start from)
         fresh = StepBound(model, cluster)
         t, cpu = time.perf_counter(), time.process_time()
-        groups = len({id(fresh.blocks(par)[0]) for par in configs})
+        keys = set()
+        for par in configs:
+            fresh.blocks(par)
+            # (the groups counted by what binds them: the bound keeps only the latest groups'
+            # blocks, so one group may be bound again)
+            keys.add(fresh.blocks_key(par, precision_for(par, cluster.gpu)))
+        groups = len(keys)
         dt, cpu = time.perf_counter() - t, time.process_time() - cpu
         print(f"training blocks: {len(configs):,} configurations' ({groups:,} bound) in {dt:.1f} s ({cpu:.1f} s of "
               f"CPU), {groups / dt:,.0f} bound per second", flush=True)
@@ -108,18 +131,23 @@ def run_case(name: str, args: argparse.Namespace) -> None:
         dt = time.perf_counter() - t
         print(f"memory checks (from the bounds' blocks): {len(sample):,} configurations in {dt:.1f} s, "
               f"{len(sample) / dt:,.0f} a second ({over:,} over the memory)", flush=True)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         # (branch and bound even where the space is small enough to enumerate: mixtral's is)
-        r = optimize(space, cluster, OptimizeSettings(workers=args.workers, exhaustive_limit=0))
-        dt = time.perf_counter() - t
+        stop = None if args.time_limit is None else (lambda: time.perf_counter() - t > args.time_limit)
+        r = optimize(space, cluster, OptimizeSettings(workers=args.workers, exhaustive_limit=0), should_stop=stop)
+        dt, cpu = time.perf_counter() - t, time.process_time() - cpu
         bb = r.bounds or {}
         best = r.best
         sims = bb.get("simulated", 0)
-        print(f"{r.method}: {dt:.1f} s (policies compiled), {'proven optimal' if r.proven_optimal else 'NOT proven'}; "
+        print(f"{r.method}: {dt:.1f} s, {cpu:.1f} s of CPU (policies compiled; {peak_rss()}), "
+              f"{'proven optimal' if r.proven_optimal else 'NOT proven'}"
+              f"{' (stopped at the time limit)' if r.interrupted else ''}; "
               f"{bb.get('simulated', len(r.evaluated)):,} simulations of {r.feasible:,} feasible configurations, "
               f"{bb.get('pruned_by_memory', 0):,} over the memory, {bb.get('pruned_by_bound', 0):,} ruled out by "
               f"their bound (lowest bound {bb.get('lowest_bound') or 0:.4f} s, stopped at {bb.get('stopped_at_bound') or 0:.4f} s)")
-        print(f"optimum {describe(best.point)} at {best.score:.4f} s/step", flush=True)
+        if best is not None:
+            print(f"{'optimum' if r.proven_optimal else 'best so far'} {describe(best.point)} at {best.score:.4f} s/step",
+                  flush=True)
         if sims:
             print(f"event simulator: {sims:,} simulations, at most {sims / dt:.2f} configurations a second "
                   f"(the branch and bound's whole time over its simulations)", flush=True)
@@ -179,6 +207,9 @@ def run_serving(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=[*CASES, "serve-llama3-70b", "all"], default="all")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop the branch and bound this many seconds after it starts, its bounds included "
+                         "(its counts so far are printed)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--budget", type=int, default=150)
     ap.add_argument("--seeds", type=int, default=0, help="budgeted scipy searches with seeds 0 .. N-1")
@@ -190,7 +221,7 @@ def main() -> None:
     ap.add_argument("--serve-unpruned", action="store_true",
                     help="serving case: also search every layout to its edge (about 22 minutes of CPU)")
     args = ap.parse_args()
-    for name in CASES if args.case == "all" else [args.case] if args.case in CASES else []:
+    for name in ALL if args.case == "all" else [args.case] if args.case in CASES else []:
         run_case(name, args)
     if args.case in ("serve-llama3-70b", "all"):
         run_serving(args)

@@ -7,8 +7,9 @@ default". The efficiencies are keyed by software profile: ``default`` holds ever
 a profile whose release runs another kernel library may hold its own values of some of them
 (the torchtitan profile's attention is PyTorch's FlashAttention-2 backend, not cuDNN's fused
 attention), which :meth:`GPU.for_software` puts over the default set. GPUs of one calibration
-family (same silicon generation, same kernels) carry the same sets. ``benchmarks/calibrate.py --write`` rewrites the records' efficiencies through
-:func:`render_record`, which every shipped record reads back as (a test holds it).
+family (same silicon generation, same kernels) carry the same sets. ``benchmarks/calibrate.py
+--write`` rewrites the records' efficiencies through :func:`render_record`, which every shipped
+record reads back as (a test holds it).
 
 A hypothetical GPU is just another description: every field can be overridden.
 

@@ -64,6 +64,19 @@ from stage_cosim.schedule.pipeline import Layout
 from stage_cosim.search.evaluate import OBJECTIVES
 
 SLACK = 1e-9          # relative: a bound is lowered this much (float rounding of long sums)
+# The most entries each of a bound's caches keeps: past it the cache is emptied. A search binds
+# one group of blocks after another (configurations alike in all but the schedule and the
+# virtual stages), each adding a few entries to every cache; a Mixture-of-Experts space (ep and
+# expert-tp re-factor the ranks) has some 37,000 groups, whose entries, all kept, held 9 GB.
+# Every entry is what computing it afresh gives (it holds the objects its key names by id), so
+# emptying a cache changes no figure, and a search binds alike groups one after the other
+# (:meth:`~stage_cosim.search.compiled.CompiledBound.order`): what is dropped is seldom asked
+# again.
+CACHE_LIMIT = 20_000
+# ... the blocks bound to a configuration's numbers (a whole model's list each)
+TRAINING_LIMIT = 2_000
+# what training_blocks keeps per set of numbers (the rest of its cache, per policy, stays)
+NUMBERS = ("values", "costs")
 
 
 class _Block(NamedTuple):
@@ -110,9 +123,11 @@ class StepBound:
     Work is shared between configurations: a block bound to the same numbers (the same
     compiled block, micro-batch and degrees) is timed once, and each kernel shape once."""
 
-    def __init__(self, model: ModelConfig, cluster: Cluster, network_model: str | None = "calibrated") -> None:
+    def __init__(self, model: ModelConfig, cluster: Cluster, network_model: str | None = "calibrated",
+                 software: str | None = None) -> None:
         self.model, self.cluster = model, cluster
-        self.compute = ComputeModel(cluster.gpu)
+        # (the kernels of the configurations' software profile, as simulate prices them)
+        self.compute = ComputeModel(cluster.gpu.for_software(software))
         # the communication each stream serializes (the calibrated network model's streams)
         self.streams = StreamBound(model, cluster, network_model)
         self._durations: dict[tuple, float] = {}
@@ -126,6 +141,20 @@ class StepBound:
         self._optimizer: dict[tuple, tuple[list, list[float]]] = {}
         self._first: dict[int, tuple[Any, bool]] = {}
         self._training: dict[tuple, Any] = {}      # the model's blocks bound to a configuration's numbers
+
+    def trim(self) -> None:
+        """Empty the caches past their limits (:data:`CACHE_LIMIT`): called before a new group's
+        blocks are bound, it keeps a search's memory bounded whatever the size of its space."""
+        if len(self._training) > TRAINING_LIMIT:
+            self._training.clear()
+        if len(self._block_cache) > CACHE_LIMIT:
+            # (the model's switches and each policy's compiled blocks stay: the caches name
+            # those blocks by id)
+            for key in [k for k in self._block_cache if k[0] in NUMBERS]:
+                del self._block_cache[key]
+        for cache in (self._durations, self._blocks, self._amax, self._optimizer, *self.streams.caches()):
+            if len(cache) > CACHE_LIMIT:
+                cache.clear()
 
     # -- kernels ---------------------------------------------------------------------------
 
@@ -321,6 +350,7 @@ class StepBound:
         key = self.blocks_key(par, precision)
         blocks = self._training.get(key)
         if blocks is None:
+            self.trim()
             blocks = self._training[key] = training_blocks(self.model, par, precision, cache=self._block_cache)
         return blocks, precision
 

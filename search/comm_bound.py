@@ -128,6 +128,11 @@ class StreamBound:
     def active(self) -> bool:
         return self.network is not None
 
+    def caches(self) -> tuple[dict, ...]:
+        """Its caches, each entry what computing it afresh gives (emptied past a limit:
+        :meth:`StepBound.trim <stage_cosim.search.bound.StepBound.trim>`)."""
+        return self._rows, self._bound, self._members, self._paths, self._seconds, self._timed
+
     def _read(self, inst: BlockInstance, phase: str, first: bool, degrees: dict[str, int], overlap: bool
               ) -> tuple[tuple, _Rows]:
         """(its key, the block's rows read). Collective bytes depend on the block's numbers

@@ -35,6 +35,7 @@ computed.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import fields
 from operator import attrgetter
 from typing import Any, Iterable
@@ -49,13 +50,19 @@ from stage_cosim.parallel.axes import DENSE, MESHES
 from stage_cosim.parallel.mesh import DeviceMesh
 from stage_cosim.schedule.nodes import COLL, SEND, BlockInstance
 from stage_cosim.schedule.pipeline import Layout
-from stage_cosim.search.bound import SLACK, StepBound, _Pass, _Stage
+from stage_cosim.search.bound import CACHE_LIMIT, SLACK, StepBound, _Pass, _Stage
 
 # What a configuration's group leaves out: all it shares with the rest of its group is every
 # other field of its ParallelConfig.
 VARYING = ("schedule", "vp")
 # (read with one call: the key is taken for every configuration)
 _SHARED = attrgetter(*(f.name for f in fields(ParallelConfig) if f.name not in VARYING))
+
+# The groups kept at once, the least recently used dropped first (each holds its blocks, its
+# stages' figures and its groups' members: some 150 kB; every one kept, a Mixture-of-Experts
+# space's 37,000 groups held gigabytes). A search bounds each group's configurations together
+# (:meth:`CompiledBound.order`), so a dropped group is not asked for again.
+GROUPS_KEPT = 64
 
 
 class _Group:
@@ -106,12 +113,13 @@ class CompiledBound:
     gives. Its :attr:`bound` holds the blocks (what the memory check reads)."""
 
     def __init__(self, model: ModelConfig, cluster: Cluster, network_model: str | None = "calibrated",
-                 bound: StepBound | None = None) -> None:
+                 bound: StepBound | None = None, software: str | None = None) -> None:
         self.model, self.cluster = model, cluster
-        # (a StepBound of the same model, cluster and network model may be given: its caches are shared)
-        self.bound = bound or StepBound(model, cluster, network_model)
+        # (a StepBound of the same model, cluster, network model and software may be given: its
+        # caches are shared)
+        self.bound = bound or StepBound(model, cluster, network_model, software)
         self.streams = self.bound.streams
-        self._groups: dict[tuple, _Group] = {}
+        self._groups: OrderedDict[tuple, _Group] = OrderedDict()      # the latest GROUPS_KEPT
         self._comm_of: dict[tuple, tuple[frozenset, frozenset]] = {}   # a block's rows -> its kinds, sends
 
     @staticmethod
@@ -119,11 +127,40 @@ class CompiledBound:
         """Every field of ``par`` but :data:`VARYING`."""
         return _SHARED(par)
 
+    @classmethod
+    def order(cls, configs: Iterable[ParallelConfig]) -> list[int]:
+        """The positions of ``configs`` in the order that bounds them with the least work and
+        memory: each group's configurations together (a group is bound once, then dropped),
+        and the groups that share most (the same sharding policy, micro-batch and model-parallel
+        degrees, apart in the pipeline or the data-parallel degree) one after the other. The
+        bounds are the same in any order; only how much is computed again changes."""
+        groups: dict[tuple, list[int]] = {}
+        first: dict[tuple, ParallelConfig] = {}
+        for j, par in enumerate(configs):
+            key = cls.group_key(par)
+            groups.setdefault(key, []).append(j)
+            first.setdefault(key, par)
+
+        def alike(key: tuple) -> tuple:
+            p = first[key]
+            return (p.dtype, p.sp, p.zero, p.recompute, p.cp, p.cp_comm, p.cp_a2a_size or 0, p.micro_batch, p.tp,
+                    p.expert_tp, p.ep, p.pp, p.dp)
+
+        return [j for key in sorted(groups, key=alike) for j in groups[key]]
+
     def _group(self, par: ParallelConfig) -> _Group:
         key = self.group_key(par)
         g = self._groups.get(key)
         if g is None:
+            # (a new group: the caches its blocks will fill are emptied past their limits first)
+            self.bound.trim()
+            if len(self._comm_of) > CACHE_LIMIT:
+                self._comm_of.clear()
             g = self._groups[key] = _Group(self.bound, par)
+            if len(self._groups) > GROUPS_KEPT:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(key)
         return g
 
     # -- one stage ---------------------------------------------------------------------------
@@ -245,10 +282,15 @@ class CompiledBound:
     def steps(self, configs: Iterable[ParallelConfig]) -> np.ndarray:
         """The largest of the lower bounds the stages give (:meth:`StepBound.step`), seconds,
         one per configuration."""
+        configs = list(configs)
+        out = np.empty(len(configs), dtype=float)
         # (millions of small acyclic objects, most of them kept in the caches: the cycle
         # collector only costs time here, some 15 % of it)
         with gc_paused():
-            return np.array([self.bound.compose(par, self.stages(par)) for par in configs], dtype=float)
+            for j in self.order(configs):       # (each group's together: see GROUPS_KEPT)
+                par = configs[j]
+                out[j] = self.bound.compose(par, self.stages(par))
+        return out
 
     def __call__(self, configs: Iterable[ParallelConfig]) -> np.ndarray:
         """Lower bounds on the configurations' simulated step times, seconds (:meth:`steps`,

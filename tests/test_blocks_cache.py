@@ -124,3 +124,44 @@ def test_a_cache_serves_one_model() -> None:
     other = model.with_overrides(hidden=model.hidden * 2)
     with pytest.raises(ValueError, match="one model"):
         training_blocks(other, par, precision_for(par, cluster.gpu), cache=cache)
+
+
+@pytest.mark.parametrize("case, n", CASES[:2])
+def test_bounds_with_caches_emptied_at_every_group_are_the_kept_ones(case: str, n: int, monkeypatch) -> None:
+    """A search keeps its bounds' caches within limits (each emptied past its limit, one group
+    of blocks kept): with limits so small that every cache is emptied at almost every group, and
+    the configurations bounded in their given order and in reverse (groups dropped and bound
+    again), every bound is the one of a bound that keeps everything, to the bit."""
+    from stage_cosim.search import bound as bound_module
+    from stage_cosim.search import compiled as compiled_module
+
+    model, cluster, configs = _configs(case, n)
+    kept_one = StepBound(model, cluster)
+    kept = [kept_one(par) for par in configs]
+    kept_bound = CompiledBound(model, cluster)
+    kept_many = kept_bound(configs)
+    monkeypatch.setattr(bound_module, "CACHE_LIMIT", 2)
+    monkeypatch.setattr(bound_module, "TRAINING_LIMIT", 1)
+    monkeypatch.setattr(compiled_module, "CACHE_LIMIT", 2)
+    monkeypatch.setattr(compiled_module, "GROUPS_KEPT", 1)
+    small = StepBound(model, cluster)
+    assert [small(par) for par in configs] == kept
+    assert [small(par) for par in reversed(configs)] == kept[::-1]
+    many = CompiledBound(model, cluster)
+    assert np.array_equal(many(configs), kept_many)
+    assert np.array_equal(many(configs[::-1]), kept_many[::-1])
+    # one group kept, and the caches emptied (what the last groups added is left)
+    assert len(many._groups) == 1 and len(many.bound._training) <= 2
+    assert len(many.bound._blocks) < len(kept_bound.bound._blocks)
+    assert len(many.streams._rows) < len(kept_bound.streams._rows)
+
+
+def test_groups_are_bound_together_alike_ones_in_turn() -> None:
+    """CompiledBound.order: every position once, each group's configurations in one run."""
+    model, cluster, configs = _configs("mixtral", 24)
+    configs = list(configs) * 2
+    order = CompiledBound.order(configs)
+    assert sorted(order) == list(range(len(configs)))
+    keys = [CompiledBound.group_key(configs[j]) for j in order]
+    runs = [k for j, k in enumerate(keys) if j == 0 or k != keys[j - 1]]
+    assert len(runs) == len(set(keys))
