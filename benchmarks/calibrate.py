@@ -58,7 +58,7 @@ from stage_cosim.validation.published import (TrainingRun, korthikanti_table5, m
                                               nemo2407_fp8_h100)
 from stage_cosim.workload import synthesize
 
-from calibration_records import ProfileSets, write_records  # noqa: F401 (--write; the tests import it from here)
+from calibration_records import ProfileSets, write_records
 
 CLUSTER_OF = {"korthikanti2022": "dgx-a100", "megatron-core-0.8": "dgx-h100", "nemo24.07_fp8_h100": "dgx-h100"}
 FAMILY_OF = {"dgx-a100": "A100", "dgx-h100": "H100"}          # the families with end-to-end tables
@@ -199,6 +199,11 @@ class ComponentFit:
         rows = self.in_scope() if rows is None else rows
         return np.array([self.predict(r, params) / self.measured(r) - 1 for r in rows])
 
+    def fit(self, params: dict[str, float]) -> dict[str, float]:
+        """Its parameters fitted to its rows, every other parameter at ``params``."""
+        fixed = dict(params)
+        return fit_box(Box(self.params, BOUNDS), fixed, lambda v: self.errors(fixed | v), max_nfev=200)
+
 
 def _gpu(row_gpu: str, params: dict[str, float]):
     return get_gpu(comp.PRESET_OF_GPU[row_gpu]).with_overrides(**params)
@@ -296,9 +301,7 @@ def fit_components(family: str, base: dict[str, float]) -> Components:
     params, values, by_file = dict(base), {}, {}
     fits = component_fits(family)
     for f in fits:
-        box = Box(f.params, BOUNDS)
-        fixed = dict(params)
-        fitted = fit_box(box, fixed, lambda v, f=f, fixed=fixed: f.errors(fixed | v), max_nfev=200)
+        fitted = f.fit(params)
         values |= fitted
         by_file[f.file] = dict(values)
         if not f.floor:
@@ -396,8 +399,7 @@ def software_sets(family: str, comps: Components, factor: float, factor_source: 
             continue
         rows = tuple(r for r in comp.training_attention_rows(kernel, causal=True)
                      if comp.FAMILY_OF_GPU[r.gpu] == family)
-        names: tuple[str, ...] = ("attention_efficiency", "attention_half_keys")
-        file = f"attention_kernels_h100.csv ({kernel}, causal fwd+bwd)"
+        names, file = ("attention_efficiency", "attention_half_keys"), f"attention_kernels_h100.csv ({kernel}, causal fwd+bwd)"
         if not rows and kernel == "flash_attn_2":
             rows = tuple(r for r in comp.attention_rows() if comp.FAMILY_OF_GPU[r.gpu] == family)
             names, file = ("attention_efficiency",), "attention_microbench.csv (FlashAttention-2)"
@@ -405,12 +407,11 @@ def software_sets(family: str, comps: Components, factor: float, factor_source: 
             continue
         fit = ComponentFit(file, names, rows, lambda r, p: comp.attention_tflops(r, _gpu(r.gpu, p)),
                            lambda r: r.tflops)
-        fixed = dict(comps.params)
-        v = fit_box(Box(names, BOUNDS), fixed, lambda x, fit=fit, fixed=fixed: fit.errors(fixed | x), max_nfev=200)
+        v = fit.fit(comps.params)
         gpus = " + ".join(sorted({r.gpu for r in rows}))
         print(f"  software profile {name} (its attention: {kernel}): "
               + ", ".join(f"{n} {v[n]:.4g}" for n in names)
-              + f" on {file}, rows of {gpus} ({_pct(fit.errors(fixed | v))}); in training "
+              + f" on {file}, rows of {gpus} ({_pct(fit.errors(comps.params | v))}); in training "
               f"attention_efficiency {v['attention_efficiency'] * factor:.4g}")
         src = f"microbenchmark fit: {file}, rows of {gpus}"
         out[name] = {"attention_efficiency": (v["attention_efficiency"] * factor,
@@ -589,7 +590,7 @@ def main() -> None:
             continue
         params, sources, profiles, n = report_family(family, args.loo)
         bound += n
-        fitted[family] = ({k: float(f"{params[k]:.4g}") for k in sources}, sources, profiles)
+        fitted[family] = ({k: params[k] for k in sources}, sources, profiles)
     print(f"\nparameters on a bound: {bound}")
     if args.write:
         for path in write_records(fitted):

@@ -18,6 +18,11 @@ RECORDS = Path(__file__).resolve().parents[1] / "hardware" / "data" / "gpus"
 ProfileSets = dict[str, dict[str, tuple[float, str]]]
 
 
+def _stored(value: float) -> float:
+    """A fitted value as a record holds it: four significant digits (what the fit determines)."""
+    return float(f"{value:.4g}")
+
+
 def write_records(fitted: dict[str, tuple[dict[str, float], dict[str, str], ProfileSets]],
                   directory: Path = RECORDS) -> list[Path]:
     """Store each family's fitted values (family -> (values, sources, the software profiles'
@@ -34,9 +39,9 @@ def write_records(fitted: dict[str, tuple[dict[str, float], dict[str, str], Prof
         seen.add(rec["calibration_family"])
         values, sources, profiles = fitted[rec["calibration_family"]]
         for k, v in values.items():
-            rec["efficiencies"]["default"][k] = {"value": float(v), "source": sources[k]}
+            rec["efficiencies"]["default"][k] = {"value": _stored(v), "source": sources[k]}
         sets = {"default": rec["efficiencies"]["default"]}
-        sets |= {name: {k: {"value": float(f"{x:.4g}"), "source": src} for k, (x, src) in own.items()}
+        sets |= {name: {k: {"value": _stored(x), "source": src} for k, (x, src) in own.items()}
                  for name, own in profiles.items()}
         rec["efficiencies"] = sets
         texts[path] = render_record(rec, record_header(text))

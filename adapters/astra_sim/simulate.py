@@ -19,7 +19,7 @@ from stage_cosim.adapters.astra_sim.analytical import (
 )
 from stage_cosim.adapters.astra_sim.astra_replay import Deadlock
 from stage_cosim.adapters.roofline.breakdown import charge
-from stage_cosim.adapters.roofline.kernels import step_compute_model
+from stage_cosim.adapters.roofline.kernels import traces_compute_model
 from stage_cosim.adapters.roofline.engine import AgentProgram, Replay
 from stage_cosim.adapters.roofline.simulate import Simulation, step_result
 from stage_cosim.adapters.roofline.traces import carries_durations, kernel_seconds, load, trace_result
@@ -114,8 +114,7 @@ def simulate_traces(directory: Path, cluster: Cluster, *, comm_groups: Path | No
     loaded = load(directory, cluster, comm_groups)
     ts = loaded.ts
     # an inference step's traces (their manifest says so): the measured GEMMs, as simulate prices them
-    compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")),
-                                 ((loaded.manifest or {}).get("parallel") or {}).get("software"))
+    compute = traces_compute_model(cluster.gpu, loaded.manifest)
     used: list[str] = []
     system, dims = astra_inputs(loaded.located, cluster, astra_settings, compute_mode, used)
     durations = None

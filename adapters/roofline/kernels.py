@@ -200,3 +200,10 @@ def step_compute_model(gpu: GPU, inference: bool, software: str | None = None) -
     the published training runs calibrate, with the kernels of the step's software profile
     ``software`` (its own efficiencies in the GPU's record, :meth:`GPU.for_software`)."""
     return InferenceComputeModel(gpu) if inference else ComputeModel(gpu.for_software(software))
+
+
+def traces_compute_model(gpu: GPU, manifest: dict | None) -> ComputeModel:
+    """:func:`step_compute_model` of the step written traces hold, as their manifest describes
+    it (an inference step's say so; a training step's name their software profile)."""
+    manifest = manifest or {}
+    return step_compute_model(gpu, bool(manifest.get("inference")), (manifest.get("parallel") or {}).get("software"))

@@ -284,12 +284,11 @@ def simulate_traces(directory: Path, cluster: Cluster, network_model: str = "cal
     ASTRA-sim's: whether its binary would finish them)."""
     loaded = load(directory, cluster, comm_groups)
     ts = loaded.ts
-    from stage_cosim.adapters.roofline.kernels import step_compute_model
+    from stage_cosim.adapters.roofline.kernels import traces_compute_model
     from stage_cosim.adapters.roofline.measured_allreduce import step_network
 
     # an inference step's traces (their manifest says so): the serving kernel model, as simulate prices them
-    compute = step_compute_model(cluster.gpu, bool((loaded.manifest or {}).get("inference")),
-                                 ((loaded.manifest or {}).get("parallel") or {}).get("software"))
+    compute = traces_compute_model(cluster.gpu, loaded.manifest)
     if network_model != "calibrated":
         raise UserError("network-model", f"must be calibrated or astra, got {network_model!r}")
     programs, participants, agent_of_rank = agent_programs(ts, cluster, compute, loaded.kinds, symmetric,
