@@ -108,6 +108,8 @@ class GPU:
         require(self.sm_count >= 0, "gpu.sm_count", f"must be non-negative, got {self.sm_count!r}")
         require(self.attention_block_rows > 0, "gpu.attention_block_rows",
                 f"must be positive, got {self.attention_block_rows!r}")
+        require(self.record is None or (isinstance(self.record, str) and self.record in gpu_records()), "gpu.record",
+                f"must name a GPU preset (the record its efficiencies come from), got {self.record!r}")
 
     @property
     def vector_peak_tflops(self) -> float:

@@ -108,3 +108,17 @@ def test_every_records_profile_sets_name_a_software_profile() -> None:
 
     keys = {k for rec in gpu_records().values() for k in rec["efficiencies"]}
     assert TORCHTITAN in keys and keys <= {"default", *software_names()}
+
+
+@pytest.mark.parametrize("record", ["nope", 5])
+def test_a_cluster_file_naming_no_record_is_refused(tmp_path, run_cli, record) -> None:
+    """The record a GPU's efficiencies come from must be a preset: one line, exit 2."""
+    path = tmp_path / "x.yaml"
+    path.write_text(f"name: x\ngpu: {{base: H100-SXM, record: {record}}}\nnum_gpus: 8\n"
+                    "scale_up: {gpus_per_domain: 8, bandwidth_GBps: 450, latency_ns: 700}\n"
+                    "scale_out: {bandwidth_GBps: 50, latency_ns: 2000}\n")
+    code, out, err = run_cli("simulate", "--model", "llama3-8b", "--cluster", str(path), "--dp", "8",
+                             "--global-batch", "8", "--seq-len", "2048")
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "gpu.record" in err and "must name a GPU preset" in err
+
